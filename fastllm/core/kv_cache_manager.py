@@ -1,0 +1,190 @@
+"""KVCacheManager: which blocks each request holds, prefix-cache hits, copy-on-write, swapping.
+
+The scheduler calls this; it never sees a tensor. Physical work (copying a block for
+copy-on-write, moving blocks to and from the CPU pool) is returned as (src, dst) block-id
+pairs that travel in the SchedulerOutput to the model runner.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from fastllm.core.block_pool import NULL_BLOCK_ID, BlockPool, KVCacheBlock
+from fastllm.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks, False, reserve_null_block=False) if num_cpu_blocks >= 2 else None
+        self.req_blocks: dict[str, list[KVCacheBlock]] = defaultdict(list)
+        self.swapped_blocks: dict[str, list[KVCacheBlock]] = {}  # request id -> CPU blocks
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for this step
+        self.rewritten: set[str] = set()  # requests whose block table changed in place this step
+        self.num_registered: dict[str, int] = defaultdict(int)  # leading blocks already offered to the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_usable_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    # prefix cache
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest run of the request's full blocks already in the cache, and its length in
+        tokens. At least the last prompt token is always left to compute: its logits are needed."""
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_blocks]):
+            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            block = self.pool.lookup(block_hash, tokens, hits[-1] if hits else None)
+            if block is None:
+                break
+            hits.append(block)
+        stats = self.pool.stats
+        stats.requests += 1
+        stats.queries += request.num_tokens
+        stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # allocation
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None
+    ) -> bool:
+        """Make room for num_new_tokens more tokens after request.num_computed_tokens (plus any
+        prefix-cache hits in computed_blocks, which a new request takes first). Returns False,
+        changing nothing, when the free blocks do not suffice."""
+        computed_blocks = computed_blocks or []
+        blocks = self.req_blocks[request.request_id]
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        held = len(blocks) + len(computed_blocks)
+        end = num_computed + num_new_tokens
+        # Blocks we already hold that this step writes into and others share: copy on write.
+        cow = [i for i in range(num_computed // self.block_size, min(held, cdiv(end, self.block_size)))
+               if i < len(blocks) and blocks[i].ref_cnt > 1]
+        num_needed = max(0, cdiv(end, self.block_size) - held) + len(cow)
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed + num_evictable_hits > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
+
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        for i in cow:
+            [copy] = self.pool.allocate(1)
+            self.pending_copies.append((blocks[i].block_id, copy.block_id))
+            self.rewritten.add(request.request_id)
+            self.pool.free([blocks[i]])
+            blocks[i] = copy
+        blocks.extend(self.pool.allocate(max(0, cdiv(end, self.block_size) - len(blocks))))
+        self._cache_full_blocks(request, blocks, end)
+        return True
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
+        """Register the blocks that are full once num_tokens are computed."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens, request.num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
+        start = self.num_registered[request.request_id]
+        for i in range(start, num_full):
+            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            self.pool.register(blocks[i], request.block_hashes[i], tokens, blocks[i - 1] if i else None)
+        self.num_registered[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_registered.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+        cpu_blocks = self.swapped_blocks.pop(request.request_id, None)
+        if cpu_blocks:
+            self.cpu_pool.free(cpu_blocks)
+
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
+        """Let child share the parent's blocks holding its first num_tokens tokens."""
+        shared = self.req_blocks[parent.request_id][:cdiv(num_tokens, self.block_size)]
+        self.pool.touch(shared)
+        self.req_blocks[child.request_id] = list(shared)
+
+    # swapping
+
+    def can_swap_out(self, request: Request) -> bool:
+        return self.cpu_pool is not None and len(self.req_blocks[request.request_id]) <= self.cpu_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]]:
+        """Move the request's blocks to the CPU pool; returns (gpu, cpu) pairs to copy."""
+        gpu_blocks = self.req_blocks.pop(request.request_id)
+        self.num_registered.pop(request.request_id, None)
+        cpu_blocks = self.cpu_pool.allocate(len(gpu_blocks))
+        self.swapped_blocks[request.request_id] = cpu_blocks
+        self.pool.free(reversed(gpu_blocks))
+        return [(g.block_id, c.block_id) for g, c in zip(gpu_blocks, cpu_blocks)]
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        need = max(len(self.swapped_blocks[request.request_id]),
+                   cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
+        return need <= self.pool.num_free_blocks
+
+    def swap_in(self, request: Request) -> list[tuple[int, int]]:
+        """Bring a swapped request's blocks back; returns (cpu, gpu) pairs to copy."""
+        cpu_blocks = self.swapped_blocks.pop(request.request_id)
+        gpu_blocks = self.pool.allocate(len(cpu_blocks))
+        self.req_blocks[request.request_id] = gpu_blocks
+        self.cpu_pool.free(cpu_blocks)
+        return [(c.block_id, g.block_id) for c, g in zip(cpu_blocks, gpu_blocks)]
+
+    def take_rewritten(self) -> set[str]:
+        rewritten, self.rewritten = self.rewritten, set()
+        return rewritten
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    # invariants
+
+    def check_invariants(self) -> None:
+        """Every block is free or owned, and reference counts equal the number of holders.
+        Raises AssertionError describing the first violation."""
+        holders: dict[int, int] = defaultdict(int)
+        for blocks in self.req_blocks.values():
+            for b in blocks:
+                holders[b.block_id] += 1
+        for block in self.pool.blocks:
+            if block.block_id == NULL_BLOCK_ID and self.pool.reserve_null_block:
+                assert block.ref_cnt == 1 and holders[NULL_BLOCK_ID] == 0, "null block was handed out"
+                continue
+            in_free = block.block_id in self.pool.free_queue
+            assert block.ref_cnt == holders[block.block_id], (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but {holders[block.block_id]} holders")
+            assert in_free == (block.ref_cnt == 0), f"block {block.block_id}: ref_cnt {block.ref_cnt}, in free list {in_free}"
+            if block.block_hash is not None:
+                assert block.token_ids is not None and len(block.token_ids) == self.block_size
+        for block_hash, block in self.pool.cached.items():
+            assert block.block_hash == block_hash, f"hash map entry points at block {block.block_id} with another hash"
+        if self.cpu_pool is not None:
+            cpu_held = sum(len(b) for b in self.swapped_blocks.values())
+            assert cpu_held + self.cpu_pool.num_free_blocks == self.cpu_pool.num_blocks, "CPU blocks leaked"
+
+    def assert_empty(self) -> None:
+        """No request holds a block: the pool is whole again (cached-free blocks count as free)."""
+        self.check_invariants()
+        assert not self.req_blocks and not self.swapped_blocks, (
+            f"blocks still held by {sorted(self.req_blocks) + sorted(self.swapped_blocks)}")
+        assert self.pool.num_free_blocks == self.pool.num_usable_blocks, (
+            f"{self.pool.num_usable_blocks - self.pool.num_free_blocks} blocks leaked")

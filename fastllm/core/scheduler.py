@@ -1,0 +1,240 @@
+"""Scheduler: picks each step's work under a token budget and keeps the KV blocks in step with it.
+
+There is no prefill phase and no decode phase. Every request has num_computed_tokens catching up
+with num_tokens; a step gives each scheduled request a number of tokens to compute: a prompt
+chunk, a whole prompt, or the single newest token. Order: running requests first (FCFS), then
+swapped ones coming back, then waiting ones. When blocks run out, the newest running request is
+preempted: its blocks are freed and it is recomputed later (default), or moved to the CPU pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from fastllm.config import CacheConfig, SchedulerConfig
+from fastllm.core.block_hash import HashFn, hash_block_tokens
+from fastllm.core.kv_cache_manager import KVCacheManager
+from fastllm.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from fastllm.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        max_model_len: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int = 0,
+        hash_fn: HashFn = hash_block_tokens,
+    ):
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        self.hash_fn = hash_fn if cache_config.enable_prefix_caching else None
+        self.kv = KVCacheManager(num_gpu_blocks, self.block_size, cache_config.enable_prefix_caching,
+                                 num_cpu_blocks if scheduler_config.preemption_mode == "swap" else 0)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.finished_req_ids: set[str] = set()  # since the last step; the runner drops them
+        self._runner_knows: set[str] = set()
+        self.num_preemptions = 0
+
+    # requests in and out
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            queue = {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(
+                request.status, self.waiting)
+            queue.remove(request)
+            request.status = status
+            self._free(request)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._runner_knows:
+            self._runner_knows.discard(request.request_id)
+            self.finished_req_ids.add(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # one step
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        known_blocks = {r.request_id: len(self.kv.req_blocks.get(r.request_id, ())) for r in self.running}
+        preempted = False
+
+        # 1. Running requests: their next chunk or token.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                swap_out += self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            break
+
+        # 2. Swapped requests come back before new ones are admitted.
+        while self.swapped and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv.can_swap_in(request, num_new):
+                break
+            self.swapped.popleft()
+            swap_in += self.kv.swap_in(request)
+            assert self.kv.allocate_slots(request, num_new)
+            self._start_running(request)
+            known_blocks[request.request_id] = -1  # send the whole table
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        # 3. Waiting requests, in arrival order (siblings of n > 1 wait for their first sample's prompt).
+        skipped: list[Request] = []
+        while self.waiting and not preempted and not self.swapped and budget > 0 \
+                and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            parent = request.fork_of
+            if parent is not None and not parent.is_finished and parent.status != RequestStatus.PREEMPTED \
+                    and parent.num_computed_tokens < parent.num_prompt_tokens and request.num_computed_tokens == 0:
+                skipped.append(self.waiting.popleft())  # its prompt is still being computed
+                continue
+            num_new = self._admit(request, budget)
+            if num_new == 0:
+                break
+            self.waiting.popleft()
+            self._start_running(request)
+            known_blocks[request.request_id] = -1
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+        # Build the records, then advance num_computed_tokens (the runner gets the old values).
+        rewritten = self.kv.take_rewritten()
+        for request in self.running:
+            req_id = request.request_id
+            if req_id not in scheduled:
+                continue
+            block_ids = self.kv.block_ids(req_id)
+            if req_id not in self._runner_knows:
+                self._runner_knows.add(req_id)
+                new_reqs.append(NewRequestData(req_id, request.prompt_token_ids, request.sampling_params,
+                                               block_ids, request.num_computed_tokens, request.output_token_ids))
+            elif known_blocks.get(req_id, -1) < 0 or req_id in rewritten:
+                cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens, [], block_ids))
+            else:
+                cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens,
+                                                     block_ids[known_blocks[req_id]:]))
+        for request in self.running:
+            request.num_computed_tokens += scheduled.get(request.request_id, 0)
+
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            finished_req_ids=finished,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+            blocks_to_copy=self.kv.take_copies(),
+        )
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Give a waiting request its blocks; returns the tokens to compute now (0: not now)."""
+        parent = request.fork_of
+        computed_blocks, num_cached = [], 0
+        if parent is not None and parent.status == RequestStatus.RUNNING and request.num_computed_tokens == 0 \
+                and parent.num_computed_tokens >= request.num_prompt_tokens:
+            # Share the parent's KV of the prompt minus its last token, whose logits we need.
+            num_cached = request.num_prompt_tokens - 1
+            self.kv.fork(parent, request, num_cached)
+        elif request.num_computed_tokens == 0:
+            computed_blocks, num_cached = self.kv.get_computed_blocks(request)
+        num_new = request.num_tokens - request.num_computed_tokens - num_cached
+        if not self.config.enable_chunked_prefill and num_new > budget:
+            num_new = 0
+        num_new = min(num_new, budget)
+        if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed_blocks):
+            self.kv.free(request)  # undo a fork
+            return 0
+        request.num_computed_tokens += num_cached
+        request.num_cached_tokens = num_cached
+        return num_new
+
+    def _start_running(self, request: Request) -> None:
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def _preempt(self, request: Request) -> list[tuple[int, int]]:
+        self.num_preemptions += 1
+        request.num_preemptions += 1
+        if self.config.preemption_mode == "swap":
+            if self.kv.can_swap_out(request):
+                request.status = RequestStatus.SWAPPED
+                self.swapped.appendleft(request)
+                return self.kv.swap_out(request)
+            logger.warning("CPU swap pool is full: preempting %s by recompute instead", request.request_id)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        return []
+
+    # after the step
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+        """Append sampled tokens, apply stop conditions, free finished requests.
+        Returns the requests that got a token this step (finished ones included)."""
+        updated = []
+        for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if token is None or request is None or request.is_finished:
+                continue
+            request.append_token(token)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                request.status = status
+                self._free(request)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,58 @@
+"""The plain records that cross from the scheduler to the model runner and back. No tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Everything the runner needs about a request it has not seen (sent once)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Tokens after the prompt that already exist (a forked sibling starts with none).
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """The per-step difference for a request the runner already holds."""
+
+    req_id: str
+    num_computed_tokens: int
+    new_block_ids: list[int]
+    # The whole block table, when it changed other than by appending (resumed after
+    # preemption or swap, copy-on-write); new_block_ids is then empty.
+    block_ids: list[int] | None = None
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # the runner drops their state
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # the scheduled requests, in batch order
+    # One sampled token per request that reached the end of its known tokens this step;
+    # None for a request that computed only part of its prompt (a chunk).
+    sampled_token_ids: list[int | None]
+    # For requests that asked for logprobs: (sampled token's logprob, its rank, [(token id, logprob) top-N]).
+    logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)

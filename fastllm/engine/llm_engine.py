@@ -1,0 +1,136 @@
+"""LLMEngine: add_request / step / abort_request. One step is schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from fastllm.config import EngineConfig
+from fastllm.core.block_hash import HashFn, hash_block_tokens
+from fastllm.core.scheduler import Scheduler
+from fastllm.engine.output_processor import OutputProcessor
+from fastllm.engine.request import Request, RequestStatus
+from fastllm.outputs import RequestOutput
+from fastllm.sampling_params import SamplingParams
+from fastllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+def load_tokenizer(path: str):
+    """The HF tokenizer of a model directory, or None when it ships none (dummy-weight configs)."""
+    root = Path(path)
+    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        logger.info("no tokenizer in %s: prompts must be token ids and outputs carry no text", path)
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, hash_fn: HashFn = hash_block_tokens):
+        self.config = config
+        start = time.perf_counter()
+        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        self.worker = Worker(config)
+        num_blocks, num_cpu_blocks = self.worker.determine_num_blocks()
+        capacity = (num_blocks - 1) * config.cache.block_size
+        if capacity < config.model.max_model_len:
+            raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
+                             f"{config.model.max_model_len}: lower max_model_len or give the cache more memory")
+        self.worker.init_kv_cache(num_blocks, num_cpu_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
+                                   num_blocks, num_cpu_blocks, hash_fn)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_id = self.worker.runner.eos_token_id
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_id = self.tokenizer.eos_token_id
+        self.vocab_size = self.worker.runner.args.vocab_size
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%.3f GiB) on %s", self.startup_seconds,
+                    num_blocks, config.cache.block_size, self.worker.kv_cache_gib(), self.worker.device)
+
+    @classmethod
+    def from_kwargs(cls, model: str | None = None, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
+
+    # requests
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give prompts as {'prompt_token_ids': [...]}")
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+        """Validate and queue a request. Raises ValueError (and queues nothing) on bad input."""
+        params = params or SamplingParams()
+        if request_id in self.output_processor.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        max_len = self.config.model.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)
+        if len(token_ids) + max_tokens > max_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({max_len})")
+        if max_tokens < 1:
+            raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room to generate within "
+                             f"max_model_len ({max_len})")
+        block_size = self.config.cache.block_size
+        hash_fn = self.scheduler.hash_fn
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            children.append(Request(child_id, token_ids, child_params, self.eos_token_id, max_tokens,
+                                    block_size, hash_fn, fork_of=children[0] if i else None))
+        self.output_processor.add_group(request_id, text, token_ids, children)
+        for child in children:
+            self.scheduler.add_request(child)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            children = self.output_processor.child_ids(request_id)
+            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
+            self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.groups)
+
+    # the loop
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and self.scheduler.has_unfinished_requests() \
+                and not (scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
+            raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.requests)} requests pending")
+        runner_output = self.worker.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(updated, runner_output.logprobs)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def check_kv_pool_whole(self) -> None:
+        """Raise AssertionError unless every KV block is free again (call when idle)."""
+        self.scheduler.kv.assert_empty()

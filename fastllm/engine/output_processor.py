@@ -1,0 +1,120 @@
+"""Turns each step's sampled tokens into RequestOutputs: text, logprobs, finish reasons.
+
+Samples of one request (n > 1) are grouped back into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastllm.engine.detokenizer import IncrementalDetokenizer
+from fastllm.engine.request import Request
+from fastllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+@dataclass
+class SampleState:
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    output: CompletionOutput
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: dict[str, SampleState] = field(default_factory=dict)  # child request id -> state
+
+    @property
+    def finished(self) -> bool:
+        return all(s.output.finish_reason is not None for s in self.samples.values())
+
+    def to_output(self) -> RequestOutput:
+        outputs = [s.output for s in sorted(self.samples.values(), key=lambda s: s.index)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                             [_copy(o) for o in outputs], self.finished)
+
+
+def _copy(o: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
+                            list(o.logprobs) if o.logprobs is not None else None, o.finish_reason, o.stop_reason)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.groups: dict[str, RequestGroup] = {}
+        self.group_of: dict[str, RequestGroup] = {}  # child request id -> its group
+
+    def add_group(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], children: list[Request]):
+        group = RequestGroup(request_id, prompt, prompt_token_ids)
+        for index, child in enumerate(children):
+            params = child.sampling_params
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                               params.stop_strings, params.include_stop_str_in_output)
+            output = CompletionOutput(index, "", [], 0.0 if params.logprobs is not None else None,
+                                      [] if params.logprobs is not None else None)
+            group.samples[child.request_id] = SampleState(index, detok, output)
+            self.group_of[child.request_id] = group
+        self.groups[request_id] = group
+
+    def child_ids(self, request_id: str) -> list[str]:
+        group = self.groups.get(request_id)
+        return list(group.samples) if group else []
+
+    def process(self, updated: list[Request], logprobs: dict) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs of groups that changed, and the child ids a stop string finished
+        (the scheduler must stop them)."""
+        stopped: list[str] = []
+        touched: dict[str, RequestGroup] = {}
+        for request in updated:
+            group = self.group_of.get(request.request_id)
+            if group is None:
+                continue
+            sample = group.samples[request.request_id]
+            out = sample.output
+            token = request.all_token_ids[-1]
+            out.token_ids.append(token)
+            if request.request_id in logprobs:
+                self._add_logprobs(out, token, logprobs[request.request_id])
+            if request.is_finished:
+                out.finish_reason, out.stop_reason = request.status.finish_reason, request.stop_reason
+            if sample.detokenizer is not None:
+                hit = sample.detokenizer.add_token(token)
+                out.text = sample.detokenizer.text
+                if hit is not None and out.finish_reason is None:
+                    out.finish_reason, out.stop_reason = "stop", hit
+                    stopped.append(request.request_id)
+            touched[group.request_id] = group
+        outputs = [g.to_output() for g in touched.values()]
+        for group in touched.values():
+            if group.finished:
+                self._drop(group)
+        return outputs, stopped
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for sample in group.samples.values():
+            if sample.output.finish_reason is None:
+                sample.output.finish_reason = "abort"
+        self._drop(group)
+        return group.to_output()
+
+    def _drop(self, group: RequestGroup) -> None:
+        self.groups.pop(group.request_id, None)
+        for child_id in group.samples:
+            self.group_of.pop(child_id, None)
+
+    def _add_logprobs(self, out: CompletionOutput, token: int, entry) -> None:
+        token_logprob, rank, top = entry
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        step = {tid: Logprob(lp, r + 1, decode(tid)) for r, (tid, lp) in enumerate(top)}
+        if token not in step:
+            step[token] = Logprob(token_logprob, rank, decode(token))
+        out.logprobs.append(step)
+        out.cumulative_logprob += token_logprob

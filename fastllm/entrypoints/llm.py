@@ -1,0 +1,64 @@
+"""LLM: the offline interface, vLLM's names. LLM(model=...).generate(prompts, SamplingParams(...))."""
+
+from __future__ import annotations
+
+import itertools
+
+from tqdm.auto import tqdm
+
+from fastllm.engine.llm_engine import LLMEngine, PromptType
+from fastllm.outputs import RequestOutput
+from fastllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """model: a Hugging Face model directory, an embedded config name with load_format="dummy"
+    (e.g. "llama-3.1-8b"), or None for the embedded default (TinyStories stories260K).
+    Other keyword arguments are engine arguments (dtype, max_model_len, block_size, ...)."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine.from_kwargs(model, **kwargs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | list[PromptType],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                request_ids.append(str(next(self._ids)))
+                self.engine.add_request(request_ids[-1], prompt, params)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            try:
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update(1)
+            except BaseException:
+                self.engine.abort_request([r for r in request_ids if r not in finished])
+                raise
+        return [finished[r] for r in request_ids]

@@ -1,0 +1,149 @@
+"""Plain-PyTorch versions of every kernel: the CPU path and the test oracle.
+
+Each function has the same signature as its Triton twin in this package. They favour clarity
+over speed; the math is done in float32 and the result cast back to the input dtype, the way
+Hugging Face transformers does it (so fp32 outputs match it to the last bit where possible).
+
+Shapes used throughout:
+    T   number of tokens in the flat batch        B   number of requests
+    Hq  query heads     Hkv  key/value heads      D   head dim
+    key_cache, value_cache: [num_blocks, block_size, Hkv, D]
+    block_tables: [B, max_blocks_per_seq] int32   seq_lens: [B] int32 (tokens in the cache,
+    including the ones written this step)         query_start_loc: [B + 1] int32
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def kv_cache_write(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int, slot = block * block_size + offset; < 0 means skip
+) -> None:
+    block_size = key_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+
+
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, Hkv, D]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]  # [seq_len, Hkv, D]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's query tokens over its paged KV.
+
+    Request i owns query rows query_start_loc[i]:query_start_loc[i+1]; they are the last q_len
+    positions of its seq_lens[i] tokens, whose K/V are already in the cache. This one function
+    covers decode (q_len = 1), prefill (q_len = seq_len) and chunked prefill.
+    """
+    out = torch.empty_like(query)
+    num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = qsl[i], qsl[i + 1]
+        q_len = end - start
+        if q_len == 0:
+            continue
+        q = query[start:end].float().transpose(0, 1)  # [Hq, q, D]
+        k = _gather_kv(key_cache, block_tables[i], seq_len).float()
+        v = _gather_kv(value_cache, block_tables[i], seq_len).float()
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, s, D]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, q, s]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=scores.device).unsqueeze(0)
+        scores.masked_fill_(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, Hq, D], one token per request
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,  # an upper bound on seq_lens (kernels size their KV split from it)
+    scale: float,
+) -> torch.Tensor:
+    query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
+    return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,  # an upper bound on the per-request query lengths (sizes the grid)
+    scale: float,
+) -> torch.Tensor:
+    return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- x + residual (in the model dtype); returns (rms_norm(residual), residual)."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T]
+    query: torch.Tensor,  # [T, Hq, D], rotated in place
+    key: torch.Tensor,  # [T, Hkv, D], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_positions, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+    is_neox: bool = True,
+) -> None:
+    """Rotary embedding over the full head dim.
+
+    is_neox=True is the half-split layout (HF Llama's rotate_half: pairs (i, i + D/2));
+    False is the interleaved GPT-J layout (pairs (2i, 2i + 1)).
+    """
+    cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    for x in (query, key):
+        xf = x.float()
+        if is_neox:
+            x1, x2 = xf.chunk(2, dim=-1)
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        x.copy_(rotated.to(x.dtype))
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2 * I] laid out as [gate | up]; returns silu(gate) * up, [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

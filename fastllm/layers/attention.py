@@ -1,0 +1,31 @@
+"""Attention over the paged KV cache: the single call site of the attention kernels."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastllm import kernels as ops
+from fastllm.worker.attn_metadata import get_attn_metadata
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner.
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
+        metadata = get_attn_metadata()
+        if metadata is None or self.kv_cache is None:
+            # Profiling run (no cache yet): the output only needs the right shape.
+            return query.clone()
+        key_cache, value_cache = self.kv_cache
+        ops.kv_cache_write(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if metadata.is_decode_only:
+            return ops.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
+                                              metadata.seq_lens, metadata.max_seq_len, self.scale)
+        return ops.prefill_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                                     metadata.query_start_loc, metadata.max_query_len, self.scale)

@@ -1,0 +1,162 @@
+"""Sampler: logits [B, V] -> one token per row, with the per-request SamplingParams.
+
+Order: penalties and min_tokens masking, then (rows that are not greedy) temperature, min-p,
+top-k, top-p, and a draw. The draw is argmax(probs / q) with q ~ Exp(1), which samples from probs
+without a host sync; a row with a seed draws q from its own generator, so its samples do not
+depend on what else is in the batch. Logprobs are those of the model (before penalties and
+temperature), as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fastllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs about one request this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # set when params.seed is given
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_id: int | None
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
+    greedy: torch.Tensor  # [B] bool
+    top_k: torch.Tensor | None  # [B] int64, vocab size where off; None when no row uses it
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    all_greedy: bool
+    generators: dict[int, torch.Generator]  # row -> its seeded generator
+    penalty_rows: list[tuple[int, SamplingParams, list[int], list[int]]]  # (row, params, prompt, output)
+    banned: list[tuple[int, list[int]]]  # (row, token ids masked because min_tokens is not reached)
+    max_num_logprobs: int | None  # None: no row wants logprobs
+    logprob_rows: list[int] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingMetadata":
+        params = [r.params for r in rows]
+        greedy = [p.greedy for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+
+        def column(values, default, dtype):
+            if all(v == default for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        top_k = column([p.top_k if p.top_k and not g else vocab_size for p, g in zip(params, greedy)],
+                       vocab_size, torch.int64)
+        top_p = column([1.0 if g else p.top_p for p, g in zip(params, greedy)], 1.0, torch.float32)
+        min_p = column([0.0 if g else p.min_p for p, g in zip(params, greedy)], 0.0, torch.float32)
+        banned = []
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) < r.params.min_tokens:
+                ids = list(r.params.stop_token_ids)
+                if r.eos_token_id is not None and not r.params.ignore_eos:
+                    ids.append(r.eos_token_id)
+                if ids:
+                    banned.append((i, ids))
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=top_k, top_p=top_p, min_p=min_p,
+            all_greedy=all(greedy),
+            generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None and not greedy[i]},
+            penalty_rows=[(i, r.params, r.prompt_token_ids, r.output_token_ids)
+                          for i, r in enumerate(rows) if r.params.has_penalties],
+            banned=banned,
+            max_num_logprobs=max((params[i].logprobs for i in logprob_rows), default=None),
+            logprob_rows=logprob_rows,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled: torch.Tensor  # [B] int64
+    # For rows that asked: sampled token logprob [B], its rank [B], top-N ids [B, N], top-N logprobs [B, N]
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
+        logits = apply_penalties(logits, metadata)
+        sampled = logits.argmax(dim=-1)
+        if not metadata.all_greedy:
+            probs = filtered_probs(logits, metadata)
+            drawn = (probs / exponential_noise(probs, metadata.generators)).argmax(dim=-1)
+            sampled = torch.where(metadata.greedy, sampled, drawn)
+        out = SamplerOutput(sampled)
+        if raw_logprobs is not None:
+            out.logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
+        return out
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    if not metadata.penalty_rows and not metadata.banned:
+        return logits
+    logits = logits.clone()
+    vocab = logits.shape[-1]
+    for row, params, prompt, output in metadata.penalty_rows:
+        out_ids = torch.tensor(output, dtype=torch.int64, device=logits.device)
+        counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+        if params.repetition_penalty != 1.0:
+            seen = counts > 0
+            seen[torch.tensor(prompt, dtype=torch.int64, device=logits.device)] = True
+            x = logits[row]
+            penalized = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+            logits[row] = torch.where(seen, penalized, x)
+        logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    for row, ids in metadata.banned:
+        logits[row, ids] = float("-inf")
+    return logits
+
+
+def filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Softmax after temperature, min-p, top-k and top-p (masked tokens get probability 0)."""
+    logits = logits / metadata.temperature.unsqueeze(1)
+    if metadata.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        threshold = metadata.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if metadata.top_k is not None or metadata.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if metadata.top_k is not None:
+            ranks = torch.arange(logits.shape[-1], device=logits.device)
+            mask |= ranks.unsqueeze(0) >= metadata.top_k.unsqueeze(1)
+            sorted_logits = sorted_logits.masked_fill(mask, float("-inf"))
+        if metadata.top_p is not None:
+            sorted_probs = torch.softmax(sorted_logits, dim=-1)
+            # Drop a token once the tokens before it already cover top_p (the first always stays).
+            mask |= (sorted_probs.cumsum(dim=-1) - sorted_probs) > metadata.top_p.unsqueeze(1)
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(mask, float("-inf")))
+    return torch.softmax(logits, dim=-1)
+
+
+def exponential_noise(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    q = torch.empty_like(probs).exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    # An Exp(1) draw of exactly 0 would turn 0/0 into NaN, which argmax prefers.
+    return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, num: int):
+    token_logprob = logprobs.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+    rank = (logprobs > token_logprob.unsqueeze(-1)).sum(dim=-1) + 1
+    top = logprobs.topk(num, dim=-1) if num > 0 else None
+    top_ids = top.indices if top is not None else sampled.new_empty(sampled.shape[0], 0)
+    top_vals = top.values if top is not None else logprobs.new_empty(sampled.shape[0], 0)
+    return token_logprob, rank, top_ids, top_vals

@@ -1,0 +1,94 @@
+"""Build a model and fill its weights: from safetensors files, or random ("dummy") weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from fastllm.config import ModelConfig
+from fastllm.models.registry import build_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if model_config.dtype != "auto":
+        return _DTYPES[model_config.dtype]
+    name = model_config.hf_config.get("torch_dtype") or model_config.hf_config.get("dtype") or "float32"
+    dtype = _DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+    if device.type == "cpu" and dtype == torch.float16:
+        logger.info("float16 on the CPU is slow and lossy; using float32 (pass dtype= to override)")
+        dtype = torch.float32
+    return dtype
+
+
+def safetensors_files(model_dir: str) -> list[Path]:
+    root = Path(model_dir)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [root / s for s in shards]
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    missing = [str(f) for f in files if not f.is_file()]
+    if not files or missing:
+        raise ValueError(f"no safetensors weights in {model_dir!r}{' (missing ' + ', '.join(missing) + ')' if missing else ''}"
+                         "; use load_format='dummy' for random weights")
+    return files
+
+
+def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights of the real shapes: normal(0, std) matrices, unit norms, zero biases."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, std, generator=generator)
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    start = time.perf_counter()
+    dtype = resolve_dtype(model_config, device)
+    load_format = model_config.load_format
+    if load_format == "auto":
+        load_format = "safetensors"
+    if load_format == "safetensors":
+        safetensors_files(model_config.model)  # fail early, before building the model
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(model_config.hf_config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model, model_config.seed, model_config.hf_config.get("initializer_range", 0.02))
+    else:
+        model.load_weights(iterate_safetensors(model_config.model))
+    # Rotary tables stay float32 whatever the model dtype.
+    for module in model.modules():
+        if hasattr(module, "cos_sin_cache"):
+            module.cos_sin_cache = module.cos_sin_cache.float()
+    model.eval()
+    logger.info("loaded %s (%s, %s weights) in %.2f s", model_config.model, dtype, load_format, time.perf_counter() - start)
+    return model

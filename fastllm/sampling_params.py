@@ -1,0 +1,85 @@
+"""SamplingParams: vLLM's fields and defaults, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    _stop_list: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        else:
+            self._stop_list = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("temperature", self.temperature >= 0, "must be >= 0 (0 means greedy)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be -1, 0 (off) or a positive integer"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer or None"),
+            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             "must be an integer >= 1 or None"),
+            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "must be None or an integer in [0, 20]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "must be in (0, 2]"),
+            ("stop", all(isinstance(s, str) and s for s in self._stop_list), "must be non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "must be non-negative integers"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {message}, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
+            )
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def clone(self, **changes) -> "SamplingParams":
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
+        values.update(changes)
+        return SamplingParams(**values)

@@ -1,0 +1,125 @@
+"""ModelRunner: SchedulerOutput in, sampled tokens out. Orchestration only: the flat batch is
+built in input_batch.py, attention inputs live in attn_metadata.py, KV tensors in cache_engine.py."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fastllm.config import EngineConfig
+from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fastllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from fastllm.models.loader import load_model
+from fastllm.sampling_params import SamplingParams
+from fastllm.worker.attn_metadata import forward_context
+from fastllm.worker.cache_engine import CacheEngine
+from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device):
+        self.config = config
+        self.device = device
+        self.block_size = config.cache.block_size
+        self.model = load_model(config.model, device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.args = self.model.args
+        self.eos_token_id = config.model.hf_config.get("eos_token_id")
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = self.eos_token_id[0]
+        self.sampler = Sampler()
+        self.cache: CacheEngine | None = None
+        self.requests: dict[str, CachedRequestState] = {}
+
+    # setup
+
+    def kv_bytes_per_block(self) -> int:
+        a = self.args
+        return CacheEngine.bytes_per_block(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype)
+
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        a = self.args
+        self.cache = CacheEngine(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype,
+                                 self.device, num_blocks, num_cpu_blocks)
+        for layer, kv in zip(self.model.attention_layers(), self.cache.layer_caches()):
+            layer.kv_cache = kv
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward of the largest step (no KV cache yet) and a sampler pass, so the caller can
+        read the peak memory the cache must leave room for."""
+        sched = self.config.scheduler
+        num_tokens = min(sched.max_num_batched_tokens, self.config.model.max_model_len * sched.max_num_seqs)
+        input_ids = torch.randint(0, self.args.vocab_size, (num_tokens,), device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.config.model.max_model_len
+        with forward_context(None):
+            hidden = self.model(input_ids, positions)
+        num_rows = min(sched.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:num_rows])
+        rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5), None, [0], [0], None)
+                for _ in range(num_rows)]
+        self.sampler(logits, SamplingMetadata.build(rows, self.args.vocab_size, self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # one step
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        self.cache.swap_out(sched.blocks_to_swap_out)
+        self.cache.swap_in(sched.blocks_to_swap_in)
+        self.cache.copy(sched.blocks_to_copy)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [])
+        req_ids = list(sched.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        inputs = build_step_inputs(states, list(sched.num_scheduled_tokens.values()), self.block_size,
+                                   self.args.vocab_size, self.eos_token_id, self.device)
+        with forward_context(inputs.attn_metadata):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        sampled: dict[str, int] = {}
+        logprobs = {}
+        if inputs.sample_req_ids:
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            out = self.sampler(logits, inputs.sampling_metadata)
+            tokens = out.sampled.tolist()
+            sampled = dict(zip(inputs.sample_req_ids, tokens))
+            if out.logprobs is not None:
+                logprobs = self._collect_logprobs(inputs.sample_req_ids, out.logprobs)
+        for req_id, state in zip(req_ids, states):
+            state.num_computed_tokens += sched.num_scheduled_tokens[req_id]
+            if req_id in sampled:
+                state.output_token_ids.append(sampled[req_id])
+        return ModelRunnerOutput(req_ids, [sampled.get(r) for r in req_ids], logprobs)
+
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.scheduled_new_reqs:
+            params = new.sampling_params
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params, generator,
+                list(new.block_ids), new.num_computed_tokens)
+        for cached in sched.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.num_computed_tokens = cached.num_computed_tokens
+            if cached.block_ids is not None:
+                state.block_ids = list(cached.block_ids)
+            else:
+                state.block_ids.extend(cached.new_block_ids)
+
+    def _collect_logprobs(self, req_ids, logprobs) -> dict:
+        token_logprob, rank, top_ids, top_vals = (t.tolist() for t in logprobs)
+        out = {}
+        for i, req_id in enumerate(req_ids):
+            num = self.requests[req_id].sampling_params.logprobs
+            if num is not None:
+                out[req_id] = (token_logprob[i], rank[i], list(zip(top_ids[i][:num], top_vals[i][:num])))
+        return out

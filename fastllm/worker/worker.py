@@ -1,0 +1,74 @@
+"""Worker: one per device (rank, local_rank). Owns the model runner, sizes and allocates the KV
+cache, and runs steps."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fastllm.config import EngineConfig
+from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fastllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+def select_device(config: EngineConfig, local_rank: int) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA GPU is visible")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0):
+        self.config, self.rank, self.local_rank = config, rank, local_rank
+        self.device = select_device(config, local_rank)
+        torch.manual_seed(config.model.seed)
+        self.runner = ModelRunner(config, self.device)
+        self.num_gpu_blocks = self.num_cpu_blocks = 0
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """Device blocks: what fits under gpu_memory_utilization after the profiling run's peak
+        (GPU), or cpu_kv_cache_gib (CPU); an explicit num_gpu_blocks wins. CPU swap blocks from
+        swap_space_gib."""
+        cache = self.config.cache
+        per_block = self.runner.kv_bytes_per_block()
+        if cache.num_gpu_blocks is not None:
+            num_blocks = cache.num_gpu_blocks
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.runner.profile_run()
+            peak = torch.cuda.max_memory_allocated(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            non_torch = (total - free) - torch.cuda.memory_reserved(self.device)  # CUDA context, cuBLAS, NCCL
+            available = total * cache.gpu_memory_utilization - peak - non_torch
+            num_blocks = int(available // per_block)
+            logger.info("profiling run: peak %.2f GiB, other %.2f GiB of %.2f GiB; KV cache %d blocks (%.2f GiB)",
+                        peak / GiB, non_torch / GiB, total / GiB, num_blocks, num_blocks * per_block / GiB)
+        else:
+            num_blocks = int(cache.cpu_kv_cache_gib * GiB // per_block)
+        if num_blocks < 2:
+            raise ValueError(f"no room for the KV cache ({num_blocks} blocks of {per_block} bytes); "
+                             "raise gpu_memory_utilization or use a smaller model")
+        num_cpu_blocks = 0
+        if self.config.scheduler.preemption_mode == "swap":
+            num_cpu_blocks = cache.num_cpu_blocks if cache.num_cpu_blocks is not None else \
+                int(cache.swap_space_gib * GiB // per_block)
+        self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
+        return num_blocks, num_cpu_blocks
+
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
+
+    def kv_cache_gib(self) -> float:
+        return self.num_gpu_blocks * self.runner.kv_bytes_per_block() / GiB
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
