@@ -171,22 +171,26 @@ class Scheduler:
         """Give a waiting request its blocks; returns the tokens to compute now (0: not now)."""
         parent = request.fork_of
         computed_blocks, num_cached = [], 0
+        forked = False
         if parent is not None and parent.status == RequestStatus.RUNNING and request.num_computed_tokens == 0 \
                 and parent.num_computed_tokens >= request.num_prompt_tokens:
             # Share the parent's KV of the prompt minus its last token, whose logits we need.
-            num_cached = request.num_prompt_tokens - 1
-            self.kv.fork(parent, request, num_cached)
+            self.kv.fork(parent, request, request.num_prompt_tokens - 1)
+            request.num_computed_tokens = request.num_cached_tokens = request.num_prompt_tokens - 1
+            forked = True
         elif request.num_computed_tokens == 0:
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
-        num_new = request.num_tokens - request.num_computed_tokens - num_cached
-        if not self.config.enable_chunked_prefill and num_new > budget:
-            num_new = 0
-        num_new = min(num_new, budget)
+        num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
+        if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens - num_cached:
+            num_new = 0  # the whole remainder must fit in one step
         if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed_blocks):
-            self.kv.free(request)  # undo a fork
+            if forked:
+                self.kv.free(request)
+                request.num_computed_tokens = request.num_cached_tokens = 0
             return 0
-        request.num_computed_tokens += num_cached
-        request.num_cached_tokens = num_cached
+        if not forked:
+            request.num_computed_tokens += num_cached
+            request.num_cached_tokens = num_cached
         return num_new
 
     def _start_running(self, request: Request) -> None:

@@ -13,6 +13,7 @@ from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request, RequestStatus
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import SamplingParams
+from fastllm.tracing import nvtx_range
 from fastllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -121,13 +122,16 @@ class LLMEngine:
     # the loop
 
     def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule()
+        with nvtx_range("schedule"):
+            scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self.scheduler.has_unfinished_requests() \
                 and not (scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.requests)} requests pending")
         runner_output = self.worker.execute_model(scheduler_output)
-        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(updated, runner_output.logprobs)
+        with nvtx_range("update"):
+            updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+        with nvtx_range("detokenize"):
+            outputs, stopped = self.output_processor.process(updated, runner_output.logprobs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 

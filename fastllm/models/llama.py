@@ -22,6 +22,7 @@ from fastllm.layers.attention import Attention
 from fastllm.layers.linear import Linear, MergedLinear
 from fastllm.layers.norm import RMSNorm
 from fastllm.layers.rotary import RotaryEmbedding, rope_parameters
+from fastllm.tracing import layer_ranges_enabled, nvtx_range
 
 logger = logging.getLogger(__name__)
 
@@ -133,8 +134,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        per_layer = layer_ranges_enabled()
+        for i, layer in enumerate(self.layers):
+            if per_layer:
+                with nvtx_range(f"layer{i}"):
+                    hidden, residual = layer(positions, hidden, residual)
+            else:
+                hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -12,6 +12,7 @@ from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fastllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from fastllm.models.loader import load_model
 from fastllm.sampling_params import SamplingParams
+from fastllm.tracing import nvtx_range
 from fastllm.worker.attn_metadata import forward_context
 from fastllm.worker.cache_engine import CacheEngine
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
@@ -77,16 +78,18 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         req_ids = list(sched.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
-        inputs = build_step_inputs(states, list(sched.num_scheduled_tokens.values()), self.block_size,
-                                   self.args.vocab_size, self.eos_token_id, self.device)
-        with forward_context(inputs.attn_metadata):
+        with nvtx_range("prepare_inputs"):
+            inputs = build_step_inputs(states, list(sched.num_scheduled_tokens.values()), self.block_size,
+                                       self.args.vocab_size, self.eos_token_id, self.device)
+        with nvtx_range("forward"), forward_context(inputs.attn_metadata):
             hidden = self.model(inputs.input_ids, inputs.positions)
         sampled: dict[str, int] = {}
         logprobs = {}
         if inputs.sample_req_ids:
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            out = self.sampler(logits, inputs.sampling_metadata)
-            tokens = out.sampled.tolist()
+            with nvtx_range("sample"):
+                logits = self.model.compute_logits(hidden[inputs.logits_indices])
+                out = self.sampler(logits, inputs.sampling_metadata)
+                tokens = out.sampled.tolist()
             sampled = dict(zip(inputs.sample_req_ids, tokens))
             if out.logprobs is not None:
                 logprobs = self._collect_logprobs(inputs.sample_req_ids, out.logprobs)

@@ -1,0 +1,103 @@
+"""Shared fixtures: the real tiny models, random tiny configs, engines, and the check that every
+engine's KV block pool is whole again after each test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastllm import LLM
+
+ASSETS = Path(__file__).resolve().parents[1] / "fastllm" / "assets"
+STORIES = str(ASSETS / "stories260K")
+DRAFT = str(ASSETS / "llama2xs-279K")
+
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to",
+    "One day, a big",
+    "The sun was",
+    "A cat named",
+    "Tim had a red",
+    "In the park, there was a tree that",
+]
+
+_live_engines: list = []
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def kv_pool_whole_after_test():
+    """Every engine a test touched must have all its KV blocks back when the test ends."""
+    yield
+    for llm in _live_engines:
+        if not llm.engine.has_unfinished_requests():
+            llm.engine.check_kv_pool_whole()
+
+
+_cache: dict = {}
+
+
+def cached_llm(model: str = STORIES, **kwargs) -> LLM:
+    """One LLM per distinct configuration for the whole session (building one costs ~1 s)."""
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("device", "cpu")
+    key = (model, tuple(sorted(kwargs.items())))
+    if key not in _cache:
+        _cache[key] = LLM(model, **kwargs)
+        _live_engines.append(_cache[key])
+    return _cache[key]
+
+
+@pytest.fixture
+def make_llm():
+    return cached_llm
+
+
+_hf_cache: dict = {}
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Hugging Face transformers' greedy continuation (float32, batch of one, no padding)."""
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _hf_cache:
+        _hf_cache[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = _hf_cache[model_dir]
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def hf_logits(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+    """float32 logits [len, vocab] of one sequence, teacher-forced."""
+    from transformers import AutoModelForCausalLM
+
+    if model_dir not in _hf_cache:
+        _hf_cache[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return _hf_cache[model_dir](torch.tensor([token_ids])).logits[0].float()
+
+
+def tokenize(prompts: list[str]) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    return [tok(p)["input_ids"] for p in prompts]
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,70 @@
+"""Incremental text equals a full decode: sentencepiece spaces, multi-byte characters, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from fastllm import SamplingParams
+from fastllm.engine.detokenizer import IncrementalDetokenizer
+from tests.conftest import PROMPTS, STORIES, cached_llm
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(STORIES)
+
+
+@pytest.mark.parametrize("text", [
+    " there was a café in 日本, naïve 😀 and   spaces\ttabs\nnew lines",
+    "Lily said: \"Hello!\" 123 4567",
+    "ß→λ ∑ x² — «quotes»",
+])
+def test_incremental_equals_full_decode(tokenizer, text):
+    prompt = tokenizer("Once upon a time,")["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True, stop=[])
+    pieces = []
+    for token in ids:
+        before = detok.text
+        detok.add_token(token)
+        pieces.append(detok.text[len(before):])
+        assert "\ufffd" not in detok.text  # never a half character
+    full = tokenizer.decode(prompt + ids, skip_special_tokens=True)
+    assert full == tokenizer.decode(prompt, skip_special_tokens=True) + detok.text
+    assert any(len(p) == 0 for p in pieces) or all(ord(c) < 128 for c in text)
+
+
+def test_special_tokens_skipped_or_kept(tokenizer):
+    prompt = tokenizer("Once")["input_ids"]
+    ids = tokenizer(" upon", add_special_tokens=False)["input_ids"] + [tokenizer.bos_token_id]
+    skip = IncrementalDetokenizer(tokenizer, prompt, True, [])
+    keep = IncrementalDetokenizer(tokenizer, prompt, False, [])
+    for t in ids:
+        skip.add_token(t)
+        keep.add_token(t)
+    assert skip.text == " upon" and keep.text.endswith("<s>")
+
+
+def test_stop_strings_cut_the_text():
+    llm = cached_llm()
+    plain = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    assert "Lily" in plain.text
+    cut = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=["Lily", "zzz"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.text == plain.text[:plain.text.index("Lily")]
+    assert cut.finish_reason == "stop" and cut.stop_reason == "Lily"
+    assert len(cut.token_ids) < len(plain.token_ids)
+    kept = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop="Lily",
+                                                   include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == plain.text[:plain.text.index("Lily") + 4]
+
+
+def test_stop_string_spanning_tokens():
+    llm = cached_llm()
+    plain = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    target = "girl named"  # several tokens
+    assert target in plain.text
+    cut = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=[target]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.text == plain.text[:plain.text.index(target)]
