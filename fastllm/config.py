@@ -117,8 +117,14 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CompileConfig:
-    enforce_eager: bool = True  # the compiled runner arrives with fastllm/compile
-    cuda_graph_sizes: tuple[int, ...] | None = None
+    enforce_eager: bool = False  # True: no torch.compile, no CUDA graphs (the debug path)
+    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture (default 1,2,4,8,16,24,...)
+    compile_on_cpu: bool = False  # torch.compile is GPU-only by default (a CPU compile takes ~15 s a graph)
+
+    def __post_init__(self):
+        sizes = self.cuda_graph_sizes
+        _check(sizes is None or (len(sizes) > 0 and all(isinstance(s, int) and s >= 1 for s in sizes)),
+               "cuda_graph_sizes", f"must be positive integers, got {sizes!r}")
 
 
 @dataclass(frozen=True)

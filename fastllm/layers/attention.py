@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from fastllm import kernels as ops
+from fastllm.compile import custom_ops
 from fastllm.worker.attn_metadata import get_attn_metadata
 
 
@@ -15,9 +16,14 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.layer_index = custom_ops.register_attention_layer(self)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
+        return torch.ops.fastllm.attention(query, key, value, self.layer_index)
+
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The body of the attention op: write the new K/V into the cache, attend over it."""
         metadata = get_attn_metadata()
         if metadata is None or self.kv_cache is None:
             # Profiling run (no cache yet): the output only needs the right shape.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastllm import kernels as ops
+from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
 
 
 class RMSNorm(nn.Module):
@@ -17,5 +17,5 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Returns norm(x), or (norm(x + residual), x + residual) when residual is given."""
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return torch.ops.fastllm.rms_norm(x, self.weight, self.eps)
+        return torch.ops.fastllm.fused_add_rms_norm(x, residual, self.weight, self.eps)

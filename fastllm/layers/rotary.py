@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from fastllm import kernels as ops
+from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
 
 
 def rope_parameters(hf_config: dict) -> tuple[float, dict]:
@@ -53,4 +53,4 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """Rotates query [T, Hq, D] and key [T, Hkv, D] in place."""
-        ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)
+        torch.ops.fastllm.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)

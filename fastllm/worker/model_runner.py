@@ -4,9 +4,12 @@ built in input_batch.py, attention inputs live in attn_metadata.py, KV tensors i
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
+from fastllm.compile.backend import compile_forward
+from fastllm.compile.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from fastllm.config import EngineConfig
 from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fastllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
@@ -34,6 +37,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.cache: CacheEngine | None = None
         self.requests: dict[str, CachedRequestState] = {}
+        self.forward = self.model.forward  # replaced by the compiled forward in init_kv_cache
+        self.graphs: CUDAGraphRunner | None = None
+        self.compile_seconds = 0.0
 
     # setup
 
@@ -47,6 +53,37 @@ class ModelRunner:
                                  self.device, num_blocks, num_cpu_blocks)
         for layer, kv in zip(self.model.attention_layers(), self.cache.layer_caches()):
             layer.kv_cache = kv
+        self._compile_and_capture()
+
+    def _compile_and_capture(self) -> None:
+        """torch.compile the forward and capture decode CUDA graphs, unless enforce_eager or the
+        device rules them out (said once in the log, with the path that runs instead)."""
+        cfg = self.config.compile
+        if cfg.enforce_eager:
+            logger.info("execution: eager (enforce_eager=True): no torch.compile, no CUDA graphs")
+            return
+        if self.device.type != "cuda" and not cfg.compile_on_cpu:
+            logger.info("execution: eager on %s: torch.compile and CUDA graphs are used on GPUs "
+                        "(compile_on_cpu=True compiles here too)", self.device.type)
+            return
+        start = time.perf_counter()
+        self.forward = compile_forward(self.model)
+        with torch.inference_mode(), forward_context(None):  # compile the general and the 1-token graph
+            for num_tokens in (2, 1):
+                ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+                self.forward(ids, ids.clone())
+        self.compile_seconds = time.perf_counter() - start
+        logger.info("torch.compile: %.1f s", self.compile_seconds)
+        if self.device.type != "cuda":
+            logger.info("execution: compiled, without CUDA graphs (device %s)", self.device.type)
+            return
+        sched, model = self.config.scheduler, self.config.model
+        sizes = list(cfg.cuda_graph_sizes or default_capture_sizes(sched.max_num_seqs))
+        max_blocks = -(-model.max_model_len // self.block_size)
+        self.graphs = CUDAGraphRunner(self.forward, self.model.compute_logits, sizes, max_blocks,
+                                      model.max_model_len, self.device)
+        self.graphs.capture()
+        logger.info("execution: compiled; decode batches up to %d replay CUDA graphs", self.graphs.max_bs)
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -81,13 +118,18 @@ class ModelRunner:
         with nvtx_range("prepare_inputs"):
             inputs = build_step_inputs(states, list(sched.num_scheduled_tokens.values()), self.block_size,
                                        self.args.vocab_size, self.eos_token_id, self.device)
-        with nvtx_range("forward"), forward_context(inputs.attn_metadata):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        metadata = inputs.attn_metadata
+        if self.graphs is not None and self.graphs.can_run(metadata, len(states)):
+            with nvtx_range("forward_graph"):
+                logits = self.graphs.run(inputs.input_ids, inputs.positions, metadata)[inputs.logits_indices]
+        else:
+            with nvtx_range("forward"), forward_context(metadata):
+                hidden = self.forward(inputs.input_ids, inputs.positions)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_req_ids else None
         sampled: dict[str, int] = {}
         logprobs = {}
         if inputs.sample_req_ids:
             with nvtx_range("sample"):
-                logits = self.model.compute_logits(hidden[inputs.logits_indices])
                 out = self.sampler(logits, inputs.sampling_metadata)
                 tokens = out.sampled.tolist()
             sampled = dict(zip(inputs.sample_req_ids, tokens))

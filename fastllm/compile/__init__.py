@@ -1,0 +1,1 @@
+"""torch.compile and CUDA graphs for the model runner."""

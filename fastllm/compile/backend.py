@@ -1,0 +1,51 @@
+"""torch.compile of the model forward: one graph, no breaks, dynamic in the number of tokens.
+
+Our kernels are custom ops (custom_ops.py), so Dynamo traces straight through the model;
+`fullgraph=True` makes any graph break an error rather than a silent slowdown. Inductor's caches
+live under a fastllm cache directory so a second start of the same model is fast.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("FASTLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fastllm")
+    return Path(root)
+
+
+def configure_inductor_cache() -> Path:
+    """Point Inductor's on-disk caches (FX graphs, AOTAutograd, Triton binaries) at our directory."""
+    path = cache_dir() / "inductor"
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = True
+    if hasattr(inductor_config, "autotune_local_cache"):
+        inductor_config.autotune_local_cache = True
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def compile_forward(model: torch.nn.Module):
+    """The compiled model.forward(input_ids [T], positions [T]) -> hidden [T, H]."""
+    configure_inductor_cache()
+    return torch.compile(model.forward, fullgraph=True, dynamic=True)
+
+
+def warm_up(forward, example_sizes: list[int], make_inputs) -> float:
+    """Compile ahead of serving by running the forward at a few token counts; returns seconds."""
+    start = time.perf_counter()
+    for num_tokens in example_sizes:
+        forward(*make_inputs(num_tokens))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start

@@ -1,0 +1,96 @@
+"""Decode steps replayed from CUDA graphs, one captured per batch size.
+
+Every captured graph reads its inputs from the same static buffers and writes its logits to its
+own output, all in one memory pool. A batch of B requests replays the smallest captured size
+>= B; the padding rows carry slot -1 (their K/V writes are skipped) and attend over one token of
+the null block (block 0, never handed out), so they touch no real KV slot. Prefill and mixed steps do not come here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs]
+    sizes += list(range(16, max_num_seqs + 1, 8))
+    if sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+class CUDAGraphRunner:
+    def __init__(self, forward, compute_logits, sizes: list[int], max_blocks_per_seq: int, max_seq_len: int,
+                 device: torch.device):
+        self.forward, self.compute_logits = forward, compute_logits
+        self.sizes = sorted(set(sizes))
+        self.max_bs = self.sizes[-1]
+        self.max_seq_len = max_seq_len
+        n = self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.pool_bytes = 0
+
+    def _metadata(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.seq_lens[:bs],
+                                 self.query_start_loc[:bs + 1], max_query_len=1, max_seq_len=self.max_seq_len)
+
+    def _run(self, bs: int) -> torch.Tensor:
+        with forward_context(self._metadata(bs)):
+            hidden = self.forward(self.input_ids[:bs], self.positions[:bs])
+        return self.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        before = torch.cuda.memory_allocated()
+        pool = None
+        for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
+            self._run(bs)  # warm up (and compile this size if it is new)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[bs] = self._run(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.pool_bytes = torch.cuda.memory_allocated() - before
+        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
+                    len(self.graphs), self.sizes[0], self.max_bs, self.capture_seconds, self.pool_bytes / 2**30)
+
+    def can_run(self, metadata: AttentionMetadata, num_reqs: int) -> bool:
+        return metadata.is_decode_only and num_reqs <= self.max_bs and bool(self.graphs)
+
+    def padded_size(self, num_reqs: int) -> int:
+        return next(s for s in self.sizes if s >= num_reqs)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Replay for a decode batch; returns the logits [B, vocab] of its B rows."""
+        num = input_ids.shape[0]
+        bs = self.padded_size(num)
+        self.input_ids[:num].copy_(input_ids, non_blocking=True)
+        self.positions[:num].copy_(positions, non_blocking=True)
+        self.slot_mapping[:num].copy_(metadata.slot_mapping, non_blocking=True)
+        self.slot_mapping[num:bs].fill_(-1)
+        self.seq_lens[:num].copy_(metadata.seq_lens, non_blocking=True)
+        self.seq_lens[num:bs].fill_(1)
+        width = metadata.block_tables.shape[1]
+        self.block_tables[:num, :width].copy_(metadata.block_tables, non_blocking=True)
+        self.block_tables[num:bs].fill_(0)
+        self.graphs[bs].replay()
+        return self.logits[bs][:num]

@@ -1,0 +1,67 @@
+"""Our kernels as torch.library custom ops, so torch.compile sees each as one opaque node with a
+fake (shape-only) implementation and never breaks the graph on them.
+
+The eager model calls these same ops: one code path, compiled or not (a custom-op call costs a
+few microseconds of dispatch in eager mode; the compiled runner replays CUDA graphs).
+
+Attention is one op, `fastllm::attention`, taking the layer's index: it reads the step's
+metadata from the forward context and the layer's KV cache from the registry below. Dynamo
+therefore never guards on per-step values (sequence lengths, max_query_len), and the kernels
+launched inside are captured into CUDA graphs like any other.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fastllm import kernels
+
+# Attention layers by index, for the attention op to find its KV cache.
+_attention_layers: list = []
+
+
+def register_attention_layer(layer) -> int:
+    _attention_layers.append(layer)
+    return len(_attention_layers) - 1
+
+
+@torch.library.custom_op("fastllm::rms_norm", mutates_args=())
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return kernels.rms_norm(x, weight, eps)
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fastllm::fused_add_rms_norm", mutates_args=())
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return kernels.fused_add_rms_norm(x, residual, weight, eps)
+
+
+@fused_add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("fastllm::rotary_embedding", mutates_args=("query", "key"))
+def rotary_embedding(positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool) -> None:
+    kernels.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+
+
+@rotary_embedding.register_fake
+def _(positions, query, key, cos_sin_cache, is_neox):
+    return None
+
+
+@torch.library.custom_op("fastllm::attention", mutates_args=())
+def attention(query: Tensor, key: Tensor, value: Tensor, layer_index: int) -> Tensor:
+    """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]; writes key/value into the cache."""
+    return _attention_layers[layer_index].run(query, key, value)
+
+
+@attention.register_fake
+def _(query, key, value, layer_index):
+    return torch.empty_like(query)
