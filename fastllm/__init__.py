@@ -1,8 +1,24 @@
-"""fastllm: an LLM inference engine."""
+"""fastllm: an LLM inference engine.
 
-from fastllm.entrypoints.llm import LLM
-from fastllm.outputs import CompletionOutput, RequestOutput
-from fastllm.sampling_params import SamplingParams
+The public names load lazily, so `import fastllm.core...` (pure Python) does not pull in torch.
+"""
+
+from __future__ import annotations
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
+
+_WHERE = {
+    "LLM": "fastllm.entrypoints.llm",
+    "SamplingParams": "fastllm.sampling_params",
+    "RequestOutput": "fastllm.outputs",
+    "CompletionOutput": "fastllm.outputs",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'fastllm' has no attribute {name!r}")

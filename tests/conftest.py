@@ -101,3 +101,5 @@ def tokenize(prompts: list[str]) -> list[list[int]]:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The test models are tiny: intra-op threads only add overhead and fight over CI's two cores.
+torch.set_num_threads(1)

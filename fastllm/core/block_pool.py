@@ -104,17 +104,22 @@ class BlockPool:
         return block
 
     def register(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int],
-                 parent: KVCacheBlock | None) -> None:
-        """Make a newly filled block findable. If an equal block is already cached, keep that one."""
+                 parent: KVCacheBlock | None) -> KVCacheBlock:
+        """Make a newly filled block findable, and return the block that lookup will find for
+        this content: `block` itself, or an equal block cached earlier (which is kept)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
-        if block_hash in self.cached:
-            return
+            return block
+        existing = self.lookup(block_hash, token_ids, parent)
+        if existing is not None:
+            return existing
+        if block_hash in self.cached:  # a different block under the same hash: a collision
+            return block
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         block.parent = parent.identity if parent is not None else None
         block.generation += 1
         self.cached[block_hash] = block
+        return block
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:

@@ -28,6 +28,7 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for this step
         self.rewritten: set[str] = set()  # requests whose block table changed in place this step
         self.num_registered: dict[str, int] = defaultdict(int)  # leading blocks already offered to the cache
+        self.chain_tail: dict[str, KVCacheBlock] = {}  # the cached block lookup finds at the last of those
 
     @property
     def num_free_blocks(self) -> int:
@@ -55,11 +56,16 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        stats = self.pool.stats
-        stats.requests += 1
-        stats.queries += request.num_tokens
-        stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admission's lookup (only admissions that happen, so a request waiting at the
+        head of the queue is not counted again every step)."""
+        if self.enable_caching:
+            stats = self.pool.stats
+            stats.requests += 1
+            stats.queries += request.num_tokens
+            stats.hits += num_hit_tokens
 
     # allocation
 
@@ -102,14 +108,20 @@ class KVCacheManager:
             return
         num_full = min(num_tokens, request.num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
         start = self.num_registered[request.request_id]
+        # Each block is registered under the block that lookup finds before it (which may be an
+        # equal block cached earlier, not the request's own copy), so the chain stays reachable.
+        parent = self.chain_tail.get(request.request_id)
         for i in range(start, num_full):
             tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
-            self.pool.register(blocks[i], request.block_hashes[i], tokens, blocks[i - 1] if i else None)
-        self.num_registered[request.request_id] = max(start, num_full)
+            parent = self.pool.register(blocks[i], request.block_hashes[i], tokens, parent)
+        if num_full > start:
+            self.num_registered[request.request_id] = num_full
+            self.chain_tail[request.request_id] = parent
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_registered.pop(request.request_id, None)
+        self.chain_tail.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
         cpu_blocks = self.swapped_blocks.pop(request.request_id, None)
         if cpu_blocks:
@@ -130,6 +142,7 @@ class KVCacheManager:
         """Move the request's blocks to the CPU pool; returns (gpu, cpu) pairs to copy."""
         gpu_blocks = self.req_blocks.pop(request.request_id)
         self.num_registered.pop(request.request_id, None)
+        self.chain_tail.pop(request.request_id, None)
         cpu_blocks = self.cpu_pool.allocate(len(gpu_blocks))
         self.swapped_blocks[request.request_id] = cpu_blocks
         self.pool.free(reversed(gpu_blocks))

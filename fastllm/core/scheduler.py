@@ -44,6 +44,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last step; the runner drops them
         self._runner_knows: set[str] = set()
         self.num_preemptions = 0
+        self._warned_swap_full = False
 
     # requests in and out
 
@@ -110,7 +111,8 @@ class Scheduler:
                 break
             self.swapped.popleft()
             swap_in += self.kv.swap_in(request)
-            assert self.kv.allocate_slots(request, num_new)
+            allocated = self.kv.allocate_slots(request, num_new)  # not inside the assert: python -O drops it
+            assert allocated, "can_swap_in promised room for the next step"
             self._start_running(request)
             known_blocks[request.request_id] = -1  # send the whole table
             scheduled[request.request_id] = num_new
@@ -176,7 +178,7 @@ class Scheduler:
                 and parent.num_computed_tokens >= request.num_prompt_tokens:
             # Share the parent's KV of the prompt minus its last token, whose logits we need.
             self.kv.fork(parent, request, request.num_prompt_tokens - 1)
-            request.num_computed_tokens = request.num_cached_tokens = request.num_prompt_tokens - 1
+            request.num_computed_tokens = request.num_prompt_tokens - 1
             forked = True
         elif request.num_computed_tokens == 0:
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
@@ -186,11 +188,15 @@ class Scheduler:
         if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed_blocks):
             if forked:
                 self.kv.free(request)
-                request.num_computed_tokens = request.num_cached_tokens = 0
+                request.num_computed_tokens = 0
             return 0
-        if not forked:
+        if forked:
+            num_cached = request.num_computed_tokens
+        else:
             request.num_computed_tokens += num_cached
-            request.num_cached_tokens = num_cached
+            self.kv.record_prefix_query(request, num_cached)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached  # prompt tokens not computed at first admission
         return num_new
 
     def _start_running(self, request: Request) -> None:
@@ -205,7 +211,9 @@ class Scheduler:
                 request.status = RequestStatus.SWAPPED
                 self.swapped.appendleft(request)
                 return self.kv.swap_out(request)
-            logger.warning("CPU swap pool is full: preempting %s by recompute instead", request.request_id)
+            if not self._warned_swap_full:
+                self._warned_swap_full = True
+                logger.warning("CPU swap pool is full: preempting by recompute instead (logged once)")
         self.kv.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
