@@ -28,11 +28,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, (kind, default, help_text) in ENGINE_ARGS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=help_text)
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {name: getattr(args, name) for name in ENGINE_ARGS}
     kwargs["enable_prefix_caching"] = not args.no_prefix_caching
+    kwargs["enforce_eager"] = args.enforce_eager
     return kwargs
 
 
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("-v", "--verbose", action="store_true")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+    from fastllm.entrypoints.bench import add_bench_parser
+    add_bench_parser(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,

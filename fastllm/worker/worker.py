@@ -4,6 +4,7 @@ cache, and runs steps."""
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -30,8 +31,16 @@ class Worker:
         self.config, self.rank, self.local_rank = config, rank, local_rank
         self.device = select_device(config, local_rank)
         torch.manual_seed(config.model.seed)
+        start = time.perf_counter()
         self.runner = ModelRunner(config, self.device)
+        # Startup phases in seconds (fastllm bench reports them): load, profile, kv_alloc, compile, cuda_graphs.
+        self.timings: dict[str, float] = {"load": self._elapsed(start)}
         self.num_gpu_blocks = self.num_cpu_blocks = 0
+
+    def _elapsed(self, start: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """Device blocks: what fits under gpu_memory_utilization after the profiling run's peak
@@ -39,6 +48,7 @@ class Worker:
         swap_space_gib."""
         cache = self.config.cache
         per_block = self.runner.kv_bytes_per_block()
+        start = time.perf_counter()
         if cache.num_gpu_blocks is not None:
             num_blocks = cache.num_gpu_blocks
         elif self.device.type == "cuda":
@@ -62,10 +72,17 @@ class Worker:
             num_cpu_blocks = cache.num_cpu_blocks if cache.num_cpu_blocks is not None else \
                 int(cache.swap_space_gib * GiB // per_block)
         self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
+        self.timings["profile"] = self._elapsed(start)
         return num_blocks, num_cpu_blocks
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.runner.init_kv_cache(num_blocks, num_cpu_blocks)
+        start = time.perf_counter()
+        self.runner.init_kv_cache(num_blocks, num_cpu_blocks)  # also compiles and captures CUDA graphs
+        total = self._elapsed(start)
+        graphs = getattr(self.runner, "graphs", None)
+        self.timings["compile"] = getattr(self.runner, "compile_seconds", 0.0)
+        self.timings["cuda_graphs"] = graphs.capture_seconds if graphs is not None else 0.0
+        self.timings["kv_alloc"] = max(0.0, total - self.timings["compile"] - self.timings["cuda_graphs"])
 
     def kv_cache_gib(self) -> float:
         return self.num_gpu_blocks * self.runner.kv_bytes_per_block() / GiB

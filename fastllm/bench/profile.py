@@ -1,0 +1,136 @@
+"""A torch-profiler trace of a few decode steps, and where their time goes.
+
+The engine's NVTX/record_function ranges (schedule, prepare_inputs, forward, sample, update,
+detokenize; layerN with layers=True) are switched on, B requests are prefilled and warmed up
+outside the profiler, then `steps` pure decode steps are recorded to a Chrome trace
+(chrome://tracing or https://ui.perfetto.dev). The summary: top kernels by device time (top CPU
+ops on a CPU run) and the time of each engine range per step.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fastllm.bench.runner import random_prompts
+from fastllm.engine.llm_engine import LLMEngine
+from fastllm.sampling_params import SamplingParams
+from fastllm.tracing import enable_nvtx
+
+# forward_graph: a decode step replayed from a CUDA graph; forward: eager or compiled.
+RANGES = ("schedule", "prepare_inputs", "forward", "forward_graph", "sample", "update", "detokenize")
+WARMUP_STEPS = 3
+
+
+def _get(evt, *names) -> float:
+    for name in names:
+        value = getattr(evt, name, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def _on_cpu(evt) -> bool:
+    return getattr(evt, "device_type", torch.autograd.DeviceType.CPU) == torch.autograd.DeviceType.CPU
+
+
+def _is_range(evt) -> bool:
+    """An engine/NVTX range or our step marker (CPU side, or its GPU-side user annotation)."""
+    return bool(getattr(evt, "is_user_annotation", False)) or evt.key in RANGES \
+        or re.fullmatch(r"layer\d+|decode_step\d+|ProfilerStep#\d+", evt.key) is not None
+
+
+def _device_us(evt) -> float:
+    return _get(evt, "self_device_time_total", "self_cuda_time_total")
+
+
+def top_ops(prof, on_gpu: bool, limit: int = 15) -> pd.DataFrame:
+    """Kernels by total device time (GPU) or operators by self CPU time (CPU)."""
+    events = [e for e in prof.key_averages() if not _is_range(e)]
+    if on_gpu:
+        rows = [(e.key, e.count, _device_us(e)) for e in events if not _on_cpu(e) and _device_us(e) > 0]
+        if not rows:  # older profilers put kernel time on the launching ops only
+            rows = [(e.key, e.count, _device_us(e)) for e in events if _device_us(e) > 0]
+    else:
+        rows = [(e.key, e.count, _get(e, "self_cpu_time_total")) for e in events]
+    total = sum(us for _, _, us in rows) or 1.0
+    rows.sort(key=lambda r: -r[2])
+    kind = "kernel" if on_gpu else "op"
+    return pd.DataFrame([{kind: (name if len(name) <= 70 else name[:67] + "..."), "calls": count,
+                          "total_ms": us / 1e3, "avg_us": us / max(count, 1), "pct": 100 * us / total}
+                         for name, count, us in rows[:limit]])
+
+
+def range_table(prof, steps: int, on_gpu: bool) -> pd.DataFrame:
+    """Per engine range: CPU ms per step and (GPU) the device time of kernels launched inside it."""
+    cpu, gpu = {}, {}
+    for e in prof.key_averages():
+        if e.key in RANGES:
+            (cpu if _on_cpu(e) else gpu)[e.key] = e
+    rows = []
+    for name in RANGES:
+        if name not in cpu:
+            continue
+        row = {"range": name, "cpu_ms_per_step": _get(cpu[name], "cpu_time_total") / 1e3 / steps}
+        if on_gpu:  # the range's span on the GPU timeline when the profiler records one, else its kernels' sum
+            span = gpu.get(name, cpu[name])
+            row["device_ms_per_step"] = _get(span, "device_time_total", "cuda_time_total") / 1e3 / steps
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: str, steps: int = 5,
+                   layers: bool = False, seed: int = 1) -> dict:
+    """Record `steps` decode steps of batch_size requests to out_dir; returns the paths and tables."""
+    enable_nvtx(layers=layers)
+    device = engine.worker.device
+    on_gpu = device.type == "cuda"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    prompts = random_prompts(rng, batch_size, input_len, engine.vocab_size)
+    # Early requests decode while later ones still prefill (chunked): leave them room to keep going.
+    prefill_steps = -(-batch_size * input_len // engine.config.scheduler.max_num_batched_tokens)
+    max_tokens = min(prefill_steps + WARMUP_STEPS + steps + 2, engine.config.model.max_model_len - input_len)
+    if max_tokens < prefill_steps + WARMUP_STEPS + steps + 1:
+        raise ValueError(f"--input-len {input_len} leaves no room for {steps} profiled decode steps")
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [f"profile-{i}" for i in range(batch_size)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    try:
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        have_first: set[str] = set()
+        while len(have_first) < batch_size:  # prefill, outside the trace
+            have_first.update(o.request_id for o in engine.step())
+        for _ in range(WARMUP_STEPS):
+            engine.step()
+        with profile(activities=activities, record_shapes=False) as prof:
+            for i in range(steps):
+                with torch.profiler.record_function(f"decode_step{i}"):
+                    engine.step()
+    finally:
+        engine.abort_request(ids)
+    trace = out / f"decode_bs{batch_size}_{device.type}.trace.json"
+    prof.export_chrome_trace(str(trace))
+    return {"trace": str(trace), "top": top_ops(prof, on_gpu), "ranges": range_table(prof, steps, on_gpu),
+            "on_gpu": on_gpu}
+
+
+def print_profile(result: dict, file=sys.stdout) -> None:
+    with pd.option_context("display.width", 200, "display.max_columns", None, "display.max_colwidth", 80,
+                           "display.float_format", "{:.3f}".format):
+        print(f"\nprofile trace: {result['trace']}", file=file)
+        what = "kernels by device time" if result["on_gpu"] else "CPU ops by self time (no GPU)"
+        print(f"top {what}:", file=file)
+        print(result["top"].to_string(index=False), file=file)
+        if len(result["ranges"]):
+            print("engine ranges per decode step:", file=file)
+            print(result["ranges"].to_string(index=False), file=file)
+    file.flush()

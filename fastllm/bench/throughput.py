@@ -1,0 +1,81 @@
+"""Offline throughput: every request submitted at once, EOS ignored, the engine stepped until done.
+
+Prompts are random token ids of input_len, a JSONL dataset ({"prompt": ...} or
+{"prompt_token_ids": [...]} per line), or, with a shared prefix of P tokens, the same P random
+tokens followed by input_len distinct ones per request (the prefix-caching workload).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fastllm.bench.runner import RunRecord, percentile, random_prompts, run_requests
+from fastllm.engine.llm_engine import LLMEngine
+
+
+def load_dataset(path: str, num_prompts: int) -> list:
+    prompts = []
+    try:
+        with open(path) as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                entry = json.loads(line)
+                if not isinstance(entry, dict) or not ({"prompt", "prompt_token_ids"} & entry.keys()):
+                    raise ValueError(f"line {number}: expected {{\"prompt\": ...}} or {{\"prompt_token_ids\": [...]}}")
+                prompts.append({"prompt_token_ids": entry["prompt_token_ids"]} if "prompt_token_ids" in entry
+                               else entry["prompt"])
+                if len(prompts) == num_prompts:
+                    break
+    except OSError as e:
+        raise ValueError(f"cannot read dataset {path}: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"dataset {Path(path).name} is not JSONL: {e}") from None
+    if not prompts:
+        raise ValueError(f"dataset {path} has no prompts")
+    return prompts
+
+
+def make_prompts(engine: LLMEngine, num_prompts: int, input_len: int, shared_prefix_len: int = 0,
+                 seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    prefix = random_prompts(rng, 1, shared_prefix_len, engine.vocab_size)[0] if shared_prefix_len else []
+    return [prefix + suffix for suffix in random_prompts(rng, num_prompts, input_len, engine.vocab_size)]
+
+
+def throughput_row(run: RunRecord, shared_prefix_len: int, prefix_caching: bool) -> dict:
+    ttft = [t * 1e3 for t in run.ttft_s.values()]
+    input_tokens = sum(run.prompt_lens)
+    output_tokens = run.num_requests * run.output_len
+    return {
+        "num_prompts": run.num_requests,
+        "input_len_mean": input_tokens / run.num_requests,
+        "output_len": run.output_len,
+        "shared_prefix_len": shared_prefix_len,
+        "prefix_caching": prefix_caching,
+        "total_s": run.total_s,
+        "requests_s": run.num_requests / run.total_s,
+        "input_tok_s": input_tokens / run.total_s,
+        "output_tok_s": output_tokens / run.total_s,
+        "total_tok_s": (input_tokens + output_tokens) / run.total_s,
+        "ttft_ms_mean": float(np.mean(ttft)) if ttft else None,
+        "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_p99": percentile(ttft, 99),
+        "prefix_hit_rate": run.prefix_hits / run.prefix_queries if run.prefix_queries else (0.0 if prefix_caching else None),
+        "steps": len(run.steps),
+        "peak_mem_gib": run.peak_mem_gib,
+        "preemptions": run.preemptions,
+    }
+
+
+def run_throughput(engine: LLMEngine, prompts: list, output_len: int, shared_prefix_len: int = 0,
+                   progress: bool = True, warmup_len: int = 16) -> dict:
+    # A short warm-up (Triton JIT, cuBLAS) on prompts that share nothing with the measured ones.
+    warmup_len = max(1, min(warmup_len, engine.config.model.max_model_len - 2))
+    warm = make_prompts(engine, min(8, len(prompts)), warmup_len, seed=12345)
+    run_requests(engine, warm, 2, "warmup", progress=False)
+    run = run_requests(engine, prompts, output_len, "req", progress=progress, desc="requests")
+    return throughput_row(run, shared_prefix_len, engine.config.cache.enable_prefix_caching)

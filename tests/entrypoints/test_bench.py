@@ -1,0 +1,193 @@
+"""`fastllm bench` on the CPU with the embedded stories260K (the CI smoke test), its bad-argument
+handling, and the roofline math against hand-computed numbers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from fastllm.bench import roofline
+from fastllm.bench.roofline import ModelShape
+from fastllm.entrypoints.cli import main
+
+SMALL = ["--num-gpu-blocks", "64", "--no-progress"]  # a small KV pool: quick to allocate
+LATENCY_COLUMNS = [
+    "batch_size", "input_len", "output_len", "ttft_ms", "prefill_tok_s", "tpot_ms_mean", "tpot_ms_p50",
+    "tpot_ms_p90", "tpot_ms_p99", "floor_ms", "floor_mode", "tok_s_per_seq", "tok_s_total", "e2e_s",
+    "e2e_output_tok_s", "steps", "decode_steps", "bytes_per_step", "flops_per_step", "achieved_gb_s", "bw_frac",
+    "achieved_tflops", "tc_frac", "peak_mem_gib", "preemptions",
+]
+THROUGHPUT_COLUMNS = [
+    "num_prompts", "input_len_mean", "output_len", "shared_prefix_len", "prefix_caching", "total_s", "requests_s",
+    "input_tok_s", "output_tok_s", "total_tok_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "prefix_hit_rate",
+    "steps", "peak_mem_gib", "preemptions",
+]
+STARTUP_KEYS = ["load_s", "compile_s", "cuda_graph_s", "kv_profile_s", "kv_alloc_s", "total_s", "other_s"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Two cores shared with other jobs: OpenMP spinning on both makes each step 50x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_json(tmp_path, capsys, argv: list[str]) -> tuple[dict, str]:
+    out = tmp_path / "run.json"
+    assert main(["bench", *argv, *SMALL, "--output-json", str(out)]) == 0
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_latency_sweep_table_json_csv_plot(tmp_path, capsys):
+    csv, png = tmp_path / "run.csv", tmp_path / "run.png"
+    result, stdout = run_json(tmp_path, capsys, ["--batch-sizes", "1,2", "--input-len", "8", "--output-len", "6",
+                                                 "--matmul-floor", "--output-csv", str(csv), "--plot", str(png)])
+    assert "fastllm bench latency: stories260K" in stdout and "[batch 2]" in stdout
+    assert "tpot_ms" in stdout and "n/a" in stdout  # the table, with CPU's missing ceilings
+    assert result["ceilings"] is None
+    for key in ("device", "torch", "triton", "commit"):
+        assert key in result["meta"]
+    assert set(STARTUP_KEYS) <= result["startup"].keys()
+    assert result["startup"]["compile_s"] is None and result["startup"]["cuda_graph_s"] is None  # eager on CPU
+    rows = result["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    shape = ModelShape.from_model(None)
+    for row in rows:
+        assert list(row) == LATENCY_COLUMNS
+        assert row["bw_frac"] is None and row["tc_frac"] is None and row["peak_mem_gib"] is None
+        assert row["decode_steps"] == 5 and row["tpot_ms_mean"] > 0 and row["ttft_ms"] > 0
+        assert row["floor_ms"] > 0 and row["floor_mode"] == "eager"
+        # decode steps attend over 9..13 tokens (8 prompt + the outputs so far): mean 11 per request
+        b = row["batch_size"]
+        assert row["bytes_per_step"] == pytest.approx(shape.decode_bytes([11] * b))
+        assert row["flops_per_step"] == pytest.approx(shape.decode_flops([11] * b))
+        assert row["tok_s_total"] == pytest.approx(b * 1e3 / row["tpot_ms_mean"])
+    frame = pd.read_csv(csv)
+    assert list(frame.columns[:len(LATENCY_COLUMNS)]) == LATENCY_COLUMNS
+    assert {"device", "torch", "commit"} <= set(frame.columns) and len(frame) == 2
+    assert frame["bw_frac"].isna().all()
+    assert png.stat().st_size > 1000
+
+    assert roofline.main([str(tmp_path / "run.json")]) == 0
+    report = capsys.readouterr().out
+    assert "no ceilings" in report and "measured_ms" in report
+
+
+def test_throughput_and_startup(tmp_path, capsys):
+    result, stdout = run_json(tmp_path, capsys, ["throughput", "--num-prompts", "4", "--input-len", "8",
+                                                 "--output-len", "4"])
+    [row] = result["rows"]
+    assert list(row) == THROUGHPUT_COLUMNS
+    assert row["num_prompts"] == 4 and row["input_len_mean"] == 8 and row["steps"] >= 4
+    assert row["output_tok_s"] == pytest.approx(16 / row["total_s"])
+    assert row["prefix_hit_rate"] == 0.0  # 8-token prompts fill no 16-token block
+    assert "req/s" in stdout
+
+    result, stdout = run_json(tmp_path, capsys, ["startup"])
+    assert result["rows"] == [] and result["startup"]["total_s"] > 0 and "load_s" in stdout
+
+
+def test_prefix_sharing_and_profile(tmp_path, capsys):
+    trace_dir = tmp_path / "prof"
+    result, stdout = run_json(tmp_path, capsys, ["prefix", "--num-prompts", "4", "--shared-prefix-len", "32",
+                                                 "--input-len", "8", "--output-len", "4",
+                                                 "--profile", str(trace_dir), "--profile-steps", "2"])
+    [row] = result["rows"]
+    assert row["shared_prefix_len"] == 32 and row["input_len_mean"] == 40
+    assert 0 < row["prefix_hit_rate"] <= 0.6  # at most 3 of 4 requests find the 2 prefix blocks
+    [trace] = trace_dir.iterdir()
+    assert json.loads(trace.read_text())["traceEvents"]
+    assert "top CPU ops" in stdout and "forward" in stdout
+
+
+def test_dataset(tmp_path, capsys):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "Once upon a time"}\n{"prompt_token_ids": [1, 5, 9]}\n')
+    result, _ = run_json(tmp_path, capsys, ["throughput", "--dataset", str(data), "--output-len", "3"])
+    assert result["rows"][0]["num_prompts"] == 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["--batch-sizes", "0"],
+    ["--batch-sizes", "1,x"],
+    ["--model", "no-such-model"],
+    ["--input-len", "500", "--output-len", "100"],  # the default model's context is 512
+    ["--input-len", "abc"],
+    ["--batch-sizes", "300"],  # > --max-num-seqs
+    ["--cuda-graph-sizes", "8,-1"],
+    ["throughput", "--dataset", "/no/such/file.jsonl"],
+])
+def test_bad_arguments_exit_2_with_one_line(argv, capsys):
+    try:
+        code = main(["bench", *argv])
+    except SystemExit as e:  # argparse-level errors
+        code = e.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("fastllm bench: error:"), err
+
+
+def test_roofline_math_by_hand():
+    # vocab 100, hidden 8, intermediate 16, 2 layers, 2 heads, 1 KV head, head_dim 4, untied, bf16
+    s = ModelShape(100, 8, 16, 2, 2, 1, 4, tie_word_embeddings=False)
+    # per layer: qkv 8x(2+1+1)x4 = 128, o 8x8 = 64, gate_up 8x32 = 256, down 16x8 = 128 -> 576
+    assert s.layer_matmul_params == 576
+    assert s.matmul_params == 2 * 576 + 800  # + lm_head
+    assert s.num_params == 2 * (576 + 16) + 8 + 800 + 800  # + 2 norms/layer, final norm, embedding, lm_head
+    assert s.kv_bytes_per_token == 2 * 2 * 1 * 4 * 2
+    ctx = [5, 7]
+    # weights less the embedding table plus 2 gathered rows, then 12 tokens of KV
+    assert s.decode_bytes(ctx) == (2792 - 800 + 2 * 8) * 2 + 32 * 12 == 4400
+    assert s.decode_flops(ctx) == 2 * 1952 * 2 + 4 * 2 * 2 * 4 * 12 == 8576
+    # prefill of 3 tokens: lm_head on the last only; causal pairs 1 + 2 + 3
+    assert s.prefill_flops([3]) == 2 * 1152 * 3 + 2 * 800 + 4 * 2 * 2 * 4 * 6 == 8896
+    tied = ModelShape(100, 8, 16, 2, 2, 1, 4, tie_word_embeddings=True)
+    assert tied.decode_bytes(ctx) == tied.num_params * 2 + 32 * 12
+
+    f = roofline.floor_seconds(4400, 8576, {"copy_bytes_per_s": 1000.0, "matmul_flops_per_s": 1e4})
+    assert f["bound"] == "memory" and math.isclose(f["floor_s"], 4.4) and math.isclose(f["compute_s"], 0.8576)
+    assert roofline.floor_seconds(4400, 8576, None)["floor_s"] is None
+
+    run = {"rows": [{"batch_size": 2, "bytes_per_step": 4400, "flops_per_step": 8576, "tpot_ms_mean": 8800.0,
+                     "floor_ms": None}]}
+    [row] = roofline.report(run, {"copy_bytes_per_s": 1000.0, "matmul_flops_per_s": 1e4}).to_dict("records")
+    assert row["roofline_ms"] == pytest.approx(4400) and row["roofline/measured"] == pytest.approx(0.5)
+
+
+def test_roofline_counts_match_the_models():
+    """The standalone math counts exactly the parameters the engine builds, for every embedded config."""
+    from fastllm.config import ASSETS
+    from fastllm.models.registry import build_model
+
+    for config in sorted((ASSETS / "configs").glob("*/config.json")) + [ASSETS / "stories260K" / "config.json"]:
+        cfg = json.loads(config.read_text())
+        with torch.device("meta"):
+            model = build_model(cfg)
+        assert ModelShape.from_hf_config(cfg).num_params == sum(p.numel() for p in model.parameters()), config
+    assert ModelShape.from_model("llama-3.1-8b").kv_bytes_per_token == 128 * 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_ceilings_floor_and_profile(tmp_path, capsys):
+    """On a GPU: ceilings measured and reusable, every column filled, the matmul chain as a CUDA graph,
+    kernels in the profile. About a minute (two engine starts); run it before long GPU benchmarks."""
+    ceilings = tmp_path / "ceilings.json"
+    result, stdout = run_json(tmp_path, capsys, ["--batch-sizes", "1,4", "--cuda-graph-sizes", "1,2,4",
+                                                 "--input-len", "16", "--output-len", "8",
+                                                 "--matmul-floor", "--ceilings-out", str(ceilings),
+                                                 "--profile", str(tmp_path / "prof"), "--profile-steps", "2"])
+    assert json.loads(ceilings.read_text())["copy_bytes_per_s"] > 1e11
+    for row in result["rows"]:
+        assert all(row[c] is not None for c in LATENCY_COLUMNS), row
+        assert row["floor_mode"] == "cuda-graph" and 0 < row["bw_frac"] < 1.5
+    assert "kernels by device time" in stdout
+    result, _ = run_json(tmp_path, capsys, ["--batch-sizes", "2", "--input-len", "16", "--output-len", "4",
+                                            "--enforce-eager", "--ceilings-from", str(ceilings)])
+    assert result["ceilings"]["source"] == str(ceilings) and result["rows"][0]["bw_frac"] is not None
