@@ -1,0 +1,67 @@
+"""Rotary embedding (neox layout, in place) at Llama-3-8B shapes: q/k are views of a fused qkv output.
+
+Baselines: torch.compile of the reference (in-place on the same views) and the eager reference.
+Metric: achieved GB/s (bytes_moved: q and k read and written once, one cos/sin row per token).
+
+    pytest benchmarks/kernels/bench_rotary.py      (or run_all.py)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from kbench import (
+    DEVICE,
+    DTYPE,
+    HEAD_DIM,
+    HKV,
+    HQ,
+    compiled,
+    cuda_ok,
+    record,
+    row,
+    run_cases,
+    time_ms,
+    try_row,
+)
+
+KERNEL = "rotary_embedding"
+CASES = {"T8192": 8192, "T64": 64}
+MAX_POS = 32768
+
+
+def measure(case: str):
+    from fastllm.kernels import reference_impl, triton_impl
+    from fastllm.kernels.rotary import bytes_moved
+
+    num_tokens = CASES[case]
+    qkv = torch.randn(num_tokens, (HQ + 2 * HKV) * HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    query = qkv[:, : HQ * HEAD_DIM].view(num_tokens, HQ, HEAD_DIM)
+    key = qkv[:, HQ * HEAD_DIM : (HQ + HKV) * HEAD_DIM].view(num_tokens, HKV, HEAD_DIM)
+    positions = torch.randint(0, MAX_POS, (num_tokens,), device=DEVICE)
+    cos_sin = torch.randn(MAX_POS, HEAD_DIM, device=DEVICE, dtype=torch.float32)
+    args = (positions, query, key, cos_sin, True)
+    nbytes = bytes_moved(query, key, positions)
+    ours = functools.partial(triton_impl("rotary_embedding"), *args)
+    rows = [row(KERNEL, case, "triton", time_ms(ours), nbytes)]
+    ref = reference_impl("rotary_embedding")
+    comp = compiled(ref)
+    try_row(rows, KERNEL, case, "torch_compile", lambda: row(KERNEL, case, "torch_compile",
+                                                             time_ms(functools.partial(comp, *args)), nbytes))
+    try_row(rows, KERNEL, case, "torch_eager", lambda: row(KERNEL, case, "torch_eager",
+                                                           time_ms(functools.partial(ref, *args)), nbytes))
+    return rows, ours
+
+
+def run() -> list[dict]:
+    return run_cases(KERNEL, {name: functools.partial(measure, name) for name in CASES})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_ok(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", list(CASES))
+def test_bench_rotary(benchmark, case):
+    rows, ours = measure(case)
+    record(benchmark, rows, ours)

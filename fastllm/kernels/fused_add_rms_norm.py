@@ -1,0 +1,107 @@
+"""RMSNorm over the last dim, optionally fused with the residual add before it.
+
+Math (exactly the reference's rounding points; dtype = the input dtype):
+    rms_norm:            y = w * to_dtype(x * rsqrt(mean(x^2) + eps))    (x, mean, rsqrt in fp32)
+    fused_add_rms_norm:  r' = to_dtype(x + residual);  y = rms_norm(r')  -> (y, r')
+y has torch's promoted dtype of (w, x), as `weight * normed.to(dtype)` does.
+
+One program normalises BLOCK_R rows of N elements held in registers: one row for hidden sizes
+(N = 4096), many for Qwen3's per-head q/k norm (N = 128 on [T, H, D], a strided view of qkv).
+
+Memory traffic (one read of each input, one write of each output; weight is cached):
+    rms_norm:            rows * N * (x.element_size() + out.element_size())
+    fused_add_rms_norm:  rows * N * (3 * x.element_size() + out.element_size())
+(see bytes_moved). The unfused PyTorch code moves the row ~6 times, hence the fusion.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    num_rows, num_heads, n_cols, eps,
+    stride_xa, stride_xh, stride_ra, stride_rh,  # x, residual viewed as [A, H, N]; row = a * H + h
+    HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    a = rows // num_heads
+    h = rows % num_heads
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]  # [BLOCK_R, BLOCK_N]
+    x = tl.load(x_ptr + (a * stride_xa + h * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_off = (a * stride_ra + h * stride_rh)[:, None] + cols[None, :]
+        res = tl.load(res_ptr + r_off, mask=mask, other=0.0)
+        # round the sum to the model dtype first: that is the residual the next layer sees
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows[:, None] * n_cols + cols[None, :], x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)  # [BLOCK_R]
+    normed = (xf * inv_rms[:, None]).to(x.dtype)  # HF rounds before the weight multiply
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
+    y = w.to(tl.float32)[None, :] * normed.to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """[..., N] -> a [A, H, N] view (strided is fine) with a contiguous last dim."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 1:
+        return x.view(1, 1, -1)
+    if x.dim() == 2:
+        return x.unsqueeze(1)
+    if x.dim() == 3:
+        return x
+    return x.reshape(-1, x.shape[-2], x.shape[-1])  # copies only if the leading dims don't merge
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    n = x.shape[-1]
+    assert weight.shape == (n,) and weight.is_contiguous(), (weight.shape, x.shape)
+    assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
+    assert n <= 32768, "one row must fit in registers"
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
+    if x.numel() == 0:
+        return out, res_out
+    x3 = _as_3d(x)
+    r3 = _as_3d(residual) if residual is not None else x3
+    num_rows = x3.shape[0] * x3.shape[1]
+    block_n = triton.next_power_of_2(n)
+    block_r = max(1, min(64, 4096 // block_n))  # ~4K elements per program
+    num_warps = 4 if block_r * block_n <= 4096 else (8 if block_n <= 8192 else 16)
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
+        x3, r3, weight, out, res_out if res_out is not None else out,
+        num_rows, x3.shape[1], n, eps,
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return out, res_out
+
+
+def bytes_moved(x: torch.Tensor, out_dtype: torch.dtype, fused_residual: bool) -> int:
+    elt = x.element_size()
+    # read x, write out; fused: also read residual, write the new residual
+    per = elt + torch.empty((), dtype=out_dtype).element_size() + (2 * elt if fused_residual else 0)
+    return x.numel() * per
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., N] (last dim contiguous; e.g. [T, H, D] strided views of qkv), weight: [N]."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [..., N]; returns (rms_norm(x + residual), x + residual) as new tensors."""
+    out, res_out = _launch(x, residual, weight, eps)
+    return out, res_out

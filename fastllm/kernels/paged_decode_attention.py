@@ -1,0 +1,227 @@
+"""Paged decode attention (one query token per request), flash-decoding style.
+
+Math, per request b and query head h (kv head g = h // (Hq / Hkv)), over its L = seq_lens[b] cached tokens:
+    s_j = scale * q . k_j,   out = sum_j softmax(s)_j v_j        (j < L; L = 0 gives out = 0)
+Each request's KV sequence is cut into `num_splits` equal parts (whole BLOCK_N tiles, sized in the kernel
+from its own seq_len). Pass 1 (grid B x Hkv x splits) runs an online softmax over one part for all
+Hq/Hkv query heads of one KV group at once: the group is padded to 16 rows so that q @ K^T and p @ V
+are tensor-core tl.dot's, and each K/V tile is loaded once per group rather than once per head. It
+writes the partial output o_s (already divided by its own softmax sum) and
+lse_s = log2(sum_j exp2(s_j log2 e)). Pass 2 (grid B x Hq) merges the splits:
+    out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s.
+With one split pass 1 writes `out` directly and pass 2 is skipped.
+
+The split count depends only on max_seq_len (a host-side bound), batch x Hkv and the SM count, never on
+device values: no host sync, and a CUDA graph replays the same launch for any seq_lens. Only the part
+length follows the device seq_len, so a loose bound (max_model_len) costs no idle splits on long
+sequences, just some empty ones on sequences shorter than num_splits * BLOCK_N.
+
+Memory traffic (decode is bandwidth-bound; K/V dominate):
+    bytes = sum_b L_b * Hkv * D * 2 * cache.element_size()          (K and V, read once per group)
+          + 2 * B * Hq * D * query.element_size()                      (q in, out)
+          + B * Hq * splits * (D + 1) * 4 * 2   if splits > 1         (partials written, read back)
+Block-table reads are a few bytes per page and are ignored (see bytes_moved).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
+_MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, partial write, reduce input)
+_MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
+    scale_log2,  # scale * log2(e): softmax runs in base 2
+    stride_qb, stride_qh, stride_ob, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    num_splits,  # runtime int: a new batch size must not recompile
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,  # one split: write out here, no reduce pass
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+
+    g = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + g  # [BLOCK_G] query heads of this KV group (rows >= GROUP are padding)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+
+    # m starts finite so that rows/splits with no valid key give p = 0 rather than exp2(-inf + inf) = NaN.
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
+    start = split * part_len
+    end = tl.minimum(start + part_len, seq_len)  # start >= end: an empty split
+    bt_row = block_tables_ptr + b * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions; a tile may span several pages
+        n_ok = n < end
+        page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)  # int64: page * stride > 2^31
+        kv_mask = n_ok[None, :] & d_ok[:, None]
+        k_off = page[None, :] * stride_kb + (n % PAGE)[None, :] * stride_ks + kv_head * stride_kh + d[:, None]
+        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)  # [BLOCK_D, BLOCK_N] = K^T
+        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_off = page[:, None] * stride_vb + (n % PAGE)[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
+        # Masked tokens must load 0, not whatever is in the slot: p = 0 times NaN is still NaN.
+        v = tl.load(v_cache_ptr + v_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # empty split / seq_len 0: o = 0
+    row_mask = g_ok[:, None] & d_ok[None, :]
+    if DIRECT_OUT:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        # partials: part_o [B, Hq, splits, HEAD_DIM] fp32, part_lse [B, Hq, splits] fp32
+        row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=row_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + row, lse, mask=g_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # b * Hq + h
+    b = row // num_heads
+    h = row % num_heads
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0, out 0
+    w = tl.exp2(lse - m)
+    den = tl.sum(w, axis=0)
+    o = tl.load(part_o_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                mask=s_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _num_sms(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _sm_count(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _block_n(head_dim: int) -> int:
+    return 32 if head_dim > 128 else 64
+
+
+def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits so that B x Hkv x splits covers ~2 waves of SMs, each split >= _MIN_SPLIT_TOKENS.
+
+    Only host-side ints: the same arguments give the same launch (CUDA-graph safe).
+    """
+    base = max(1, batch * num_kv_heads)
+    want = triton.cdiv(2 * num_sms, base)
+    cap = max(1, min(_MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
+    return max(1, min(want, cap))
+
+
+def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: int,
+                num_splits: int = 1) -> int:
+    """DRAM bytes of one call; total_kv_tokens = sum(seq_lens)."""
+    batch, num_q_heads, head_dim = query.shape
+    kv = total_kv_tokens * key_cache.shape[2] * head_dim * 2 * key_cache.element_size()
+    qo = 2 * batch * num_q_heads * head_dim * query.element_size()
+    partials = 2 * batch * num_q_heads * num_splits * (head_dim + 1) * 4 if num_splits > 1 else 0
+    return kv + qo + partials
+
+
+def paged_decode_attention_splits(
+    query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float, num_splits: int
+) -> torch.Tensor:
+    """paged_decode_attention with an explicit split count (tests and tuning); max_seq_len is unused here."""
+    batch, num_q_heads, head_dim = query.shape
+    _, page, num_kv_heads, _ = key_cache.shape
+    assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
+    assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
+    assert query.dtype == key_cache.dtype == value_cache.dtype, "tl.dot needs matching operand dtypes"
+    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), query.dtype
+    assert head_dim <= 256, head_dim
+    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+    assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.dtype == torch.int32
+    assert block_tables.stride(1) == 1
+    assert seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
+    assert num_splits >= 1
+    group = num_q_heads // num_kv_heads
+    out = torch.empty((batch, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    if batch == 0:
+        return out
+    block_n = _block_n(head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        f32 = dict(dtype=torch.float32, device=query.device)
+        part_o = torch.empty((batch, num_q_heads, num_splits, head_dim), **f32)
+        part_lse = torch.empty((batch, num_q_heads, num_splits), **f32)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, out, part_o, part_lse, block_tables, seq_lens,
+        scale * _LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        num_splits,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page,
+        BLOCK_G=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        DIRECT_OUT=num_splits == 1,
+        # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch * num_q_heads,)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_q_heads, num_splits,
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, Hq, D], one token per request
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [B] int32, each <= max_seq_len
+    max_seq_len: int,  # host-side bound on seq_lens; sizes the KV split
+    scale: float,
+) -> torch.Tensor:
+    num_sms = _num_sms(query.device) if query.is_cuda else 4  # interpreter on CPU: pretend 4 SMs
+    num_splits = choose_num_splits(max_seq_len, query.shape[0], key_cache.shape[2], num_sms)
+    return paged_decode_attention_splits(
+        query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, num_splits
+    )

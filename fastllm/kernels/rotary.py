@@ -1,0 +1,92 @@
+"""Rotary position embedding, applied in place to query and key.
+
+Math, for token t at position p, with c_i = cos_sin_cache[p, i], s_i = cos_sin_cache[p, D/2 + i]
+(i < D/2), every head vector x is rotated pairwise in fp32 and rounded back to its dtype:
+    y_a = x_a c_i - x_b s_i,    y_b = x_b c_i + x_a s_i
+where (a, b) = (i, i + D/2) for the neox / HF rotate_half layout and (2i, 2i + 1) for GPT-J.
+Rope scaling variants (Llama-3.1, YaRN...) only change how the cache is built, not this kernel.
+
+One program rotates all heads of one token, q then k, reading the cos/sin row once. query and key may
+be strided views of a fused qkv output: head dim contiguous, token and head strides arbitrary.
+
+Memory traffic: read and write q and k once, plus one cache row per token:
+    bytes = 2 * T * (Hq + Hkv) * D * x.element_size() + T * D * 4 + T * positions.element_size()
+(see bytes_moved). The interleaved layout reads with stride 2, but both halves of a pair share cache
+lines, so DRAM traffic is the same.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, num_heads, cos, sin, i, i_ok,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    mask = (h < num_heads)[:, None] & i_ok[None, :]  # [BLOCK_H, BLOCK_HALF]
+    if IS_NEOX:
+        off_a, off_b = i, i + HALF
+    else:
+        off_a, off_b = 2 * i, 2 * i + 1
+    ptr_a = base + h[:, None] * stride_h + off_a[None, :]
+    ptr_b = base + h[:, None] * stride_h + off_b[None, :]
+    xa = tl.load(ptr_a, mask=mask, other=0.0)
+    xb = tl.load(ptr_b, mask=mask, other=0.0)
+    xa32 = xa.to(tl.float32)
+    xb32 = xb.to(tl.float32)
+    tl.store(ptr_a, (xa32 * cos[None, :] - xb32 * sin[None, :]).to(xa.dtype), mask=mask)
+    tl.store(ptr_b, (xb32 * cos[None, :] + xa32 * sin[None, :]).to(xb.dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr, q_ptr, k_ptr, cos_sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+    num_q_heads, num_kv_heads,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    i_ok = i < HALF
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=i_ok, other=0.0).to(tl.float32)  # [BLOCK_HALF]
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=i_ok, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, i, i_ok, HALF, BLOCK_HQ, IS_NEOX)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, num_kv_heads, cos, sin, i, i_ok, HALF, BLOCK_HK, IS_NEOX)
+
+
+def bytes_moved(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor) -> int:
+    num_tokens, _, head_dim = query.shape
+    heads = query.shape[1] + key.shape[1]
+    return (2 * num_tokens * heads * head_dim * query.element_size() + num_tokens * head_dim * 4
+            + positions.numel() * positions.element_size())
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int
+    query: torch.Tensor,  # [T, Hq, D], rotated in place (strided view allowed)
+    key: torch.Tensor,  # [T, Hkv, D], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_positions, D]: cos in [:, :D/2], sin in [:, D/2:]
+    is_neox: bool = True,
+) -> None:
+    num_tokens, num_q_heads, head_dim = query.shape
+    assert key.dim() == 3 and key.shape[0] == num_tokens and key.shape[2] == head_dim, key.shape
+    assert head_dim % 2 == 0 and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim
+    assert positions.shape == (num_tokens,) and not positions.is_floating_point()
+    assert query.stride(2) == 1 and key.stride(2) == 1, "head dim must be contiguous"
+    assert cos_sin_cache.stride(1) == 1 and positions.is_contiguous()
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        positions, query, key, cos_sin_cache,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), cos_sin_cache.stride(0),
+        num_q_heads, key.shape[1],
+        HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(key.shape[1]),
+        IS_NEOX=is_neox, num_warps=4,
+    )

@@ -1,0 +1,115 @@
+"""Shared helpers for the kernel tests: marks, error metrics, poisoned paged-KV setups, the oracle."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from fastllm.kernels import reference_impl
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def gpu(fn):
+    """Decorator for the full-size matrix: marked `gpu`, skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")(fn))
+
+
+# bf16 is GPU-only under the triton 3.x interpreter: tl.dot on bf16 operands returns garbage there, and
+# fp32 -> bf16 casts truncate instead of rounding to nearest even (the GPU rounds). bf16 loads and
+# stores are fine, so a pure copy (kv_cache_write) still tests bf16 on CPU.
+BF16 = pytest.param(
+    torch.bfloat16,
+    marks=[pytest.mark.gpu, pytest.mark.skipif(INTERPRET, reason="interpreter: bf16 dot/casts are wrong")],
+    id="bfloat16",
+)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def max_abs(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return (out.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, abs_: float, what: str = "") -> None:
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{what}: non-finite output (unwritten or read poison?)"
+    err, mx = rel_err(out, ref), max_abs(out, ref)
+    assert err <= rel and mx <= abs_, f"{what}: rel err {err:.3g} (tol {rel:g}), max abs {mx:.3g} ({abs_:g})"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PagedKV:
+    """A NaN-poisoned paged cache with `seq_lens` random tokens per request behind permuted block tables.
+
+    Every slot that no request owns stays NaN, and block-table entries past a request's last block point
+    at an all-NaN block: a kernel that reads outside [0, seq_len) (or forgets to zero masked V rows)
+    produces NaN instead of passing by luck.
+    """
+
+    def __init__(self, seq_lens, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen,
+                 extra_table_cols: int = 1):
+        self.seq_lens_list = list(seq_lens)
+        self.block_size = block_size
+        need = [cdiv(n, block_size) for n in self.seq_lens_list]
+        assert sum(need) + 1 <= num_blocks, "not enough blocks"
+        # permuted ids drawn from the whole range, so high block ids (int64 offsets) get exercised
+        perm = torch.randperm(num_blocks, generator=gen)[: sum(need) + 1]
+        self.poison_block = int(perm[0])
+        ids = perm[1:].tolist()
+        width = max(need + [0]) + extra_table_cols
+        table = torch.full((len(need), width), self.poison_block, dtype=torch.int32)
+        slots = [torch.zeros(0, dtype=torch.long)]
+        for i, (n, length) in enumerate(zip(need, self.seq_lens_list)):
+            row, ids = torch.tensor(ids[:n], dtype=torch.long), ids[n:]
+            table[i, :n] = row.int()
+            t = torch.arange(length)
+            slots.append(row[t // block_size] * block_size + t % block_size)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.key_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        self.value_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        slot_t = torch.cat(slots).to(device)
+        for cache in (self.key_cache, self.value_cache):  # values from the seeded global generator
+            vals = torch.randn(len(slot_t), num_kv_heads, head_dim, device=device).to(dtype)
+            cache.view(-1, num_kv_heads, head_dim)[slot_t] = vals
+        self.block_tables = table.to(device)
+        self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int32, device=device)
+
+    def compact_float(self):
+        """(key_cache, value_cache, block_tables): float32, only the used blocks (a small oracle input)."""
+        blocks, rows = [], []
+        width = self.block_tables.shape[1]
+        for i, length in enumerate(self.seq_lens_list):
+            n = cdiv(length, self.block_size)
+            rows.append(list(range(len(blocks), len(blocks) + n)) + [0] * (width - n))
+            blocks += self.block_tables[i, :n].tolist()
+        idx = torch.tensor(blocks or [0], dtype=torch.long, device=self.key_cache.device)
+        table = torch.tensor(rows, dtype=torch.int32, device=self.key_cache.device).view(len(rows), width)
+        return self.key_cache[idx].float(), self.value_cache[idx].float(), table
+
+
+def attention_oracle(query: torch.Tensor, kv: PagedKV, query_start_loc: torch.Tensor) -> torch.Tensor:
+    """reference.prefill_attention on float32 inputs (the reference twin, upcast), over the compact cache."""
+    k, v, table = kv.compact_float()
+    scale = query.shape[-1] ** -0.5
+    q = query.float()
+    max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if query_start_loc.numel() > 1 else 0
+    return reference_impl("prefill_attention")(q, k, v, table, kv.seq_lens, query_start_loc, max_q, scale)
+
+
+def decode_oracle(query: torch.Tensor, kv: PagedKV, max_seq_len: int) -> torch.Tensor:
+    """reference.paged_decode_attention on float32 inputs over the compact cache."""
+    k, v, table = kv.compact_float()
+    scale = query.shape[-1] ** -0.5
+    decode = reference_impl("paged_decode_attention")
+    return decode(query.float(), k, v, table, kv.seq_lens, max_seq_len, scale)

@@ -1,0 +1,102 @@
+"""Triton rms_norm / fused_add_rms_norm vs the reference.
+
+Two checks per output:
+  * against the reference on float32-upcast inputs (||out - ref|| / ||ref||, max |out - ref| / max |ref|):
+        float32   rel 1e-5   abs 1e-5    (reduction order, rsqrt ulps)
+        float16   rel 2e-3   abs 2e-3    (two roundings to fp16: normed, then weight * normed)
+        bfloat16  rel 1e-2   abs 1e-2    (the same in bf16)
+  * against the reference run in the input dtype (same rounding points): the residual sum is bitwise
+    equal, and out is within one unit of rounding of the dtype (|out - ref| <= 2 eps |ref|), the only
+    difference being rsqrt / summation-order ulps that can flip a rounding; in fp16/bf16 at most 1% of
+    the elements may differ at all (a missing rounding step makes ~25% differ).
+bf16 runs on the GPU only: the triton interpreter truncates fp32 -> bf16 casts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastllm.kernels import reference_impl, triton_impl
+from tests.kernels.kernel_testing import BF16, gpu, rel_err
+
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
+EPS = 1e-6
+
+
+def _compare(out, ref_up, ref_same, what):
+    dtype = out.dtype
+    rel, abs_ = TOL[dtype]
+    assert torch.isfinite(out).all(), what
+    assert rel_err(out, ref_up) <= rel, f"{what}: rel err {rel_err(out, ref_up):.3g}"
+    scale = ref_up.abs().max().item()
+    assert (out.double() - ref_up.double()).abs().max().item() <= abs_ * scale, what
+    ulp = torch.finfo(dtype).eps
+    bound = 2 * ulp * ref_same.double().abs() + (1e-6 if dtype == torch.float32 else 0.0) * scale
+    assert ((out.double() - ref_same.double()).abs() <= bound).all(), f"{what}: more than 1 ulp off"
+    if dtype != torch.float32:  # same rounding points: flips are rare (skipping one flips ~25%)
+        assert (out != ref_same).float().mean().item() <= 0.01, f"{what}: rounds differently"
+
+
+def _weight(n, dtype, device):
+    return (1.0 + 0.5 * torch.randn(n, device=device)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
+@pytest.mark.parametrize("shape", [(1, 8), (5, 123), (7, 4096), (3, 1000), (2, 3, 64)])
+def test_fused_add_rms_norm(device, dtype, shape):
+    x = (2 * torch.randn(shape, device=device)).to(dtype)
+    residual = torch.randn(shape, device=device).to(dtype)
+    weight = _weight(shape[-1], dtype, device)
+    x0, r0 = x.clone(), residual.clone()
+    out, res = triton_impl("fused_add_rms_norm")(x, residual, weight, EPS)
+    assert torch.equal(x, x0) and torch.equal(residual, r0), "inputs must not be modified"
+    ref_out, ref_res = reference_impl("fused_add_rms_norm")(x, residual, weight, EPS)
+    up_out, _ = reference_impl("fused_add_rms_norm")(x.float(), residual.float(), weight.float(), EPS)
+    assert res.dtype == dtype and torch.equal(res, ref_res), "residual sum must match bitwise"
+    assert out.dtype == ref_out.dtype and out.shape == shape
+    _compare(out, up_out, ref_out, f"fused_add_rms_norm {shape}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
+@pytest.mark.parametrize("shape", [(1, 16), (5, 123), (6, 4, 128), (2, 3, 5, 64), (2048,)])
+def test_rms_norm(device, dtype, shape):
+    x = (3 * torch.randn(shape, device=device)).to(dtype)
+    weight = _weight(shape[-1], dtype, device)
+    out = triton_impl("rms_norm")(x, weight, EPS)
+    ref = reference_impl("rms_norm")(x, weight, EPS)
+    up = reference_impl("rms_norm")(x.float(), weight.float(), EPS)
+    assert out.dtype == dtype and out.shape == shape
+    _compare(out, up, ref, f"rms_norm {shape}")
+
+
+def test_rms_norm_strided_heads(device):
+    # Qwen3 q/k norm: [T, H, D] views of a fused qkv output, weight [D]; the rest of qkv is untouched
+    t, hq, hkv, d = 6, 4, 2, 128
+    qkv = torch.randn(t, (hq + 2 * hkv) * d + 8, device=device).half()  # +8: a row stride no view folds
+    before = qkv.clone()
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    weight = _weight(d, torch.float16, device)
+    for x in (q, k):
+        out = triton_impl("rms_norm")(x, weight, EPS)
+        _compare(out, reference_impl("rms_norm")(x.float(), weight.float(), EPS),
+                 reference_impl("rms_norm")(x, weight, EPS), "strided heads")
+    assert torch.equal(qkv, before)
+
+
+def test_rms_norm_fp32_weight_promotes(device):
+    # HF keeps some norm weights in fp32: `weight * normed.to(fp16)` is then fp32
+    x = torch.randn(4, 96, device=device).half()
+    weight = _weight(96, torch.float32, device)
+    out = triton_impl("rms_norm")(x, weight, EPS)
+    ref = reference_impl("rms_norm")(x, weight, EPS)
+    assert out.dtype == torch.float32 and torch.allclose(out, ref, rtol=2e-3, atol=0)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 4096), (8192, 4096), (513, 5120), (64, 8192), (4096, 32, 128)])
+def test_norms_gpu(device, dtype, shape):
+    test_fused_add_rms_norm(device, dtype, shape)
+    test_rms_norm(device, dtype, shape)

@@ -1,0 +1,145 @@
+"""Triton paged decode attention vs reference.paged_decode_attention (float32 oracle on upcast inputs).
+
+Tolerances (||out - ref|| / ||ref||, and max |out - ref|; outputs are O(1)):
+    float32   rel 1e-5   abs 1e-4   fp32 dots run with input_precision="ieee" (tf32 would be ~1e-3)
+    float16   rel 2e-3   abs 1e-2   p is rounded to fp16 for the PV dot, out rounded to fp16
+    bfloat16  rel 1e-2   abs 5e-2   same in bf16 (8-bit mantissa); GPU only (interpreter: bf16 tl.dot broken)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastllm.kernels import triton_impl
+from tests.kernels.kernel_testing import BF16, PagedKV, assert_close, decode_oracle, gpu
+
+TOL = {torch.float32: (1e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1e-2, 5e-2)}
+DTYPES = [torch.float32, torch.float16, BF16]
+
+
+def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, num_blocks=None, max_seq_len=None, num_splits=None,
+         strided_query=False):
+    num_blocks = num_blocks or sum(-(-n // page) for n in seq_lens) + 8
+    kv = PagedKV(seq_lens, num_blocks, page, hkv, d, dtype, device, gen)
+    max_seq_len = max_seq_len or max(max(seq_lens), 1)
+    if strided_query:  # a slice of a fused qkv-like buffer: token stride != Hq * D
+        query = torch.randn(len(seq_lens), hq + 2, d, device=device).to(dtype)[:, 1 : hq + 1]
+    else:
+        query = torch.randn(len(seq_lens), hq, d, device=device).to(dtype)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, max_seq_len, d**-0.5)
+    if num_splits is None:
+        out = triton_impl("paged_decode_attention")(*args)
+    else:
+        from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
+
+        out = paged_decode_attention_splits(*args, num_splits=num_splits)
+    ref = decode_oracle(query, kv, max_seq_len)
+    assert out.dtype == dtype
+    assert_close(out, ref, *TOL[dtype], what=f"decode lens={seq_lens}")
+    return out
+
+
+# (seq_lens, Hq, Hkv, head_dim, block_size)
+CASES = [
+    ([1], 4, 4, 64, 16),  # one token, MHA
+    ([16, 17, 5], 8, 2, 64, 16),  # exactly one block, one past it, GQA 4
+    ([33, 1, 100, 64], 16, 2, 128, 32),  # GQA 8, head dim 128, several lengths in one launch
+    ([7, 70], 4, 1, 8, 8),  # head dim 8, block size 8 (tiny test model)
+    ([50, 3], 6, 2, 80, 16),  # head dim 80, group of 3 (not a power of 2)
+    ([40, 9], 4, 2, 96, 32),  # head dim 96
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens,hq,hkv,d,page", CASES)
+def test_decode_matches_reference(device, gen, dtype, seq_lens, hq, hkv, d, page):
+    _run(device, gen, dtype, seq_lens, hq, hkv, d, page)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2)])  # GQA ratios 1, 4, 8
+@pytest.mark.parametrize("page", [16, 32])
+@pytest.mark.parametrize("d", [8, 64, 128])
+def test_decode_grid(device, gen, dtype, hq, hkv, page, d):
+    # lengths around the block boundaries of this block size, plus an odd long one
+    _run(device, gen, dtype, [page, page + 1, 1, 2 * page - 1, 3 * page + 5], hq, hkv, d, page)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_decode_forced_splits(device, gen, dtype, num_splits):
+    # lengths chosen so some splits are empty for the short requests and the long one spans all of them
+    _run(device, gen, dtype, [300, 1, 64, 129], 8, 2, 64, 16, max_seq_len=300, num_splits=num_splits)
+
+
+def test_decode_heuristic_splits_with_loose_bound(device, gen):
+    # max_seq_len (the CUDA-graph bound) far above the real length: the heuristic still splits it
+    from fastllm.kernels.paged_decode_attention import choose_num_splits
+
+    assert choose_num_splits(2048, 1, 2, num_sms=4) > 1
+    _run(device, gen, torch.float16, [200], 8, 2, 64, 16, max_seq_len=2048)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_padding_rows(device, gen, num_splits):
+    # CUDA-graph padding: seq_len 0 (nothing to attend: zeros) and 1, with all-zero block-table rows
+    kv = PagedKV([0, 1, 25], 16, 16, 2, 64, torch.float16, device, gen)
+    kv.block_tables[0].zero_()
+    kv.key_cache[0].normal_()  # block 0 is real data for the seq_len-1 padding row below
+    kv.value_cache[0].normal_()
+    kv.block_tables[1].zero_()
+    query = torch.randn(3, 8, 64, device=device).half()
+    from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
+
+    out = paged_decode_attention_splits(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                        128, 0.125, num_splits=num_splits)
+    assert torch.isfinite(out).all()
+    assert (out[0] == 0).all()
+    ref = decode_oracle(query, kv, 128)
+    assert_close(out, ref, *TOL[torch.float16])
+
+
+def test_decode_strided_query(device, gen):
+    _run(device, gen, torch.float16, [20, 45], 8, 2, 64, 16, strided_query=True)
+
+
+def test_split_count_is_host_only():
+    from fastllm.kernels.paged_decode_attention import choose_num_splits
+
+    assert choose_num_splits(32768, 1, 8, num_sms=132) > 8  # long single request: spread over the SMs
+    assert choose_num_splits(4096, 64, 8, num_sms=132) == 1  # batch x heads already fills the GPU
+    assert choose_num_splits(100, 1, 8, num_sms=132) == 1  # too short to be worth splitting
+
+
+# ---- full matrix on a real GPU ----
+GPU_CASES = [
+    [1],
+    [4096],
+    [1, 17, 512, 4095, 4096, 2000, 33, 64],
+    [int(x) for x in torch.randint(1, 4097, (64,), generator=torch.Generator().manual_seed(0))],
+    [int(x) for x in torch.randint(1, 300, (32,), generator=torch.Generator().manual_seed(1))],
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seq_lens", GPU_CASES, ids=lambda v: f"B{len(v)}max{max(v)}")
+@pytest.mark.parametrize("hq,hkv,d,page",
+                         [(32, 8, 128, 16), (32, 32, 128, 32), (16, 2, 64, 16), (28, 4, 128, 128)])
+def test_decode_gpu(device, gen, dtype, seq_lens, hq, hkv, d, page):
+    num_blocks = 32768 if hkv * page <= 256 else 16384  # 32768 x 16 x 8 x 128 = 2^29 elements per cache
+    _run(device, gen, dtype, seq_lens, hq, hkv, d, page, num_blocks=num_blocks, max_seq_len=4096)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_decode_gpu_int64_offsets(device, gen, dtype):
+    # 32768 blocks x 128 tokens x 8 heads x 128 = 2^32 elements per cache: block * stride overflows int32
+    # for every block id >= 16384, which about half of the randomly drawn ids are.
+    kv = PagedKV([3000, 1, 129, 4096], 32768, 128, 8, 128, dtype, device, gen)
+    assert int(kv.block_tables.max()) >= 16384
+    query = torch.randn(4, 32, 128, device=device).to(dtype)
+    out = triton_impl("paged_decode_attention")(
+        query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, 4096, 128**-0.5)
+    assert_close(out, decode_oracle(query, kv, 4096), *TOL[dtype])
