@@ -71,6 +71,20 @@ def make_llm():
     return cached_llm
 
 
+def release_cached_engines() -> None:
+    """Drop every cached engine (and its GPU memory) before a test that needs the whole device."""
+    import gc
+
+    for llm in _live_engines:
+        if not llm.engine.has_unfinished_requests():
+            llm.engine.check_kv_pool_whole()
+    _cache.clear()
+    _live_engines.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 _hf_cache: dict = {}
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fastllm import kernels
+from fastllm.kernels import dispatch as kernels
 
 # Attention layers by index, for the attention op to find its KV cache.
 _attention_layers: list = []

@@ -11,7 +11,7 @@ One program normalises BLOCK_R rows of N elements held in registers: one row for
 Memory traffic (one read of each input, one write of each output; weight is cached):
     rms_norm:            rows * N * (x.element_size() + out.element_size())
     fused_add_rms_norm:  rows * N * (3 * x.element_size() + out.element_size())
-(see bytes_moved). The unfused PyTorch code moves the row ~6 times, hence the fusion.
+(see bytes_moved). Unfused PyTorch reads and writes the row several times (fp32 copies included).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastllm import kernels as ops
+from fastllm.kernels import dispatch as ops
 from fastllm.compile import custom_ops
 from fastllm.worker.attn_metadata import get_attn_metadata
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from fastllm import LLM, SamplingParams
-from tests.conftest import PROMPTS, STORIES, cached_llm
+from tests.conftest import PROMPTS, cached_llm, release_cached_engines
 
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64)
+SMALL_POOL = dict(num_gpu_blocks=2048)  # the tiny model needs little KV; several engines share the GPU
 PADDED_BATCHES = [3, 13, 33]
 
 
@@ -34,7 +35,7 @@ def cpu_reference():
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_float32_matches_cpu(cpu_reference, eager):
-    llm = cached_llm(device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=64)
+    llm = cached_llm(device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=64, **SMALL_POOL)
     for n, want in cpu_reference.items():
         got = tokens(llm, many_prompts(n))
         assert got == want, f"batch {n}"
@@ -51,7 +52,7 @@ def leading_agreement(a, b):
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
 def test_bfloat16_writes_the_same_story(cpu_reference, eager):
-    llm = cached_llm(device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=64)
+    llm = cached_llm(device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=64, **SMALL_POOL)
     got = tokens(llm, PROMPTS)
     agree = [leading_agreement(g, w) for g, w in zip(got, cpu_reference[8])]
     print(f"\nbf16 ({'eager' if eager else 'graphs'}) vs float32: leading tokens agreeing per prompt {agree}, "
@@ -62,7 +63,7 @@ def test_bfloat16_writes_the_same_story(cpu_reference, eager):
 
 
 def test_graph_and_compiled_only_agree():
-    graphs = cached_llm(device="cuda", dtype="bfloat16", max_num_seqs=64)
+    graphs = cached_llm(device="cuda", dtype="bfloat16", max_num_seqs=64, **SMALL_POOL)
     assert graphs.engine.worker.runner.graphs is not None
     # the same compiled forward without replay: prefill-sized batches never use the graphs
     compiled = graphs.engine.worker.runner
@@ -75,6 +76,7 @@ def test_graph_and_compiled_only_agree():
 
 
 def test_dummy_llama_8b_profiled_kv_and_compiled_vs_eager():
+    release_cached_engines()
     results = {}
     prompts = [{"prompt_token_ids": torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
                for n in (17, 64, 128, 5)]

@@ -1,0 +1,131 @@
+"""Kernel dispatch (fastllm.kernels.dispatch): the Triton kernel when the tensors are on CUDA and triton imports, else the reference.
+
+Every op here has the signature of its twin in `reference.py`. `FASTLLM_KERNELS=reference` (read once, at
+import) forces the plain-PyTorch path everywhere. The chosen path is logged once per op and path on the
+"fastllm.kernels" logger, e.g. "paged_decode_attention: reference path (tensors on cpu)".
+Triton is imported lazily, so this package imports (and runs the references) without it.
+
+Tests and benchmarks call one implementation directly with `triton_impl(name)` / `reference_impl(name)`;
+under TRITON_INTERPRET=1 the Triton implementations also run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Callable
+
+import torch
+
+from fastllm.kernels import reference
+
+logger = logging.getLogger("fastllm.kernels")
+
+KERNEL_NAMES = (
+    "kv_cache_write",
+    "paged_decode_attention",
+    "prefill_attention",
+    "fused_add_rms_norm",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+)
+_MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
+    "kv_cache_write": "kv_cache_write",
+    "paged_decode_attention": "paged_decode_attention",
+    "prefill_attention": "prefill_attention",
+    "fused_add_rms_norm": "fused_add_rms_norm",
+    "rms_norm": "fused_add_rms_norm",
+    "rotary_embedding": "rotary",
+    "silu_and_mul": "silu_and_mul",
+}
+
+_MODE = os.environ.get("FASTLLM_KERNELS", "auto").strip().lower() or "auto"
+if _MODE not in ("auto", "reference"):
+    raise ValueError(f"FASTLLM_KERNELS must be 'auto' or 'reference', got {_MODE!r}")
+
+_chosen: dict[tuple[str, str], Callable] = {}  # (op, device type) -> implementation
+_logged: set[tuple[str, str]] = set()  # (op, path) already logged
+
+
+def reference_impl(name: str) -> Callable:
+    if name not in KERNEL_NAMES:
+        raise KeyError(f"unknown kernel {name!r}; known: {KERNEL_NAMES}")
+    return getattr(reference, name)
+
+
+def triton_impl(name: str) -> Callable:
+    """The Triton launcher of `name` (imports triton; raises ImportError without it)."""
+    if name not in KERNEL_NAMES:
+        raise KeyError(f"unknown kernel {name!r}; known: {KERNEL_NAMES}")
+    return getattr(importlib.import_module(f"fastllm.kernels.{_MODULE[name]}"), name)
+
+
+def _select(name: str, device: torch.device) -> Callable:
+    fn = _chosen.get((name, device.type))
+    if fn is not None:
+        return fn
+    path, why = "reference", None
+    if _MODE == "reference":
+        why = "FASTLLM_KERNELS=reference"
+    elif device.type != "cuda":
+        why = f"tensors on {device.type}"
+    else:
+        try:
+            fn = triton_impl(name)
+            path, why = "triton", f"tensors on {device.type}"
+        except Exception as e:  # triton missing, too old for the kernel module, or broken install
+            why = f"triton unavailable: {e}"
+    if fn is None:
+        fn = reference_impl(name)
+    _chosen[(name, device.type)] = fn
+    if (name, path) not in _logged:
+        _logged.add((name, path))
+        logger.info("%s: %s path (%s)", name, path, why)
+    return fn
+
+
+Tensor = torch.Tensor
+
+
+def kv_cache_write(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    return _select("kv_cache_write", key.device)(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    max_seq_len: int, scale: float,
+) -> Tensor:
+    return _select("paged_decode_attention", query.device)(
+        query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale
+    )
+
+
+def prefill_attention(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    query_start_loc: Tensor, max_query_len: int, scale: float,
+) -> Tensor:
+    return _select("prefill_attention", query.device)(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
+    )
+
+
+def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return _select("fused_add_rms_norm", x.device)(x, residual, weight, eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return _select("rms_norm", x.device)(x, weight, eps)
+
+
+def rotary_embedding(
+    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool = True
+) -> None:
+    return _select("rotary_embedding", query.device)(positions, query, key, cos_sin_cache, is_neox)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    return _select("silu_and_mul", x.device)(x)
