@@ -38,6 +38,15 @@ def configure_inductor_cache() -> Path:
 def compile_forward(model: torch.nn.Module):
     """The compiled model.forward(input_ids [T], positions [T]) -> hidden [T, H]."""
     configure_inductor_cache()
+    # Dynamo keys its cache on the code object, so every model instance in a process (tests,
+    # benchmarks comparing configurations) adds an entry: allow many before giving up.
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+    if hasattr(dynamo_config, "accumulated_recompile_limit"):
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 1024)
     return torch.compile(model.forward, fullgraph=True, dynamic=True)
 
 

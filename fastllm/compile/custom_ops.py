@@ -12,17 +12,20 @@ launched inside are captured into CUDA graphs like any other.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
 from fastllm.kernels import dispatch as kernels
 
-# Attention layers by index, for the attention op to find its KV cache.
-_attention_layers: list = []
+# Attention layers by index, for the attention op to find its KV cache. Weak references: an
+# engine that is dropped must give its KV cache memory back.
+_attention_layers: list[weakref.ref] = []
 
 
 def register_attention_layer(layer) -> int:
-    _attention_layers.append(layer)
+    _attention_layers.append(weakref.ref(layer))
     return len(_attention_layers) - 1
 
 
@@ -59,7 +62,7 @@ def _(positions, query, key, cos_sin_cache, is_neox):
 @torch.library.custom_op("fastllm::attention", mutates_args=())
 def attention(query: Tensor, key: Tensor, value: Tensor, layer_index: int) -> Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]; writes key/value into the cache."""
-    return _attention_layers[layer_index].run(query, key, value)
+    return _attention_layers[layer_index]().run(query, key, value)
 
 
 @attention.register_fake
