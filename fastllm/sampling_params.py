@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.IntEnum):
+    CUMULATIVE = 0  # every step: all the text and tokens so far
+    DELTA = 1  # every step: only what is new
+    FINAL_ONLY = 2  # once, when the request finishes (what LLM.generate uses)
 
 
 @dataclass
@@ -27,6 +34,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fastllm.bench.runner import random_prompts
 from fastllm.engine.llm_engine import LLMEngine
-from fastllm.sampling_params import SamplingParams
+from fastllm.sampling_params import RequestOutputKind, SamplingParams
 from fastllm.tracing import enable_nvtx
 
 # forward_graph: a decode step replayed from a CUDA graph; forward: eager or compiled.
@@ -100,7 +100,8 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: 
     max_tokens = min(prefill_steps + WARMUP_STEPS + steps + 2, engine.config.model.max_model_len - input_len)
     if max_tokens < prefill_steps + WARMUP_STEPS + steps + 1:
         raise ValueError(f"--input-len {input_len} leaves no room for {steps} profiled decode steps")
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     ids = [f"profile-{i}" for i in range(batch_size)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     try:

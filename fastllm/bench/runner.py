@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import LLMEngine
-from fastllm.sampling_params import SamplingParams
+from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def build_config(model: str | None, engine_kwargs: dict) -> EngineConfig:
@@ -101,7 +101,9 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
                  progress: bool = True, desc: str | None = None) -> RunRecord:
     """Submit all prompts at once (token-id lists, or anything engine.add_request takes; greedy,
     ignore EOS, exactly output_len tokens each) and step the engine until they finish, timing each step."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # DELTA outputs: each step's new token only, so timing does not include copying whole outputs.
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     device = engine.worker.device
     stats = engine.scheduler.kv.pool.stats
@@ -110,6 +112,7 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
     for tokens in token_ids:
         check_lengths(engine.config, len(tokens), output_len)
     prompt_len = dict(zip(ids, map(len, token_ids)))
+    generated = dict.fromkeys(ids, 0)
     run = RunRecord(len(prompts), list(prompt_len.values()), output_len)
     peak_memory_reset(device)
     start = time.perf_counter()
@@ -124,7 +127,8 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
                 t1 = time.perf_counter()
                 first, context = 0, []
                 for out in outputs:
-                    k = len(out.outputs[0].token_ids)
+                    generated[out.request_id] += len(out.outputs[0].token_ids)
+                    k = generated[out.request_id]
                     if k == 1:
                         first += 1
                         run.ttft_s[out.request_id] = t1 - start

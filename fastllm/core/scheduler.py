@@ -144,16 +144,18 @@ class Scheduler:
             req_id = request.request_id
             if req_id not in scheduled:
                 continue
-            block_ids = self.kv.block_ids(req_id)
+            blocks = self.kv.req_blocks[req_id]
             if req_id not in self._runner_knows:
                 self._runner_knows.add(req_id)
                 new_reqs.append(NewRequestData(req_id, request.prompt_token_ids, request.sampling_params,
-                                               block_ids, request.num_computed_tokens, request.output_token_ids))
+                                               [b.block_id for b in blocks], request.num_computed_tokens,
+                                               request.output_token_ids))
             elif known_blocks.get(req_id, -1) < 0 or req_id in rewritten:
-                cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens, [], block_ids))
-            else:
+                cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens, [],
+                                                     [b.block_id for b in blocks]))
+            else:  # the usual case: only the blocks added this step (none for most decodes)
                 cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens,
-                                                     block_ids[known_blocks[req_id]:]))
+                                                     [b.block_id for b in blocks[known_blocks[req_id]:]]))
         for request in self.running:
             request.num_computed_tokens += scheduled.get(request.request_id, 0)
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from fastllm.engine.detokenizer import IncrementalDetokenizer
 from fastllm.engine.request import Request
 from fastllm.outputs import CompletionOutput, Logprob, RequestOutput
+from fastllm.sampling_params import RequestOutputKind
 
 
 @dataclass
@@ -17,6 +18,8 @@ class SampleState:
     index: int
     detokenizer: IncrementalDetokenizer | None
     output: CompletionOutput
+    sent_tokens: int = 0  # for DELTA outputs: what the last output already carried
+    sent_text: int = 0
 
 
 @dataclass
@@ -24,6 +27,7 @@ class RequestGroup:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     samples: dict[str, SampleState] = field(default_factory=dict)  # child request id -> state
 
     @property
@@ -31,14 +35,28 @@ class RequestGroup:
         return all(s.output.finish_reason is not None for s in self.samples.values())
 
     def to_output(self) -> RequestOutput:
-        outputs = [s.output for s in sorted(self.samples.values(), key=lambda s: s.index)]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [_copy(o) for o in outputs], self.finished)
+        samples = sorted(self.samples.values(), key=lambda s: s.index)
+        if self.output_kind == RequestOutputKind.DELTA:
+            outputs = [_delta(s) for s in samples]
+        elif self.output_kind == RequestOutputKind.FINAL_ONLY and self.finished:
+            outputs = [s.output for s in samples]  # the group is dropped: nothing mutates them again
+        else:
+            outputs = [_copy(s.output) for s in samples]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished)
 
 
 def _copy(o: CompletionOutput) -> CompletionOutput:
     return CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
                             list(o.logprobs) if o.logprobs is not None else None, o.finish_reason, o.stop_reason)
+
+
+def _delta(s: SampleState) -> CompletionOutput:
+    o = s.output
+    delta = CompletionOutput(o.index, o.text[s.sent_text:], o.token_ids[s.sent_tokens:], o.cumulative_logprob,
+                             o.logprobs[s.sent_tokens:] if o.logprobs is not None else None,
+                             o.finish_reason, o.stop_reason)
+    s.sent_tokens, s.sent_text = len(o.token_ids), len(o.text)
+    return delta
 
 
 class OutputProcessor:
@@ -48,7 +66,7 @@ class OutputProcessor:
         self.group_of: dict[str, RequestGroup] = {}  # child request id -> its group
 
     def add_group(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], children: list[Request]):
-        group = RequestGroup(request_id, prompt, prompt_token_ids)
+        group = RequestGroup(request_id, prompt, prompt_token_ids, children[0].sampling_params.output_kind)
         for index, child in enumerate(children):
             params = child.sampling_params
             detok = None
@@ -89,7 +107,8 @@ class OutputProcessor:
                     out.finish_reason, out.stop_reason = "stop", hit
                     stopped.append(request.request_id)
             touched[group.request_id] = group
-        outputs = [g.to_output() for g in touched.values()]
+        outputs = [g.to_output() for g in touched.values()
+                   if g.output_kind != RequestOutputKind.FINAL_ONLY or g.finished]
         for group in touched.values():
             if group.finished:
                 self._drop(group)

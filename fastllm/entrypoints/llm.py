@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from fastllm.engine.llm_engine import LLMEngine, PromptType
 from fastllm.outputs import RequestOutput
-from fastllm.sampling_params import SamplingParams
+from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -38,6 +38,12 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+        # Offline generation only needs each request's final output (no per-step copies).
+        final: dict[int, SamplingParams] = {}
+        for p in sampling_params:
+            if id(p) not in final:
+                final[id(p)] = p.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        sampling_params = [final[id(p)] for p in sampling_params]
 
         request_ids = []
         try:

@@ -30,8 +30,8 @@ class SamplingRow:
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [B] float32, 1.0 on greedy rows
-    greedy: torch.Tensor  # [B] bool
+    temperature: torch.Tensor | None  # [B] float32, 1.0 on greedy rows; None when all rows are greedy
+    greedy: torch.Tensor | None  # [B] bool; None when all rows are greedy
     top_k: torch.Tensor | None  # [B] int64, vocab size where off; None when no row uses it
     top_p: torch.Tensor | None  # [B] float32
     min_p: torch.Tensor | None  # [B] float32
@@ -46,38 +46,43 @@ class SamplingMetadata:
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingMetadata":
         params = [r.params for r in rows]
         greedy = [p.greedy for p in params]
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-
-        def column(values, default, dtype):
-            if all(v == default for v in values):
-                return None
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        top_k = column([p.top_k if p.top_k and not g else vocab_size for p, g in zip(params, greedy)],
-                       vocab_size, torch.int64)
-        top_p = column([1.0 if g else p.top_p for p, g in zip(params, greedy)], 1.0, torch.float32)
-        min_p = column([0.0 if g else p.min_p for p, g in zip(params, greedy)], 0.0, torch.float32)
+        all_greedy = all(greedy)
         banned = []
         for i, r in enumerate(rows):
-            if len(r.output_token_ids) < r.params.min_tokens:
+            if r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens:
                 ids = list(r.params.stop_token_ids)
                 if r.eos_token_id is not None and not r.params.ignore_eos:
                     ids.append(r.eos_token_id)
                 if ids:
                     banned.append((i, ids))
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=top_k, top_p=top_p, min_p=min_p,
-            all_greedy=all(greedy),
-            generators={i: r.generator for i, r in enumerate(rows) if r.generator is not None and not greedy[i]},
+        metadata = cls(
+            temperature=None, greedy=None, top_k=None, top_p=None, min_p=None,
+            all_greedy=all_greedy,
+            generators={},
             penalty_rows=[(i, r.params, r.prompt_token_ids, r.output_token_ids)
                           for i, r in enumerate(rows) if r.params.has_penalties],
             banned=banned,
             max_num_logprobs=max((params[i].logprobs for i in logprob_rows), default=None),
             logprob_rows=logprob_rows,
         )
+        if all_greedy:  # the common benchmark case: no per-row tensors to build or copy
+            return metadata
+
+        def column(values, default, dtype):
+            if all(v == default for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        metadata.temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                                            dtype=torch.float32, device=device)
+        metadata.greedy = torch.tensor(greedy, dtype=torch.bool, device=device)
+        metadata.top_k = column([p.top_k if p.top_k and not g else vocab_size for p, g in zip(params, greedy)],
+                                vocab_size, torch.int64)
+        metadata.top_p = column([1.0 if g else p.top_p for p, g in zip(params, greedy)], 1.0, torch.float32)
+        metadata.min_p = column([0.0 if g else p.min_p for p, g in zip(params, greedy)], 0.0, torch.float32)
+        metadata.generators = {i: r.generator for i, r in enumerate(rows) if r.generator is not None and not greedy[i]}
+        return metadata
 
 
 @dataclass

@@ -1,8 +1,12 @@
-"""The runner's persistent view of each request, and the flat batch built from it each step."""
+"""The runner's persistent view of each request, and the flat batch built from it each step.
+
+Per-step host work is kept to O(1) Python per request: each request keeps its block table as a
+growing numpy row, and positions and slots are computed for the whole batch with numpy.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +25,24 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    block_table: np.ndarray = field(init=False, repr=False)  # block_ids as int32, with spare capacity
+
+    def __post_init__(self):
+        self.set_block_ids(self.block_ids)
+
+    def set_block_ids(self, block_ids: list[int]) -> None:
+        self.block_ids = list(block_ids)
+        self.block_table = np.zeros(max(16, 2 * len(block_ids)), dtype=np.int32)
+        self.block_table[:len(block_ids)] = block_ids
+
+    def append_block_ids(self, new_ids: list[int]) -> None:
+        n = len(self.block_ids)
+        if n + len(new_ids) > len(self.block_table):
+            grown = np.zeros(2 * (n + len(new_ids)), dtype=np.int32)
+            grown[:n] = self.block_table[:n]
+            self.block_table = grown
+        self.block_table[n:n + len(new_ids)] = new_ids
+        self.block_ids.extend(new_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -30,7 +52,9 @@ class CachedRequestState:
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
 
 
 @dataclass
@@ -49,44 +73,45 @@ def build_step_inputs(
 ) -> StepInputs:
     """Flatten the scheduled requests into one unpadded batch."""
     num_reqs = len(states)
-    input_ids, positions, slots = [], [], []
-    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-    seq_lens = np.zeros(num_reqs, dtype=np.int32)
+    counts = np.asarray(num_scheduled, dtype=np.int64)
+    starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+    ends = starts + counts
     max_blocks = max(len(s.block_ids) for s in states)
     block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
-    logits_indices, sample_states = [], []
-    for i, (state, n) in enumerate(zip(states, num_scheduled)):
-        start, end = state.num_computed_tokens, state.num_computed_tokens + n
+    input_ids: list[int] = []
+    sample_rows, sample_states = [], []
+    for i, state in enumerate(states):
+        start, end = int(starts[i]), int(ends[i])
         input_ids.extend(state.token_slice(start, end))
-        pos = np.arange(start, end)
-        positions.append(pos)
-        table = np.asarray(state.block_ids, dtype=np.int64)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
-        block_tables[i, :len(state.block_ids)] = state.block_ids
-        query_start_loc[i + 1] = query_start_loc[i] + n
-        seq_lens[i] = end
+        block_tables[i, :len(state.block_ids)] = state.block_table[:len(state.block_ids)]
         if end == state.num_tokens:  # caught up: the last row's logits give the next token
-            logits_indices.append(query_start_loc[i + 1] - 1)
+            sample_rows.append(i)
             sample_states.append(state)
+
+    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(counts, out=query_start_loc[1:])
+    row_of_token = np.repeat(np.arange(num_reqs), counts)
+    positions = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
+    slots = block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     def to_device(array, dtype):
         return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype, non_blocking=True)
 
     metadata = AttentionMetadata(
-        slot_mapping=to_device(np.concatenate(slots), torch.int64),
+        slot_mapping=to_device(slots, torch.int64),
         block_tables=to_device(block_tables, torch.int32),
-        seq_lens=to_device(seq_lens, torch.int32),
+        seq_lens=to_device(ends, torch.int32),
         query_start_loc=to_device(query_start_loc, torch.int32),
-        max_query_len=max(num_scheduled),
-        max_seq_len=int(seq_lens.max()),
+        max_query_len=int(counts.max()),
+        max_seq_len=int(ends.max()),
     )
     rows = [SamplingRow(s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids, eos_token_id)
             for s in sample_states]
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
-        positions=to_device(np.concatenate(positions), torch.int64),
+        positions=to_device(positions, torch.int64),
         attn_metadata=metadata,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(device, non_blocking=True),
+        logits_indices=to_device(query_start_loc[1:][sample_rows] - 1, torch.int64),
         sample_req_ids=[s.req_id for s in sample_states],
         sampling_metadata=SamplingMetadata.build(rows, vocab_size, device) if rows else None,
     )

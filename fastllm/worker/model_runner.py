@@ -156,9 +156,9 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.block_ids is not None:
-                state.block_ids = list(cached.block_ids)
-            else:
-                state.block_ids.extend(cached.new_block_ids)
+                state.set_block_ids(cached.block_ids)
+            elif cached.new_block_ids:
+                state.append_block_ids(cached.new_block_ids)
 
     def _collect_logprobs(self, req_ids, logprobs) -> dict:
         token_logprob, rank, top_ids, top_vals = (t.tolist() for t in logprobs)

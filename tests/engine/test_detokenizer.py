@@ -68,3 +68,26 @@ def test_stop_string_spanning_tokens():
     cut = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, stop=[target]),
                        use_tqdm=False)[0].outputs[0]
     assert cut.text == plain.text[:plain.text.index(target)]
+
+
+def test_output_kinds_stream_the_same_text():
+    """CUMULATIVE outputs grow; DELTA outputs concatenate to the same text; FINAL_ONLY comes once."""
+    from fastllm.sampling_params import RequestOutputKind
+
+    llm = cached_llm()
+    engine = llm.engine
+    results = {}
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, PROMPTS[2], SamplingParams(temperature=0, max_tokens=20, output_kind=kind))
+        results[kind] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[RequestOutputKind[out.request_id]].append(out)
+    final = results[RequestOutputKind.FINAL_ONLY]
+    assert len(final) == 1 and final[0].finished
+    cumulative = results[RequestOutputKind.CUMULATIVE]
+    assert len(cumulative) == 20 and cumulative[-1].outputs[0].text == final[0].outputs[0].text
+    assert all(a.outputs[0].text == b.outputs[0].text[:len(a.outputs[0].text)] for a, b in zip(cumulative, cumulative[1:]))
+    delta = results[RequestOutputKind.DELTA]
+    assert "".join(o.outputs[0].text for o in delta) == final[0].outputs[0].text
+    assert sum((o.outputs[0].token_ids for o in delta), []) == final[0].outputs[0].token_ids

@@ -62,17 +62,19 @@ def test_bfloat16_writes_the_same_story(cpu_reference, eager):
     print("bf16 sample:", texts[0][:200])
 
 
-def test_graph_and_compiled_only_agree():
-    graphs = cached_llm(device="cuda", dtype="bfloat16", max_num_seqs=64, **SMALL_POOL)
-    assert graphs.engine.worker.runner.graphs is not None
-    # the same compiled forward without replay: prefill-sized batches never use the graphs
-    compiled = graphs.engine.worker.runner
-    saved, compiled.graphs = compiled.graphs, None
-    try:
-        without = tokens(graphs, many_prompts(13))
-    finally:
-        compiled.graphs = saved
-    assert tokens(graphs, many_prompts(13)) == without
+def test_graph_replay_and_compiled_only_agree():
+    """Replaying the captured graphs and running the same padded steps through the compiled forward
+    without them run the same kernels on the same buffers: identical tokens, padding included."""
+    llm = cached_llm(device="cuda", dtype="bfloat16", max_num_seqs=64, **SMALL_POOL)
+    graphs = llm.engine.worker.runner.graphs
+    assert graphs is not None and graphs.max_bs == 64
+    for n in PADDED_BATCHES:
+        graphs.replay = False
+        try:
+            compiled_only = tokens(llm, many_prompts(n))
+        finally:
+            graphs.replay = True
+        assert tokens(llm, many_prompts(n)) == compiled_only, f"batch {n}"
 
 
 def test_dummy_llama_8b_profiled_kv_and_compiled_vs_eager():
