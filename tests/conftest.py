@@ -58,7 +58,8 @@ _cache: dict = {}
 def cached_llm(model: str = STORIES, **kwargs) -> LLM:
     """One LLM per distinct configuration for the whole session (building one costs ~1 s)."""
     kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("device", "cpu")
+    # FASTLLM_TEST_DEVICE=cuda reruns the engine tests on a GPU, with the Triton kernels on.
+    kwargs.setdefault("device", os.environ.get("FASTLLM_TEST_DEVICE", "cpu"))
     key = (model, tuple(sorted(kwargs.items())))
     if key not in _cache:
         _cache[key] = LLM(model, **kwargs)

@@ -63,8 +63,10 @@ class CUDAGraphRunner:
         before = torch.cuda.memory_allocated()
         pool = None
         for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
+            size_start = time.perf_counter()
             self._run(bs)  # warm up (and compile this size if it is new)
             torch.cuda.synchronize()
+            logger.debug("batch %d: warm-up %.2f s", bs, time.perf_counter() - size_start)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.logits[bs] = self._run(bs)
