@@ -7,43 +7,76 @@ Tokens with s < 0 are padding (e.g. CUDA-graph filler rows) and write nothing.
 Memory traffic: a pure copy. Per valid token it reads Hkv * D elements of key and value and writes
 the same count into each cache, plus one slot index per token:
     bytes = T_valid * Hkv * D * 2 * (key.element_size() + cache.element_size()) + T * slot.element_size()
-(see bytes_moved). One program per token moves 2 * Hkv * D elements (4 KiB for Hkv=8, D=128, bf16),
-which is big enough to keep the copy bandwidth-bound.
+(see bytes_moved). A program moves a [BLOCK_T tokens, Hkv, D] tile of key and of value: each token's row
+is contiguous along D (16-byte vector accesses) and lands as one contiguous Hkv x D run in the cache, and
+several tokens per program keep more bytes in flight than one 4 KiB token row did.
+
+Launch config (tokens per program, warps) is a host-side table on T and the row size (`choose_config`),
+never triton.autotune: this kernel runs inside captured decode CUDA graphs, whose warm-up calls are all
+padding (slot -1), so timings taken there would mean nothing. The table was measured on an H100 with
+benchmarks/kernels/tune.py.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 
+class KVWriteConfig(NamedTuple):
+    block_t: int  # tokens per program
+    num_warps: int
+
+
+LEGACY_CONFIG = KVWriteConfig(1, 4)  # one token per program, as before tuning
+# What choose_config can return (the first two) and what else tune.py times. On an H100 (tune.py --explore:
+# 1-32 tokens per program x 1-8 warps) every config moved T = 8192 random-slot rows in 0.0285 ms (78% of
+# copy bandwidth; the 2 KiB scattered writes, not the launch shape, set that) and small T is launch-bound.
+CANDIDATES = [LEGACY_CONFIG, KVWriteConfig(4, 4), KVWriteConfig(2, 4), KVWriteConfig(8, 4), KVWriteConfig(16, 8)]
+
+
 @triton.jit
 def _kv_cache_write_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,  # key/value [T, Hkv, D], last dim contiguous
     stride_kcb, stride_kcs, stride_kch,  # key_cache [num_blocks, block_size, Hkv, D]
     stride_vcb, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:  # padding token
-        return
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+    t_ok = t < num_tokens
     # int64: block * stride_kcb exceeds 2^31 for caches over 2G elements (e.g. 32768 blocks of 128 tokens).
+    slot = tl.load(slot_ptr + t, mask=t_ok, other=-1).to(tl.int64)
+    ok = slot >= 0  # padding tokens (and tokens past T) write nothing
     block = slot // PAGE
     offset = slot % PAGE
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    mask = (h < NUM_HEADS)[:, None] & (d < HEAD_DIM)[None, :]  # [BLOCK_H, BLOCK_D]
-
-    k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-    kc = key_cache_ptr + block * stride_kcb + offset * stride_kcs + h[:, None] * stride_kch + d[None, :]
-    vc = value_cache_ptr + block * stride_vcb + offset * stride_vcs + h[:, None] * stride_vch + d[None, :]
+    if NUM_HEADS == BLOCK_H and HEAD_DIM == BLOCK_D:
+        mask = ok[:, None, None]  # constant along D: the accesses stay 16-byte vectors
+    else:
+        mask = ok[:, None, None] & (h < NUM_HEADS)[None, :, None] & (d < HEAD_DIM)[None, None, :]
+    hd_k = h[None, :, None] * stride_kh + d[None, None, :]  # [1, BLOCK_H, BLOCK_D]
+    hd_v = h[None, :, None] * stride_vh + d[None, None, :]
+    k = tl.load(key_ptr + t[:, None, None] * stride_kt + hd_k, mask=mask)
+    v = tl.load(value_ptr + t[:, None, None] * stride_vt + hd_v, mask=mask)
+    kc = key_cache_ptr + (block * stride_kcb + offset * stride_kcs)[:, None, None] \
+        + h[None, :, None] * stride_kch + d[None, None, :]
+    vc = value_cache_ptr + (block * stride_vcb + offset * stride_vcs)[:, None, None] \
+        + h[None, :, None] * stride_vch + d[None, None, :]
     tl.store(kc, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def choose_config(num_tokens: int, row_bytes: int) -> KVWriteConfig:
+    """Tokens per program and warps from T and the bytes of one token's K row (host ints only)."""
+    if num_tokens < 512:
+        return LEGACY_CONFIG  # latency-bound: one token per program spreads over the most SMs
+    return CANDIDATES[1]  # 4 tokens (16 KiB of K and V) per program: a quarter of the programs, same speed
 
 
 def bytes_moved(key: torch.Tensor, key_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -62,6 +95,11 @@ def kv_cache_write(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int32/int64; < 0 means skip
 ) -> None:
+    kv_cache_write_config(key, value, key_cache, value_cache, slot_mapping, config=None)
+
+
+def kv_cache_write_config(key, value, key_cache, value_cache, slot_mapping, config: KVWriteConfig | None) -> None:
+    """kv_cache_write with config None (choose_config) or one explicit candidate (tests, tune.py)."""
     num_tokens, num_heads, head_dim = key.shape
     assert value.shape == key.shape, (value.shape, key.shape)
     assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape
@@ -72,12 +110,13 @@ def kv_cache_write(
     assert slot_mapping.is_contiguous()
     if num_tokens == 0:
         return
-    _kv_cache_write_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
+    cfg = config or choose_config(num_tokens, num_heads * head_dim * key.element_size())
+    _kv_cache_write_kernel[(triton.cdiv(num_tokens, cfg.block_t),)](
+        key, value, key_cache, value_cache, slot_mapping, num_tokens,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, PAGE=key_cache.shape[1],
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        BLOCK_T=cfg.block_t, BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=cfg.num_warps,
     )

@@ -7,14 +7,17 @@ from its own seq_len). Pass 1 (grid B x Hkv x splits) runs an online softmax ove
 Hq/Hkv query heads of one KV group at once: the group is padded to 16 rows so that q @ K^T and p @ V
 are tensor-core tl.dot's, and each K/V tile is loaded once per group rather than once per head. It
 writes the partial output o_s (already divided by its own softmax sum) and
-lse_s = log2(sum_j exp2(s_j log2 e)). Pass 2 (grid B x Hq) merges the splits:
+lse_s = log2(sum_j exp2(s_j log2 e)). Pass 2 (grid B x Hq) merges the non-empty splits, BLOCK_S at a time:
     out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s.
+Splits past the end of a request's sequence (start >= seq_len) return at once and write nothing: pass 2
+recomputes from seq_len how many splits hold keys, so a loose max_seq_len bound costs only empty programs.
 With one split pass 1 writes `out` directly and pass 2 is skipped.
 
-The split count depends only on max_seq_len (a host-side bound), batch x Hkv and the SM count, never on
-device values: no host sync, and a CUDA graph replays the same launch for any seq_lens. Only the part
-length follows the device seq_len, so a loose bound (max_model_len) costs no idle splits on long
-sequences, just some empty ones on sequences shorter than num_splits * BLOCK_N.
+Launch config (split count, BLOCK_N, warps, stages) comes from a host-side table (`choose_config`) that
+depends only on max_seq_len (a host-side bound), batch, Hkv and the SM count, never on device values: no
+host sync, and a CUDA graph replays the same launch for any seq_lens. It is not a triton.autotune: the
+engine's warm-up before graph capture runs on all-padding batches (seq_len 0 / 1), where timings mean
+nothing. The table was measured on an H100 with benchmarks/kernels/tune.py (which times every candidate).
 
 Memory traffic (decode is bandwidth-bound; K/V dominate):
     bytes = sum_b L_b * Hkv * D * 2 * cache.element_size()          (K and V, read once per group)
@@ -26,6 +29,7 @@ Block-table reads are a few bytes per page and are ignored (see bytes_moved).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -34,7 +38,30 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 _MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
 _MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, partial write, reduce input)
+# Beyond ~64 splits the merge (B x Hq programs, each walking its splits BLOCK_S at a time) costs more than
+# the extra parallelism gains: B1 x 32768 on an H100 took 0.085-0.12 ms at 256 splits, 0.067 at 24-64.
 _MAX_SPLITS = 64
+_WAVES = 3  # B x Hkv x splits ~ 3 programs per SM (H100, CUDA-graph timings: 24-64 splits at B1, 8 at B8)
+_REDUCE_BLOCK_S = 32
+
+# (block_n, num_warps, num_stages): the tiles the table uses (64 for head_dim <= 128, 32 above) and the runner-up
+# tune.py keeps timing. On an H100 (CUDA-graph timings) BLOCK_N 64 / 4 warps / 2 stages was within 2% of the
+# best of 15 tile configs at every measured shape, and the best at B64 x 4096.
+TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2)]
+
+
+def split_candidates(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
+    """Split counts tune.py times around the table's choice."""
+    chosen = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
+    cap = max(1, min(_MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
+    return sorted({max(1, chosen // 2), chosen, min(cap, chosen * 2)})
+
+
+class DecodeConfig(NamedTuple):
+    num_splits: int
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
 
 
 @triton.jit
@@ -53,6 +80,12 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
+    start = split * part_len
+    end = tl.minimum(start + part_len, seq_len)  # start >= end: an empty split
+    if not DIRECT_OUT:
+        if start >= end:
+            return  # the reduce pass only reads the splits that hold keys
 
     g = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + g  # [BLOCK_G] query heads of this KV group (rows >= GROUP are padding)
@@ -62,35 +95,34 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
 
-    # m starts finite so that rows/splits with no valid key give p = 0 rather than exp2(-inf + inf) = NaN.
+    # m starts finite so that rows with no valid key give p = 0 rather than exp2(-inf + inf) = NaN.
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
-    start = split * part_len
-    end = tl.minimum(start + part_len, seq_len)  # start >= end: an empty split
     bt_row = block_tables_ptr + b * stride_bt
+    k_head = k_cache_ptr + kv_head * stride_kh
+    v_head = v_cache_ptr + kv_head * stride_vh
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions; a tile may span several pages
         n_ok = n < end
         page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)  # int64: page * stride > 2^31
-        kv_mask = n_ok[None, :] & d_ok[:, None]
-        k_off = page[None, :] * stride_kb + (n % PAGE)[None, :] * stride_ks + kv_head * stride_kh + d[:, None]
-        k = tl.load(k_cache_ptr + k_off, mask=kv_mask, other=0.0)  # [BLOCK_D, BLOCK_N] = K^T
-        s = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+        slot = n % PAGE
+        k_off = page[None, :] * stride_kb + slot[None, :] * stride_ks + d[:, None]
+        k = tl.load(k_head + k_off, mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N] = K^T
+        v_off = page[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :]
+        # Masked tokens must load 0, not whatever is in the slot: p = 0 times NaN is still NaN.
+        v = tl.load(v_head + v_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_G, BLOCK_N], unscaled
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+        p = tl.exp2(s * scale_log2 - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_off = page[:, None] * stride_vb + (n % PAGE)[:, None] * stride_vs + kv_head * stride_vh + d[None, :]
-        # Masked tokens must load 0, not whatever is in the slot: p = 0 times NaN is still NaN.
-        v = tl.load(v_cache_ptr + v_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # empty split / seq_len 0: o = 0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # seq_len 0: o = 0
     row_mask = g_ok[:, None] & d_ok[None, :]
     if DIRECT_OUT:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -99,30 +131,40 @@ def _decode_split_kernel(
         # partials: part_o [B, Hq, splits, HEAD_DIM] fp32, part_lse [B, Hq, splits] fp32
         row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=row_mask)
-        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + row, lse, mask=g_ok)
+        tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)  # a non-empty split: l_i >= 1
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, stride_ob, stride_oh, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # b * Hq + h
     b = row // num_heads
     h = row % num_heads
-    s = tl.arange(0, BLOCK_S)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # the same split sizes as pass 1: splits 0 .. n_active - 1 hold keys (none when seq_len is 0)
+    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    n_active = tl.cdiv(seq_len, tl.maximum(part_len, 1))
     d = tl.arange(0, BLOCK_D)
-    s_ok = s < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len 0): weights 0, out 0
-    w = tl.exp2(lse - m)
-    den = tl.sum(w, axis=0)
-    o = tl.load(part_o_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-                mask=s_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    d_ok = d < HEAD_DIM
+    m = tl.full([1], float("-inf"), tl.float32)
+    den = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, n_active, BLOCK_S):  # online merge, BLOCK_S splits at a time
+        s = s0 + tl.arange(0, BLOCK_S)
+        s_ok = s < n_active
+        lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
+        m_new = tl.maximum(m, tl.max(lse, axis=0))  # finite: split s0 holds keys
+        w = tl.exp2(lse - m_new)
+        o = tl.load(part_o_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+        alpha = tl.exp2(m - m_new)
+        den = den * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        m = m_new
+    out = acc / tl.where(den > 0.0, den, 1.0)  # no active split (seq_len 0): out = 0
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -135,19 +177,29 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _block_n(head_dim: int) -> int:
-    return 32 if head_dim > 128 else 64
+def legacy_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int) -> DecodeConfig:
+    """The launch before tuning (kept for tune.py's comparison): 2 waves, >= 256 tokens a split, <= 64."""
+    want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    splits = max(1, min(want, max(1, min(64, max_seq_len // 256))))
+    return DecodeConfig(splits, 32 if head_dim > 128 else 64, 4, 2)
 
 
 def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits so that B x Hkv x splits covers ~2 waves of SMs, each split >= _MIN_SPLIT_TOKENS.
+    """Splits so that B x Hkv x splits is ~_WAVES programs per SM, each split >= _MIN_SPLIT_TOKENS tokens.
 
     Only host-side ints: the same arguments give the same launch (CUDA-graph safe).
     """
     base = max(1, batch * num_kv_heads)
-    want = triton.cdiv(2 * num_sms, base)
+    want = triton.cdiv(_WAVES * num_sms, base)
     cap = max(1, min(_MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
     return max(1, min(want, cap))
+
+
+def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int) -> DecodeConfig:
+    """Split count and tile config for one launch; host-side ints only (CUDA-graph safe)."""
+    splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
+    block_n, num_warps, num_stages = TILE_CONFIGS[2] if head_dim > 128 else TILE_CONFIGS[0]
+    return DecodeConfig(splits, block_n, num_warps, num_stages)
 
 
 def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: int,
@@ -161,9 +213,10 @@ def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: i
 
 
 def paged_decode_attention_splits(
-    query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float, num_splits: int
+    query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float, num_splits: int,
+    block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
 ) -> torch.Tensor:
-    """paged_decode_attention with an explicit split count (tests and tuning); max_seq_len is unused here."""
+    """paged_decode_attention with an explicit launch config (tests and tuning); max_seq_len is unused here."""
     batch, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
@@ -180,7 +233,8 @@ def paged_decode_attention_splits(
     out = torch.empty((batch, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
-    block_n = _block_n(head_dim)
+    block_n = block_n or (32 if head_dim > 128 else 64)
+    assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
     block_d = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:
         f32 = dict(dtype=torch.float32, device=query.device)
@@ -200,13 +254,13 @@ def paged_decode_attention_splits(
         DIRECT_OUT=num_splits == 1,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(batch * num_q_heads,)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), num_q_heads, num_splits,
-            HEAD_DIM=head_dim,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, num_warps=4,
+            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), num_q_heads, num_splits,
+            HEAD_DIM=head_dim, BLOCK_S=min(_REDUCE_BLOCK_S, triton.next_power_of_2(num_splits)),
+            BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
         )
     return out
 
@@ -221,7 +275,8 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     num_sms = _num_sms(query.device) if query.is_cuda else 4  # interpreter on CPU: pretend 4 SMs
-    num_splits = choose_num_splits(max_seq_len, query.shape[0], key_cache.shape[2], num_sms)
+    cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2], num_sms)
     return paged_decode_attention_splits(
-        query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, num_splits
+        query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
+        block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -14,7 +14,7 @@ from tests.kernels.kernel_testing import gpu
 
 
 def _check(device, gen, num_tokens, hkv, d, page, num_blocks, dtype, cache_dtype=None, num_padding=0,
-           strided=False):
+           strided=False, config=None):
     cache_dtype = cache_dtype or dtype
     total = num_tokens + num_padding
     key = torch.randn(total, hkv, d, device=device).to(dtype)
@@ -31,7 +31,12 @@ def _check(device, gen, num_tokens, hkv, d, page, num_blocks, dtype, cache_dtype
     key_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
     value_cache = torch.full(shape, float("nan"), dtype=cache_dtype, device=device)
     ref_k, ref_v = key_cache.clone(), value_cache.clone()
-    triton_impl("kv_cache_write")(key, value, key_cache, value_cache, slot_mapping)
+    if config is None:
+        triton_impl("kv_cache_write")(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        from fastllm.kernels.kv_cache_write import kv_cache_write_config
+
+        kv_cache_write_config(key, value, key_cache, value_cache, slot_mapping, config=config)
     reference_impl("kv_cache_write")(key, value, ref_k, ref_v, slot_mapping)
 
     written = torch.zeros(num_blocks * page, dtype=torch.bool, device=device)
@@ -60,6 +65,28 @@ def test_kv_cache_write_casts_to_cache_dtype(device, gen):
     _check(device, gen, 6, 2, 64, 16, num_blocks=4, dtype=torch.float32, cache_dtype=torch.float16)
 
 
+def _candidates():
+    from fastllm.kernels.kv_cache_write import CANDIDATES
+
+    return [pytest.param(c, id=f"T{c.block_t}-w{c.num_warps}") for c in CANDIDATES]
+
+
+@pytest.mark.parametrize("config", _candidates())
+@pytest.mark.parametrize("num_tokens,hkv,d", [(37, 2, 64), (8, 3, 80)])
+def test_kv_cache_write_every_candidate(device, gen, config, num_tokens, hkv, d):
+    # T not a multiple of the tokens per program (a ragged last program), padding among the tokens,
+    # non-power-of-2 heads / head dim (masked tiles), strided inputs
+    _check(device, gen, num_tokens, hkv, d, 16, num_blocks=8, dtype=torch.float16, num_padding=5,
+           strided=hkv == 2, config=config)
+
+
+def test_kv_cache_write_table():
+    from fastllm.kernels.kv_cache_write import CANDIDATES, choose_config
+
+    for t in (1, 2, 7, 64, 100, 256, 512, 2048, 8192, 100000):
+        assert choose_config(t, 2048) in CANDIDATES
+
+
 def test_kv_cache_write_all_padding(device, gen):
     _check(device, gen, 0, 2, 64, 16, num_blocks=4, dtype=torch.float16, num_padding=4)
 
@@ -71,6 +98,14 @@ def test_kv_cache_write_all_padding(device, gen):
 def test_kv_cache_write_gpu(device, gen, dtype, num_tokens, hkv, d, page):
     _check(device, gen, num_tokens, hkv, d, page, num_blocks=32768, dtype=dtype,
            num_padding=num_tokens // 8 + 1)
+
+
+@gpu
+@pytest.mark.parametrize("config", _candidates())
+@pytest.mark.parametrize("num_tokens", [1, 63, 8191])
+def test_kv_cache_write_gpu_every_candidate(device, gen, config, num_tokens):
+    _check(device, gen, num_tokens, 8, 128, 16, num_blocks=32768, dtype=torch.bfloat16,
+           num_padding=num_tokens // 8 + 1, config=config)
 
 
 @gpu

@@ -19,7 +19,7 @@ DTYPES = [torch.float32, torch.float16, BF16]
 
 
 def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, num_blocks=None, max_seq_len=None, num_splits=None,
-         strided_query=False):
+         strided_query=False, tile=None):
     num_blocks = num_blocks or sum(-(-n // page) for n in seq_lens) + 8
     kv = PagedKV(seq_lens, num_blocks, page, hkv, d, dtype, device, gen)
     max_seq_len = max_seq_len or max(max(seq_lens), 1)
@@ -33,11 +33,19 @@ def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, num_blocks=None, max_se
     else:
         from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
 
-        out = paged_decode_attention_splits(*args, num_splits=num_splits)
+        block_n, num_warps, num_stages = tile or (None, 4, 2)
+        out = paged_decode_attention_splits(*args, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+                                            num_stages=num_stages)
     ref = decode_oracle(query, kv, max_seq_len)
     assert out.dtype == dtype
     assert_close(out, ref, *TOL[dtype], what=f"decode lens={seq_lens}")
     return out
+
+
+def _tile_configs():
+    from fastllm.kernels.paged_decode_attention import TILE_CONFIGS
+
+    return TILE_CONFIGS
 
 
 # (seq_lens, Hq, Hkv, head_dim, block_size)
@@ -104,6 +112,32 @@ def test_decode_strided_query(device, gen):
     _run(device, gen, torch.float16, [20, 45], 8, 2, 64, 16, strided_query=True)
 
 
+@pytest.mark.parametrize("tile", [pytest.param(t, id="BN{}-w{}-s{}".format(*t)) for t in _tile_configs()])
+@pytest.mark.parametrize("num_splits", [1, 7])
+def test_decode_every_tile_config(device, gen, tile, num_splits):
+    # every (BLOCK_N, warps, stages) the host table can pick: tiles past a split's end, partial last tiles
+    _run(device, gen, torch.float16, [300, 1, 129, 64], 8, 2, 64, 16, max_seq_len=300, num_splits=num_splits,
+         tile=tile)
+
+
+def test_decode_many_splits_multi_chunk_reduce(device, gen):
+    # 35 non-empty splits of 32 tokens (> the reduce's 32 splits per step), the rest empty (skipped by both
+    # passes); the short requests use only the first few splits
+    _run(device, gen, torch.float16, [1100, 5, 40], 4, 2, 32, 16, max_seq_len=4096, num_splits=64,
+         tile=(16, 4, 2))
+
+
+def test_decode_loose_bound_max_splits(device, gen):
+    # the CUDA-graph case: a max_seq_len bound far above the lengths makes the table pick many splits,
+    # almost all empty for these requests
+    from fastllm.kernels.paged_decode_attention import choose_config
+
+    cfg = choose_config(32768, 1, 2, 64, num_sms=132)
+    assert cfg.num_splits > 32
+    _run(device, gen, torch.float16, [70], 8, 2, 64, 16, max_seq_len=32768, num_splits=cfg.num_splits,
+         tile=cfg[1:])
+
+
 def test_split_count_is_host_only():
     from fastllm.kernels.paged_decode_attention import choose_num_splits
 
@@ -130,6 +164,27 @@ GPU_CASES = [
 def test_decode_gpu(device, gen, dtype, seq_lens, hq, hkv, d, page):
     num_blocks = 32768 if hkv * page <= 256 else 16384  # 32768 x 16 x 8 x 128 = 2^29 elements per cache
     _run(device, gen, dtype, seq_lens, hq, hkv, d, page, num_blocks=num_blocks, max_seq_len=4096)
+
+
+@gpu
+@pytest.mark.parametrize("tile", [pytest.param(t, id="BN{}-w{}-s{}".format(*t)) for t in _tile_configs()])
+@pytest.mark.parametrize("num_splits", [1, 16, 256])
+@pytest.mark.parametrize("hq,hkv,d,page", [(32, 8, 128, 16), (28, 4, 128, 128), (16, 2, 64, 16)])
+def test_decode_gpu_every_config(device, gen, tile, num_splits, hq, hkv, d, page):
+    # every tile config the table can pick, with 1 (direct), some and the most splits, on mixed lengths
+    _run(device, gen, torch.bfloat16, [1, 17, 512, 4095, 4096, 2000, 33, 64], hq, hkv, d, page,
+         num_blocks=16384, max_seq_len=4096, num_splits=num_splits, tile=tile)
+
+
+@gpu
+@pytest.mark.parametrize("max_seq_len", [512, 4096, 32768])
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_decode_gpu_table_choice(device, gen, max_seq_len, batch):
+    # whatever the table picks for a (bound, batch) pair, with lengths spread up to the bound
+    lens = torch.randint(1, max_seq_len + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    lens[0] = max_seq_len
+    _run(device, gen, torch.bfloat16, lens, 32, 8, 128, 16, num_blocks=sum(-(-n // 16) for n in lens) + 8,
+         max_seq_len=max_seq_len)
 
 
 @gpu

@@ -19,7 +19,7 @@ DTYPES = [torch.float32, torch.float16, BF16]
 
 
 def _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page, num_blocks=None, pad_tokens=0,
-         strided_query=False):
+         strided_query=False, config=None):
     """pad_tokens NaN query rows after the last request's rows (they belong to no request)."""
     assert all(0 <= q <= s for q, s in zip(q_lens, seq_lens))
     num_blocks = num_blocks or sum(-(-n // page) for n in seq_lens) + 8
@@ -30,11 +30,24 @@ def _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page, num_blocks=None
     buf[total:] = float("nan")
     query = buf[:, 1 : hq + 1] if strided_query else buf
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
-    out = triton_impl("prefill_attention")(
-        query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, max(q_lens), d**-0.5)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, max(q_lens), d**-0.5)
+    if config is None:
+        out = triton_impl("prefill_attention")(*args)
+    else:
+        from fastllm.kernels.prefill_attention import prefill_attention_config
+
+        out = prefill_attention_config(*args, config=config)
     assert out.dtype == dtype and out.shape == query.shape
     ref = attention_oracle(query[:total], kv, qsl)
     assert_close(out[:total], ref, *TOL[dtype], what=f"prefill q={q_lens} s={seq_lens}")
+
+
+def _configs(head_dim):
+    from fastllm.kernels.prefill_attention import CONFIGS_HEAD_DIM_128, CONFIGS_HEAD_DIM_256
+
+    configs = CONFIGS_HEAD_DIM_128 if head_dim <= 128 else CONFIGS_HEAD_DIM_256
+    return [pytest.param(c, id="BM{BLOCK_M}-BN{BLOCK_N}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}")
+            for c in configs]
 
 
 # (q_lens, seq_lens, Hq, Hkv, head_dim, block_size)
@@ -77,6 +90,39 @@ def test_prefill_head_dim_96(device, gen):
     _run(device, gen, torch.float16, [11, 3], [11, 70], 4, 2, 96, 32)
 
 
+@pytest.mark.parametrize("config", _configs(64))
+def test_prefill_every_candidate_config(device, gen, config):
+    # each autotune candidate on its own: several query tiles, unmasked key tiles before the diagonal,
+    # chunks over a cached prefix, a decode row, an empty request, group 4
+    _run(device, gen, torch.float16, [150, 33, 1, 0], [220, 100, 50, 9], 8, 2, 64, 16, config=config)
+
+
+@pytest.mark.parametrize("config", _configs(256))
+def test_prefill_every_candidate_config_head_dim_256(device, gen, config):
+    _run(device, gen, torch.float16, [70, 1], [100, 30], 4, 2, 256, 16, config=config)
+
+
+def test_prefill_candidates_and_buckets():
+    from fastllm.kernels.prefill_attention import CONFIGS_HEAD_DIM_128, candidate_configs, len_bucket
+
+    assert candidate_configs(128, 4) == CONFIGS_HEAD_DIM_128  # the first one is the pre-tuning config
+    assert all(c.kwargs["BLOCK_M"] >= 32 for c in candidate_configs(64, 32))  # a tile holds one token's heads
+    lens = (1, 16, 17, 64, 65, 512, 2048, 8192, 20000)
+    assert [len_bucket(n) for n in lens] == [16, 16, 32, 64, 128, 512, 2048, 8192, 16384]
+
+
+def test_prefill_autotune_pick_is_cached(device, gen):
+    # the first call of a (bucket, shape, dtype) key tunes (interpreter: the single pre-tuning candidate) and
+    # records the pick; later calls of that key launch the plain kernel with it
+    from fastllm.kernels.prefill_attention import candidate_configs, tuned_config
+
+    _run(device, gen, torch.float16, [21, 7], [21, 30], 8, 2, 64, 16)
+    picked = tuned_config(64, 4, 21, 16, torch.float16)
+    assert picked is not None and picked in candidate_configs(64, 4)
+    _run(device, gen, torch.float16, [30, 1], [60, 9], 8, 2, 64, 16)  # same bucket (32): the cached pick
+    assert tuned_config(64, 4, 30, 16, torch.float16) is picked
+
+
 def test_prefill_all_empty(device, gen):
     kv = PagedKV([4, 7], 8, 16, 2, 64, torch.float16, device, gen)
     query = torch.randn(0, 4, 64, device=device).half()
@@ -112,6 +158,23 @@ GPU_CASES = [
 def test_prefill_gpu(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page):
     num_blocks = 32768 if hkv * page <= 256 else 16384  # 32768 x 16 x 8 x 128 = 2^29 elements per cache
     _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page, num_blocks=num_blocks)
+
+
+@gpu
+@pytest.mark.parametrize("config", _configs(128))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,page", [(32, 8, 16), (28, 4, 128), (32, 32, 32)])
+def test_prefill_gpu_every_candidate_config(device, gen, config, dtype, hq, hkv, page):
+    # each config autotune can pick, on a mix of long prompts, chunks, decode rows and an empty request
+    q_lens, seq_lens = [512, 1, 1, 1000, 4, 0, 300], [4096, 3000, 17, 2024, 4, 9, 300]
+    _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, 128, page, num_blocks=4096, config=config)
+
+
+@gpu
+@pytest.mark.parametrize("config", _configs(256))
+def test_prefill_gpu_every_candidate_config_head_dim_256(device, gen, config):
+    _run(device, gen, torch.bfloat16, [700, 1, 64], [900, 50, 64], 16, 8, 256, 16, num_blocks=4096,
+         config=config)
 
 
 @gpu
