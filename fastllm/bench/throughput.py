@@ -73,9 +73,13 @@ def throughput_row(run: RunRecord, shared_prefix_len: int, prefix_caching: bool)
 
 def run_throughput(engine: LLMEngine, prompts: list, output_len: int, shared_prefix_len: int = 0,
                    progress: bool = True, warmup_len: int = 16) -> dict:
-    # A short warm-up (Triton JIT, cuBLAS) on prompts that share nothing with the measured ones.
-    warmup_len = max(1, min(warmup_len, engine.config.model.max_model_len - 2))
-    warm = make_prompts(engine, min(8, len(prompts)), warmup_len, seed=12345)
+    # Warm-up on prompts that share nothing with the measured ones: short ones (Triton JIT, cuBLAS),
+    # then two of the measured length, so the prefill kernel's first-call tile autotuning for that
+    # length is not counted in the measured time to first token.
+    max_len = engine.config.model.max_model_len - 2
+    full_len = max(len(engine.tokenize(p)[1]) for p in prompts)
+    warm = make_prompts(engine, min(8, len(prompts)), max(1, min(warmup_len, max_len)), seed=12345)
+    warm += make_prompts(engine, 2, max(1, min(full_len, max_len)), seed=54321)
     run_requests(engine, warm, 2, "warmup", progress=False)
     run = run_requests(engine, prompts, output_len, "req", progress=progress, desc="requests")
     return throughput_row(run, shared_prefix_len, engine.config.cache.enable_prefix_caching)

@@ -97,17 +97,23 @@ def test_dummy_llama_8b_profiled_kv_and_compiled_vs_eager():
         del llm, worker
         gc.collect()
         torch.cuda.empty_cache()
-    max_rel, compared = 0.0, 0
+    # bf16 tolerance on logprobs (relative): compiled (Inductor-fused) and eager round differently.
+    tol = 3e-2
+    max_rel, compared, near_ties = 0.0, 0, 0
     for e, c in zip(results[True], results[False]):
         for i, (te, tc) in enumerate(zip(e.outputs[0].token_ids, c.outputs[0].token_ids)):
             le, lc = e.outputs[0].logprobs[i], c.outputs[0].logprobs[i]
-            top_e = sorted(le.values(), key=lambda x: -x.logprob)
-            rel = abs(le[te].logprob - lc[te].logprob) / max(abs(le[te].logprob), 1e-3) if te in lc else 0.0
-            max_rel = max(max_rel, rel)
-            margin = top_e[0].logprob - top_e[1].logprob if len(top_e) > 1 else 1.0
+            for tid in set(le) & set(lc):
+                rel = abs(le[tid].logprob - lc[tid].logprob) / abs(le[tid].logprob)
+                max_rel = max(max_rel, rel)
+                assert rel <= tol, f"logprob of token {tid} at step {i}: relative error {rel:.3g} > {tol}"
+            top = sorted(le.values(), key=lambda x: -x.logprob)
+            margin = top[0].logprob - top[1].logprob
             if te != tc:
-                assert margin < 0.1, f"tokens differ at {i} with a clear margin {margin}"
-                break
+                # the argmax may differ only where the top-2 margin is within the tolerance
+                assert margin <= 2 * tol * abs(top[0].logprob), f"tokens differ at {i} with a clear margin {margin:.3g}"
+                near_ties += 1
+                break  # the sequences have parted; later steps see different inputs
             compared += 1
-    print(f"compiled vs eager: {compared} tokens compared, max relative logprob error {max_rel:.2e}")
-    assert compared >= 8
+    print(f"compiled vs eager: {compared} tokens equal before any near-tie, {near_ties} sequences parted at a "
+          f"near-tie; max relative logprob error {max_rel:.2e} (tolerance {tol})")
