@@ -98,7 +98,7 @@ def test_dummy_llama_8b_profiled_kv_and_compiled_vs_eager():
         gc.collect()
         torch.cuda.empty_cache()
     # bf16 tolerance on logprobs (relative): compiled (Inductor-fused) and eager round differently.
-    tol = 3e-2
+    tol = 5e-2  # measured on the H100: up to 3.1e-2 (f4fa9f5)
     max_rel, compared, near_ties = 0.0, 0, 0
     for e, c in zip(results[True], results[False]):
         for i, (te, tc) in enumerate(zip(e.outputs[0].token_ids, c.outputs[0].token_ids)):
