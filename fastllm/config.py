@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = str(ASSETS / "stories260K")
@@ -60,6 +63,11 @@ class ModelConfig:
         if not self.hf_config:
             object.__setattr__(self, "hf_config", json.loads(config_file.read_text()))
         limit = self.max_position_embeddings
+        window = self.hf_config.get("sliding_window") if self.hf_config.get("use_sliding_window", True) else None
+        if window and window < limit:
+            # Sliding-window attention is not implemented: within the window, full attention is exact.
+            logger.warning("sliding_window=%d is not implemented: max_model_len is limited to it", window)
+            limit = window
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", limit)
         _check(

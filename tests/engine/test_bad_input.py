@@ -114,3 +114,12 @@ def test_unknown_engine_argument():
 def test_invalid_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLMEngine.from_kwargs(None, **kwargs)
+
+
+def test_sliding_window_limits_max_model_len():
+    from fastllm.config import EngineConfig
+
+    config = EngineConfig.from_kwargs("mistral-7b-v0.1", load_format="dummy")
+    assert config.model.max_model_len == 4096  # sliding_window: full attention is exact inside it
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 4096\]"):
+        EngineConfig.from_kwargs("mistral-7b-v0.1", load_format="dummy", max_model_len=8192)
