@@ -20,8 +20,10 @@ from kbench import (
     HEAD_DIM,
     HKV,
     HQ,
+    contiguous_kv,
     cuda_ok,
     num_sms,
+    paged_kv,
     record,
     row,
     run_cases,
@@ -38,11 +40,7 @@ def measure(case: str):
     from fastllm.kernels.paged_decode_attention import bytes_moved, choose_num_splits, paged_decode_attention
 
     batch, ctx = CASES[case]
-    per_seq = ctx // PAGE
-    num_blocks = batch * per_seq
-    key_cache = torch.randn(num_blocks, PAGE, HKV, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    value_cache = torch.randn_like(key_cache)
-    block_tables = torch.randperm(num_blocks, device=DEVICE).view(batch, per_seq).int()
+    key_cache, value_cache, block_tables = paged_kv(batch, ctx, PAGE)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
     query = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     scale = HEAD_DIM**-0.5
@@ -55,8 +53,7 @@ def measure(case: str):
     rows = [row(KERNEL, case, "triton", time_ms(ours), nbytes, num_splits=splits)]
 
     # the same K/V, contiguous per request: [B, Hkv, S, D]
-    k = key_cache[block_tables.long()].reshape(batch, ctx, HKV, HEAD_DIM).transpose(1, 2).contiguous()
-    v = value_cache[block_tables.long()].reshape(batch, ctx, HKV, HEAD_DIM).transpose(1, 2).contiguous()
+    k, v = contiguous_kv(key_cache, value_cache, block_tables, ctx)
     q = query.unsqueeze(2)  # [B, Hq, 1, D]
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale, enable_gqa=True)
     err = ((ours().float() - ref.squeeze(2)).norm() / ref.norm()).item()

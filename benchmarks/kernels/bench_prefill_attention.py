@@ -17,9 +17,10 @@ from kbench import (
     DEVICE,
     DTYPE,
     HEAD_DIM,
-    HKV,
     HQ,
+    contiguous_kv,
     cuda_ok,
+    paged_kv,
     record,
     row,
     run_cases,
@@ -36,11 +37,7 @@ def measure(case: str):
     from fastllm.kernels.prefill_attention import flops, prefill_attention
 
     batch, seq = CASES[case]
-    per_seq = seq // PAGE
-    num_blocks = batch * per_seq
-    key_cache = torch.randn(num_blocks, PAGE, HKV, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    value_cache = torch.randn_like(key_cache)
-    block_tables = torch.randperm(num_blocks, device=DEVICE).view(batch, per_seq).int()
+    key_cache, value_cache, block_tables = paged_kv(batch, seq, PAGE)
     seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=DEVICE)
     qsl = torch.arange(0, (batch + 1) * seq, seq, dtype=torch.int32, device=DEVICE)
     query = torch.randn(batch * seq, HQ, HEAD_DIM, device=DEVICE, dtype=DTYPE)
@@ -51,8 +48,7 @@ def measure(case: str):
                              seq, scale)
     rows = [row(KERNEL, case, "triton", time_ms(ours), flops=n_flops)]
 
-    k = key_cache[block_tables.long()].reshape(batch, seq, HKV, HEAD_DIM).transpose(1, 2).contiguous()
-    v = value_cache[block_tables.long()].reshape(batch, seq, HKV, HEAD_DIM).transpose(1, 2).contiguous()
+    k, v = contiguous_kv(key_cache, value_cache, block_tables, seq)
     q = query.view(batch, seq, HQ, HEAD_DIM).transpose(1, 2).contiguous()  # [B, Hq, S, D]
     got = ours().view(batch, seq, HQ, HEAD_DIM).transpose(1, 2).float()
 

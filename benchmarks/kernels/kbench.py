@@ -21,6 +21,29 @@ DTYPE = torch.bfloat16
 DEVICE = "cuda"  # a variable only so that a CPU dry run of the scripts can swap it
 
 
+def paged_kv(batch: int, seq: int, page: int = 16, device=None, dtype=None, num_kv_heads: int = HKV,
+             head_dim: int = HEAD_DIM):
+    """Random K/V for `batch` requests of `seq` tokens behind a permuted block table:
+    (key_cache, value_cache [num_blocks, page, Hkv, D], block_tables [batch, blocks per request])."""
+    device, dtype = device or DEVICE, dtype or DTYPE
+    per_seq = -(-seq // page)
+    num_blocks = batch * per_seq
+    key_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, device=device, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    block_tables = torch.randperm(num_blocks, device=device).view(batch, per_seq).int()
+    return key_cache, value_cache, block_tables
+
+
+def contiguous_kv(key_cache, value_cache, block_tables, seq: int):
+    """The same K/V laid out contiguously per request, [batch, HKV, seq, HEAD_DIM], for torch's SDPA."""
+    batch, (num_kv_heads, head_dim) = block_tables.shape[0], key_cache.shape[2:]
+
+    def gather(cache):
+        return cache[block_tables.long()].reshape(batch, -1, num_kv_heads, head_dim)[:, :seq].transpose(1, 2).contiguous()
+
+    return gather(key_cache), gather(value_cache)
+
+
 def cuda_ok() -> bool:
     return torch.cuda.is_available()
 

@@ -37,7 +37,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+import kbench  # noqa: E402  (found through the sys.path entry above)
+
+HQ, HKV, D, PAGE = kbench.HQ, kbench.HKV, kbench.HEAD_DIM, 16
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # --dry-run: cpu, tiny cases, Triton's interpreter (checks this script, times nothing)
 SCALE = D**-0.5
@@ -100,21 +102,11 @@ class Table:
         print("  " + " ".join(cells), flush=True)
 
 
-def paged_kv(batch: int, seq: int, extra_tokens: int = 0):
-    """Random K/V for `batch` requests of `seq` tokens behind a permuted block table."""
-    per_seq = -(-seq // PAGE)
-    num_blocks = batch * per_seq
-    key_cache = torch.randn(num_blocks, PAGE, HKV, D, device=DEVICE, dtype=DTYPE)
-    value_cache = torch.randn_like(key_cache)
-    block_tables = torch.randperm(num_blocks, device=DEVICE).view(batch, per_seq).int()
-    return key_cache, value_cache, block_tables
+def paged_kv(batch: int, seq: int):
+    return kbench.paged_kv(batch, seq, PAGE, DEVICE, DTYPE, HKV, D)
 
 
-def contiguous_kv(key_cache, value_cache, block_tables, seq):
-    batch = block_tables.shape[0]
-    k = key_cache[block_tables.long()].reshape(batch, -1, HKV, D)[:, :seq].transpose(1, 2).contiguous()
-    v = value_cache[block_tables.long()].reshape(batch, -1, HKV, D)[:, :seq].transpose(1, 2).contiguous()
-    return k, v
+contiguous_kv = kbench.contiguous_kv
 
 
 # ---------------------------------------------------------------- decode

@@ -79,8 +79,8 @@ class Worker:
         start = time.perf_counter()
         self.runner.init_kv_cache(num_blocks, num_cpu_blocks)  # also compiles and captures CUDA graphs
         total = self._elapsed(start)
-        graphs = getattr(self.runner, "graphs", None)
-        self.timings["compile"] = getattr(self.runner, "compile_seconds", 0.0)
+        graphs = self.runner.graphs
+        self.timings["compile"] = self.runner.compile_seconds
         self.timings["cuda_graphs"] = graphs.capture_seconds if graphs is not None else 0.0
         self.timings["kv_alloc"] = max(0.0, total - self.timings["compile"] - self.timings["cuda_graphs"])
 
