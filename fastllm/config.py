@@ -108,6 +108,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"  # or "swap"
+    # Schedule and launch step N+1 before step N's tokens reach the host, so host work overlaps
+    # the GPU. False runs each step to completion (the same tokens, one step less lag).
+    async_scheduling: bool = True
 
     def __post_init__(self):
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")

@@ -5,6 +5,10 @@ with num_tokens; a step gives each scheduled request a number of tokens to compu
 chunk, a whole prompt, or the single newest token. Order: running requests first (FCFS), then
 swapped ones coming back, then waiting ones. When blocks run out, the newest running request is
 preempted: its blocks are freed and it is recomputed later (default), or moved to the CPU pool.
+
+With async scheduling the engine schedules step N+1 before step N's tokens are known: a request
+that will sample counts its in-flight token as pending (num_tokens_with_pending), so it is
+scheduled for that token's KV at once; the runner reads the token itself from the device.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last step; the runner drops them
         self._runner_knows: set[str] = set()
         self.num_preemptions = 0
+        # The requests each step scheduled, until its output is applied. With a step in flight a
+        # finished request's id may come back as a new request; its old step's token is not its.
+        self._step_id = 0
+        self._scheduled_requests: dict[int, dict[str, Request]] = {}
         self._warned_swap_full = False
 
     # requests in and out
@@ -57,11 +65,13 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
-            queue = {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(
-                request.status, self.waiting)
-            queue.remove(request)
+            self._queue_of(request).remove(request)
             request.status = status
             self._free(request)
+
+    def _queue_of(self, request: Request):
+        return {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(
+            request.status, self.waiting)
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
@@ -89,7 +99,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._ends_with_pending_token(request):
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 swap_out += self._preempt(victim)
@@ -106,6 +119,8 @@ class Scheduler:
         # 2. Swapped requests come back before new ones are admitted.
         while self.swapped and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
+            if request.num_pending_tokens:
+                break  # swapped out while its last token was in flight: resume once it is known
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv.can_swap_in(request, num_new):
                 break
@@ -123,6 +138,8 @@ class Scheduler:
         while self.waiting and not preempted and not self.swapped and budget > 0 \
                 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted while its last token was in flight: recompute once it is known
             parent = request.fork_of
             if parent is not None and not parent.is_finished and parent.status != RequestStatus.PREEMPTED \
                     and parent.num_computed_tokens < parent.num_prompt_tokens and request.num_computed_tokens == 0:
@@ -157,9 +174,14 @@ class Scheduler:
                 cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens,
                                                      [b.block_id for b in blocks[known_blocks[req_id]:]]))
         for request in self.running:
-            request.num_computed_tokens += scheduled.get(request.request_id, 0)
+            num_new = scheduled.get(request.request_id, 0)
+            request.num_computed_tokens += num_new
+            if num_new and request.num_computed_tokens == request.num_tokens_with_pending:
+                request.num_pending_tokens += 1  # caught up: this step samples its next token
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
+        self._step_id += 1
+        self._scheduled_requests[self._step_id] = {r: self.requests[r] for r in scheduled}
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -169,6 +191,7 @@ class Scheduler:
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             blocks_to_copy=self.kv.take_copies(),
+            step_id=self._step_id,
         )
 
     def _admit(self, request: Request, budget: int) -> int:
@@ -228,18 +251,27 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, free finished requests.
         Returns the requests that got a token this step (finished ones included)."""
         updated = []
+        scheduled = self._scheduled_requests.pop(scheduler_output.step_id, {})
         for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
-            request = self.requests.get(req_id)
+            request = scheduled.get(req_id)
             if token is None or request is None or request.is_finished:
-                continue
+                continue  # finished while this step was in flight: its token is dropped
+            request.num_pending_tokens -= 1
             request.append_token(token)
             status = self._check_stop(request, token)
             if status is not None:
-                self.running.remove(request)
+                self._queue_of(request).remove(request)
                 request.status = status
                 self._free(request)
             updated.append(request)
         return updated
+
+    def _ends_with_pending_token(self, request: Request) -> bool:
+        """Whether the request stops by length once its in-flight token lands (so scheduling it
+        again would compute a token nobody reads)."""
+        n = request.num_pending_tokens
+        return n > 0 and (request.num_output_tokens + n >= request.max_tokens
+                          or request.num_tokens + n >= self.max_model_len)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -42,6 +42,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
+    step_id: int = 0  # the scheduler's count of steps; update_from_output pairs the output with it
 
     @property
     def is_empty(self) -> bool:

@@ -9,11 +9,13 @@ from pathlib import Path
 from fastllm.config import EngineConfig
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
+from fastllm.core.scheduler_output import SchedulerOutput
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request, RequestStatus
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import SamplingParams
 from fastllm.tracing import nvtx_range
+from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,8 @@ class LLMEngine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = self.worker.runner.args.vocab_size
+        self.async_scheduling = config.scheduler.async_scheduling
+        self._in_flight: tuple[SchedulerOutput, AsyncRunnerOutput] | None = None
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%.3f GiB) on %s", self.startup_seconds,
                     num_blocks, config.cache.block_size, self.worker.kv_cache_gib(), self.worker.device)
@@ -114,7 +118,7 @@ class LLMEngine:
             self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.groups)
@@ -122,16 +126,31 @@ class LLMEngine:
     # the loop
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step before it (async
+        scheduling: its tokens were copied back while this one was being prepared) or of this
+        one (async_scheduling=False)."""
         with nvtx_range("schedule"):
             scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and self.scheduler.has_unfinished_requests() \
+        if scheduler_output.is_empty and self._in_flight is None and self.scheduler.has_unfinished_requests() \
                 and not (scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.requests)} requests pending")
-        runner_output = self.worker.execute_model(scheduler_output)
+        launched = (scheduler_output, self.worker.execute_model(scheduler_output))
+        if self.async_scheduling and not scheduler_output.is_empty:
+            done, self._in_flight = self._in_flight, launched
+            return self._finish(*done) if done is not None else []
+        outputs = []
+        if self._in_flight is not None:  # nothing new was launched: nothing to overlap with
+            outputs = self._finish(*self._in_flight)
+            self._in_flight = None
+        return outputs + self._finish(*launched)
+
+    def _finish(self, scheduler_output: SchedulerOutput, runner_output: AsyncRunnerOutput) -> list[RequestOutput]:
+        with nvtx_range("wait_tokens"):
+            result = runner_output.result()
         with nvtx_range("update"):
-            updated = self.scheduler.update_from_output(scheduler_output, runner_output)
+            updated = self.scheduler.update_from_output(scheduler_output, result)
         with nvtx_range("detokenize"):
-            outputs, stopped = self.output_processor.process(updated, runner_output.logprobs)
+            outputs, stopped = self.output_processor.process(updated, result.logprobs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 

@@ -55,6 +55,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled on the device whose ids have not come back yet (async scheduling keeps
+        # one step in flight, so a request can be scheduled again before its last token is known).
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.num_preemptions = 0
         # A sibling of an n > 1 request: it shares the prompt's KV with this request once computed.
@@ -71,6 +74,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def output_token_ids(self) -> list[int]:

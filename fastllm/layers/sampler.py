@@ -26,6 +26,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     eos_token_id: int | None
+    num_pending: int = 0  # output tokens sampled but not yet in output_token_ids (async scheduling)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class SamplingMetadata:
         all_greedy = all(greedy)
         banned = []
         for i, r in enumerate(rows):
-            if r.params.min_tokens and len(r.output_token_ids) < r.params.min_tokens:
+            if r.params.min_tokens and len(r.output_token_ids) + r.num_pending < r.params.min_tokens:
                 ids = list(r.params.stop_token_ids)
                 if r.eos_token_id is not None and not r.params.ignore_eos:
                     ids.append(r.eos_token_id)

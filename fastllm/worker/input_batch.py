@@ -1,7 +1,9 @@
 """The runner's persistent view of each request, and the flat batch built from it each step.
 
 Per-step host work is kept to O(1) Python per request: each request keeps its block table as a
-growing numpy row, and positions and slots are computed for the whole batch with numpy.
+growing numpy row, and positions and slots are computed for the whole batch with numpy. A token
+sampled by the step still in flight is not known on the host: its input row is filled on the
+device from that step's sampled tensor.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from fastllm.layers.sampler import SamplingMetadata, SamplingRow
 from fastllm.sampling_params import SamplingParams
 from fastllm.worker.attn_metadata import AttentionMetadata
+from fastllm.worker.staging import StepInputStager
 
 
 @dataclass
@@ -25,6 +28,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    num_pending: int = field(default=0, init=False)  # sampled on the device, not yet appended here
     block_table: np.ndarray = field(init=False, repr=False)  # block_ids as int32, with spare capacity
 
     def __post_init__(self):
@@ -67,9 +71,17 @@ class StepInputs:
     sampling_metadata: SamplingMetadata | None
 
 
+@dataclass
+class InFlightTokens:
+    """The tokens sampled by the last step, still on the device: row i belongs to req_ids[i]."""
+
+    sampled: torch.Tensor  # [S] int64
+    rows: dict[str, int]
+
+
 def build_step_inputs(
     states: list[CachedRequestState], num_scheduled: list[int], block_size: int, vocab_size: int,
-    eos_token_id: int | None, device: torch.device,
+    eos_token_id: int | None, stager: StepInputStager, in_flight: InFlightTokens | None = None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one unpadded batch."""
     num_reqs = len(states)
@@ -79,12 +91,18 @@ def build_step_inputs(
     max_blocks = max(len(s.block_ids) for s in states)
     block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
     input_ids: list[int] = []
+    from_device: list[tuple[int, int]] = []  # (flat input row, row of in_flight.sampled)
     sample_rows, sample_states = [], []
     for i, state in enumerate(states):
         start, end = int(starts[i]), int(ends[i])
-        input_ids.extend(state.token_slice(start, end))
+        known_end = min(end, state.num_tokens)
+        input_ids.extend(state.token_slice(start, known_end))
+        if end > known_end:  # the newest token is still on the device
+            assert end == known_end + 1 and in_flight is not None, "only the last step's token may be unknown"
+            from_device.append((len(input_ids), in_flight.rows[state.req_id]))
+            input_ids.append(0)
         block_tables[i, :len(state.block_ids)] = state.block_table[:len(state.block_ids)]
-        if end == state.num_tokens:  # caught up: the last row's logits give the next token
+        if end == state.num_tokens + state.num_pending:  # caught up: the last row's logits give the next token
             sample_rows.append(i)
             sample_states.append(state)
 
@@ -93,25 +111,26 @@ def build_step_inputs(
     row_of_token = np.repeat(np.arange(num_reqs), counts)
     positions = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
     slots = block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    logits_indices = query_start_loc[1:][sample_rows].astype(np.int64) - 1
+    scatter = np.asarray(from_device, dtype=np.int64).reshape(-1, 2).T
 
-    def to_device(array, dtype):
-        return torch.from_numpy(np.ascontiguousarray(array)).to(device=device, dtype=dtype, non_blocking=True)
+    (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d) = stager.send(
+        [np.asarray(input_ids, dtype=np.int64), positions, slots, logits_indices, scatter],
+        [block_tables, ends.astype(np.int32), query_start_loc])
+    if from_device:
+        ids_d.index_copy_(0, scatter_d[0], in_flight.sampled.index_select(0, scatter_d[1]))
 
     metadata = AttentionMetadata(
-        slot_mapping=to_device(slots, torch.int64),
-        block_tables=to_device(block_tables, torch.int32),
-        seq_lens=to_device(ends, torch.int32),
-        query_start_loc=to_device(query_start_loc, torch.int32),
-        max_query_len=int(counts.max()),
-        max_seq_len=int(ends.max()),
+        slot_mapping=slots_d, block_tables=tables_d, seq_lens=seq_lens_d, query_start_loc=qsl_d,
+        max_query_len=int(counts.max()), max_seq_len=int(ends.max()),
     )
-    rows = [SamplingRow(s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids, eos_token_id)
-            for s in sample_states]
+    rows = [SamplingRow(s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids, eos_token_id,
+                        s.num_pending) for s in sample_states]
     return StepInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
-        positions=to_device(positions, torch.int64),
+        input_ids=ids_d,
+        positions=positions_d,
         attn_metadata=metadata,
-        logits_indices=to_device(query_start_loc[1:][sample_rows] - 1, torch.int64),
+        logits_indices=logits_d,
         sample_req_ids=[s.req_id for s in sample_states],
-        sampling_metadata=SamplingMetadata.build(rows, vocab_size, device) if rows else None,
+        sampling_metadata=SamplingMetadata.build(rows, vocab_size, stager.device) if rows else None,
     )

@@ -11,14 +11,16 @@ import torch
 from fastllm.compile.backend import compile_forward
 from fastllm.compile.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from fastllm.config import EngineConfig
-from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fastllm.core.scheduler_output import SchedulerOutput
 from fastllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from fastllm.models.loader import load_model
 from fastllm.sampling_params import SamplingParams
 from fastllm.tracing import nvtx_range
 from fastllm.worker.attn_metadata import forward_context
 from fastllm.worker.cache_engine import CacheEngine
-from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
+from fastllm.worker.async_output import AsyncRunnerOutput
+from fastllm.worker.input_batch import CachedRequestState, InFlightTokens, build_step_inputs
+from fastllm.worker.staging import StepInputStager
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,9 @@ class ModelRunner:
         self.forward = self.model.forward  # replaced by the compiled forward in init_kv_cache
         self.graphs: CUDAGraphRunner | None = None
         self.compile_seconds = 0.0
+        self.stager = StepInputStager(device)
+        self._last_output: AsyncRunnerOutput | None = None  # its tokens may still be on the device
+        self._said_penalties_wait = False
 
     # setup
 
@@ -106,18 +111,28 @@ class ModelRunner:
     # one step
 
     @torch.inference_mode()
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
+        """Queue the step's GPU work and return at once; result() on the output waits for its tokens."""
         self._update_states(sched)
         self.cache.swap_out(sched.blocks_to_swap_out)
         self.cache.swap_in(sched.blocks_to_swap_in)
         self.cache.copy(sched.blocks_to_copy)
-        if sched.is_empty:
-            return ModelRunnerOutput([], [])
         req_ids = list(sched.num_scheduled_tokens)
+        if sched.is_empty:
+            return AsyncRunnerOutput(req_ids, [])
         states = [self.requests[r] for r in req_ids]
+        last = self._last_output if self._last_output is not None and not self._last_output.done else None
+        if last is not None and any(s.num_pending and s.sampling_params.has_penalties for s in states):
+            if not self._said_penalties_wait:
+                self._said_penalties_wait = True
+                logger.info("penalties count every output token: steps with them wait for the previous "
+                            "step's tokens instead of overlapping it (logged once)")
+            last.result()
+            last = None
         with nvtx_range("prepare_inputs"):
+            in_flight = InFlightTokens(last.sampled, last.rows) if last is not None else None
             inputs = build_step_inputs(states, list(sched.num_scheduled_tokens.values()), self.block_size,
-                                       self.args.vocab_size, self.eos_token_id, self.device)
+                                       self.args.vocab_size, self.eos_token_id, self.stager, in_flight)
         metadata = inputs.attn_metadata
         if self.graphs is not None and self.graphs.can_run(metadata, len(states)):
             with nvtx_range("forward_graph"):
@@ -126,20 +141,17 @@ class ModelRunner:
             with nvtx_range("forward"), forward_context(metadata):
                 hidden = self.forward(inputs.input_ids, inputs.positions)
             logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_req_ids else None
-        sampled: dict[str, int] = {}
-        logprobs = {}
-        if inputs.sample_req_ids:
-            with nvtx_range("sample"):
-                out = self.sampler(logits, inputs.sampling_metadata)
-                tokens = out.sampled.tolist()
-            sampled = dict(zip(inputs.sample_req_ids, tokens))
-            if out.logprobs is not None:
-                logprobs = self._collect_logprobs(inputs.sample_req_ids, out.logprobs)
         for req_id, state in zip(req_ids, states):
             state.num_computed_tokens += sched.num_scheduled_tokens[req_id]
-            if req_id in sampled:
-                state.output_token_ids.append(sampled[req_id])
-        return ModelRunnerOutput(req_ids, [sampled.get(r) for r in req_ids], logprobs)
+        if not inputs.sample_req_ids:
+            return AsyncRunnerOutput(req_ids, [])
+        with nvtx_range("sample"):
+            out = self.sampler(logits, inputs.sampling_metadata)
+        sample_states = [self.requests[r] for r in inputs.sample_req_ids]
+        for state in sample_states:
+            state.num_pending += 1
+        self._last_output = AsyncRunnerOutput(req_ids, sample_states, out.sampled, out.logprobs)
+        return self._last_output
 
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -159,12 +171,3 @@ class ModelRunner:
                 state.set_block_ids(cached.block_ids)
             elif cached.new_block_ids:
                 state.append_block_ids(cached.new_block_ids)
-
-    def _collect_logprobs(self, req_ids, logprobs) -> dict:
-        token_logprob, rank, top_ids, top_vals = (t.tolist() for t in logprobs)
-        out = {}
-        for i, req_id in enumerate(req_ids):
-            num = self.requests[req_id].sampling_params.logprobs
-            if num is not None:
-                out[req_id] = (token_logprob[i], rank[i], list(zip(top_ids[i][:num], top_vals[i][:num])))
-        return out

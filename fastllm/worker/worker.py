@@ -9,7 +9,8 @@ import time
 import torch
 
 from fastllm.config import EngineConfig
-from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fastllm.core.scheduler_output import SchedulerOutput
+from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -87,5 +88,5 @@ class Worker:
     def kv_cache_gib(self) -> float:
         return self.num_gpu_blocks * self.runner.kv_bytes_per_block() / GiB
 
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
         return self.runner.execute_model(sched)

@@ -1,0 +1,64 @@
+"""A step's output while its sampled tokens are still on their way to the host.
+
+The runner returns one of these as soon as the step's GPU work is queued. Their device-to-host copy
+is queued with it (into pinned memory), so the engine can schedule and launch the next step
+before it calls result(), which waits for the copy and only then touches the host lists.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fastllm.core.scheduler_output import ModelRunnerOutput
+
+
+class AsyncRunnerOutput:
+    def __init__(self, req_ids: list[str], sample_states: list, sampled: torch.Tensor | None = None,
+                 logprobs: tuple[torch.Tensor, ...] | None = None):
+        self.req_ids = req_ids
+        # The runner's request states that sampled this step (objects, not ids: an id may be
+        # reused by a new request before this step's tokens are read).
+        self.sample_states = sample_states
+        self.sampled = sampled  # [S] on the device: the next step's inputs read it from here
+        self.rows = {s.req_id: i for i, s in enumerate(sample_states)}
+        self._logprob_nums = [s.sampling_params.logprobs for s in sample_states]
+        self._ready: torch.cuda.Event | None = None
+        self._sampled_host = self._logprobs_host = None
+        self._result: ModelRunnerOutput | None = None
+        if sampled is not None:
+            self._sampled_host = sampled.to("cpu", non_blocking=True)
+            if logprobs is not None:
+                self._logprobs_host = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
+            if sampled.is_cuda:
+                self._ready = torch.cuda.Event()
+                self._ready.record()
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
+
+    def result(self) -> ModelRunnerOutput:
+        """Wait for the tokens (once), append them to the runner's request states, return them."""
+        if self._result is not None:
+            return self._result
+        sampled: dict[str, int] = {}
+        logprobs = {}
+        if self._sampled_host is not None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            tokens = self._sampled_host.tolist()
+            for state, token in zip(self.sample_states, tokens):
+                state.output_token_ids.append(token)
+                state.num_pending -= 1
+                sampled[state.req_id] = token
+            if self._logprobs_host is not None:
+                logprobs = self._collect_logprobs(*(t.tolist() for t in self._logprobs_host))
+        self._result = ModelRunnerOutput(self.req_ids, [sampled.get(r) for r in self.req_ids], logprobs)
+        return self._result
+
+    def _collect_logprobs(self, token_logprob, rank, top_ids, top_vals) -> dict:
+        out = {}
+        for i, (state, num) in enumerate(zip(self.sample_states, self._logprob_nums)):
+            if num is not None:
+                out[state.req_id] = (token_logprob[i], rank[i], list(zip(top_ids[i][:num], top_vals[i][:num])))
+        return out

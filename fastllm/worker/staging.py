@@ -1,0 +1,62 @@
+"""Host-to-device transfer of a step's integer inputs: packed into pinned memory and sent with one
+non-blocking copy per dtype, so building step N+1 never waits for the GPU to finish step N.
+
+Pageable copies would each stage through a driver buffer (and a sync); seven of them per step were
+most of the host time at batch 1. Two pinned buffers alternate: the host packs one while the copy
+out of the other may still be in flight, and an event says when a buffer is free again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class _PinnedBuffer:
+    def __init__(self, dtype: torch.dtype, pinned: bool):
+        self.dtype, self.pinned = dtype, pinned
+        self.host = torch.empty(0, dtype=dtype)
+        self.copied: torch.cuda.Event | None = None  # recorded after the last copy out of host
+
+    def fill(self, arrays: list[np.ndarray]) -> int:
+        total = sum(a.size for a in arrays)
+        if self.copied is not None:
+            self.copied.synchronize()  # the copy out of this buffer two steps ago
+        if total > self.host.numel():
+            self.host = torch.empty(max(total, 2 * self.host.numel(), 1024), dtype=self.dtype, pin_memory=self.pinned)
+        flat = self.host.numpy()
+        offset = 0
+        for a in arrays:
+            flat[offset:offset + a.size] = a.ravel()
+            offset += a.size
+        return total
+
+
+class StepInputStager:
+    """send(int64 arrays, int32 arrays) -> device tensors of the same shapes."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._buffers = [{dt: _PinnedBuffer(dt, self.cuda) for dt in (torch.int64, torch.int32)} for _ in range(2)]
+        self._turn = 0
+
+    def send(self, int64_arrays: list[np.ndarray], int32_arrays: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        buffers = self._buffers[self._turn]
+        self._turn ^= 1
+        out = []
+        for dtype, arrays in ((torch.int64, int64_arrays), (torch.int32, int32_arrays)):
+            buffer = buffers[dtype]
+            total = buffer.fill(arrays)
+            if self.cuda:
+                flat = buffer.host[:total].to(self.device, non_blocking=True)
+                buffer.copied = torch.cuda.Event()
+                buffer.copied.record()
+            else:
+                flat = buffer.host[:total].clone()  # the buffer is refilled next-but-one step
+            views, offset = [], 0
+            for a in arrays:
+                views.append(flat[offset:offset + a.size].view(a.shape))
+                offset += a.size
+            out.append(views)
+        return out[0], out[1]

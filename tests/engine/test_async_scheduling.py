@@ -1,0 +1,115 @@
+"""Async scheduling: step N+1 is scheduled and launched before step N's tokens reach the host.
+It must give exactly the tokens of running each step to completion, under every path that
+touches the in-flight token (preemption, chunked prefill, n > 1, penalties, seeds, stop rules),
+and it must really overlap: the next step's input is read from the device."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastllm import SamplingParams
+from tests.conftest import PROMPTS, cached_llm
+
+MIXED = [
+    SamplingParams(temperature=0.0, max_tokens=40),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=40, logprobs=3),
+    SamplingParams(temperature=0.0, max_tokens=40, repetition_penalty=1.3, frequency_penalty=0.4),
+    SamplingParams(temperature=0.8, top_k=20, seed=3, max_tokens=40, min_tokens=30),
+    SamplingParams(temperature=0.0, max_tokens=40, stop=["Lily"]),
+    SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[13]),
+    SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=24),
+    SamplingParams(temperature=0.0, max_tokens=3),
+]
+
+
+def run(llm, prompts=PROMPTS, params=MIXED):
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs] for o in outputs]
+
+
+@pytest.mark.parametrize("engine_args", [
+    {},
+    {"max_num_batched_tokens": 16, "max_model_len": 128},
+    {"num_gpu_blocks": 16, "block_size": 8, "max_model_len": 96, "preemption_mode": "recompute"},
+    {"num_gpu_blocks": 16, "block_size": 8, "max_model_len": 96, "preemption_mode": "swap", "num_cpu_blocks": 64},
+], ids=["plain", "chunked", "recompute", "swap"])
+@pytest.mark.parametrize("penalties", [True, False], ids=["penalties", "no-penalties"])
+def test_async_equals_sync(engine_args, penalties):
+    # A request with penalties makes its steps wait for the last tokens; without one, every
+    # decode step takes its input token from the device.
+    params = MIXED if penalties else [SamplingParams(temperature=0.0, max_tokens=40) if p.has_penalties else p
+                                      for p in MIXED]
+    sync = run(cached_llm(async_scheduling=False, **engine_args), params=params)
+    async_llm = cached_llm(async_scheduling=True, **engine_args)
+    before = async_llm.engine.scheduler.num_preemptions
+    assert run(async_llm, params=params) == sync
+    if "num_gpu_blocks" in engine_args:
+        assert async_llm.engine.scheduler.num_preemptions > before, "the pool was meant to be too small"
+
+
+def test_next_step_is_launched_before_the_last_tokens_are_read():
+    llm = cached_llm(async_scheduling=True)
+    runner = llm.engine.worker.runner
+    launches = []  # per launch: was the previous step's output still unread?
+    execute = runner.execute_model
+
+    def recording_execute(sched):
+        last = runner._last_output
+        launches.append(last is not None and not last.done and not sched.is_empty)
+        return execute(sched)
+
+    runner.execute_model = recording_execute
+    try:
+        llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    finally:
+        del runner.execute_model
+    # Every step after the first prefill overlaps the one before it.
+    assert sum(launches) == 19, launches
+
+
+def test_a_finished_request_id_can_be_reused_at_once():
+    """The id of a request that finished while its next step was in flight is free again; that
+    step's stray token must not reach the new request of the same id."""
+    llm = cached_llm(async_scheduling=True)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    first_prompt, second_prompt = PROMPTS[0], PROMPTS[1]
+    want = llm.generate([second_prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    # Stop on a token (not by length): the step after it is already in flight when it is seen.
+    greedy = llm.generate([first_prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    stop = next(t for i, t in enumerate(greedy) if i >= 3 and t not in greedy[:i])
+    engine.add_request("a", first_prompt, params.clone(stop_token_ids=[stop]))
+    engine.add_request("keep-busy", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    got = None
+    reused = False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "a" and out.finished:
+                if not reused:
+                    reused = True
+                    engine.add_request("a", second_prompt, params)
+                else:
+                    got = out.outputs[0].token_ids
+    assert reused and got == want
+
+
+def test_no_token_is_computed_past_max_tokens():
+    """A request whose in-flight token is its last is not scheduled again."""
+    llm = cached_llm(async_scheduling=True)
+    scheduled = []
+    worker = llm.engine.worker
+    execute = worker.execute_model
+
+    def recording_execute(sched):
+        scheduled.append(sched.total_num_scheduled_tokens)
+        return execute(sched)
+
+    worker.execute_model = recording_execute
+    try:
+        [out] = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                             use_tqdm=False)
+    finally:
+        del worker.execute_model
+    # the prompt, then one step per new token but the last (whose KV is never needed)
+    assert len(out.outputs[0].token_ids) == 6
+    assert sum(scheduled) == len(out.prompt_token_ids) + 5, scheduled
