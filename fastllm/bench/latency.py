@@ -29,6 +29,7 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
     decode = [s for s in run.steps if s.num_outputs == batch_size and s.num_first_tokens == 0
               and len(s.context_lens) == batch_size]
     times = [s.seconds for s in decode]
+    host = [s.seconds - s.wait_s for s in decode]  # the step minus its wait for the GPU
     ttft = max(run.ttft_s.values()) if len(run.ttft_s) == batch_size else None
     tpot = float(np.mean(times)) if times else None
     decode_s = sum(times)
@@ -51,6 +52,8 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
         "tpot_ms_p99": ms(percentile(times, 99)),
         "floor_ms": None,
         "floor_mode": None,
+        "host_ms_p50": ms(percentile(host, 50)),
+        "host_frac": float(np.median(host)) / float(np.median(times)) if times else None,
         "tok_s_per_seq": 1.0 / tpot if tpot else None,
         "tok_s_total": batch_size / tpot if tpot else None,
         "e2e_s": run.total_s,

@@ -24,7 +24,7 @@ from fastllm.sampling_params import RequestOutputKind, SamplingParams
 from fastllm.tracing import enable_nvtx
 
 # forward_graph: a decode step replayed from a CUDA graph; forward: eager or compiled.
-RANGES = ("schedule", "prepare_inputs", "forward", "forward_graph", "sample", "update", "detokenize")
+RANGES = ("schedule", "prepare_inputs", "forward", "forward_graph", "sample", "wait_tokens", "update", "detokenize")
 WARMUP_STEPS = 3
 
 

@@ -16,7 +16,8 @@ DISPLAY = {
     "latency": {
         "batch_size": ("bs", 1), "ttft_ms": ("ttft_ms", 1), "tpot_ms_mean": ("tpot_ms", 1),
         "tpot_ms_p50": ("p50", 1), "tpot_ms_p90": ("p90", 1), "tpot_ms_p99": ("p99", 1),
-        "floor_ms": ("floor_ms", 1), "tok_s_per_seq": ("tok/s/seq", 1), "tok_s_total": ("tok/s", 1),
+        "floor_ms": ("floor_ms", 1), "host_ms_p50": ("host_ms", 1), "host_frac": ("%host", 100),
+        "tok_s_per_seq": ("tok/s/seq", 1), "tok_s_total": ("tok/s", 1),
         "achieved_gb_s": ("GB/s", 1), "bw_frac": ("%bw", 100), "achieved_tflops": ("TFLOP/s", 1),
         "tc_frac": ("%tc", 100), "peak_mem_gib": ("peak_GiB", 1),
     },
@@ -29,7 +30,7 @@ DISPLAY = {
     "startup": {
         "load_s": ("load_s", 1), "compile_s": ("compile_s", 1), "cuda_graph_s": ("graphs_s", 1),
         "kv_profile_s": ("kv_profile_s", 1), "kv_alloc_s": ("kv_alloc_s", 1), "other_s": ("other_s", 1),
-        "total_s": ("total_s", 1), "kv_cache_gib": ("kv_GiB", 1),
+        "total_s": ("total_s", 1), "kv_cache_gib": ("kv_GiB", 1), "cuda_graph_gib": ("graphs_GiB", 1),
     },
 }
 DISPLAY["prefix"] = DISPLAY["throughput"]

@@ -56,6 +56,8 @@ def startup_breakdown(engine: LLMEngine) -> dict:
     out["other_s"] = max(0.0, out["total_s"] - known)  # tokenizer, scheduler, ...
     out["kv_cache_gib"] = engine.worker.kv_cache_gib()
     out["num_gpu_blocks"] = engine.worker.num_gpu_blocks
+    graphs = engine.worker.runner.graphs
+    out["cuda_graph_gib"] = graphs.pool_bytes / 2**30 if graphs is not None else None
     return out
 
 
@@ -69,6 +71,7 @@ class StepRecord:
     num_outputs: int
     num_first_tokens: int  # requests that got their first token in this step
     context_lens: list[int]  # tokens attended by each request that decoded (its new one included)
+    wait_s: float = 0.0  # of seconds, the time spent waiting for the GPU; the rest is host work
 
 
 @dataclass
@@ -134,7 +137,7 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
                         run.ttft_s[out.request_id] = t1 - start
                     elif k > 1:
                         context.append(prompt_len[out.request_id] + k - 1)
-                run.steps.append(StepRecord(t1 - t0, len(outputs), first, context))
+                run.steps.append(StepRecord(t1 - t0, len(outputs), first, context, engine.last_step_wait_s))
                 bar.update(len(outputs))
     except BaseException:
         engine.abort_request(ids)

@@ -55,6 +55,7 @@ class LLMEngine:
         self.vocab_size = self.worker.runner.args.vocab_size
         self.async_scheduling = config.scheduler.async_scheduling
         self._in_flight: tuple[SchedulerOutput, AsyncRunnerOutput] | None = None
+        self.last_step_wait_s = 0.0  # time the last step() spent waiting for the GPU (bench: host = step - wait)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%.3f GiB) on %s", self.startup_seconds,
                     num_blocks, config.cache.block_size, self.worker.kv_cache_gib(), self.worker.device)
@@ -134,6 +135,7 @@ class LLMEngine:
         if scheduler_output.is_empty and self._in_flight is None and self.scheduler.has_unfinished_requests() \
                 and not (scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.requests)} requests pending")
+        self.last_step_wait_s = 0.0
         launched = (scheduler_output, self.worker.execute_model(scheduler_output))
         if self.async_scheduling and not scheduler_output.is_empty:
             done, self._in_flight = self._in_flight, launched
@@ -147,6 +149,7 @@ class LLMEngine:
     def _finish(self, scheduler_output: SchedulerOutput, runner_output: AsyncRunnerOutput) -> list[RequestOutput]:
         with nvtx_range("wait_tokens"):
             result = runner_output.result()
+        self.last_step_wait_s += runner_output.wait_s
         with nvtx_range("update"):
             updated = self.scheduler.update_from_output(scheduler_output, result)
         with nvtx_range("detokenize"):

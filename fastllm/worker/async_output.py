@@ -7,6 +7,8 @@ before it calls result(), which waits for the copy and only then touches the hos
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from fastllm.core.scheduler_output import ModelRunnerOutput
@@ -25,6 +27,7 @@ class AsyncRunnerOutput:
         self._ready: torch.cuda.Event | None = None
         self._sampled_host = self._logprobs_host = None
         self._result: ModelRunnerOutput | None = None
+        self.wait_s = 0.0  # how long result() blocked on the device (the rest of a step is host work)
         if sampled is not None:
             self._sampled_host = sampled.to("cpu", non_blocking=True)
             if logprobs is not None:
@@ -45,7 +48,9 @@ class AsyncRunnerOutput:
         logprobs = {}
         if self._sampled_host is not None:
             if self._ready is not None:
+                start = time.perf_counter()
                 self._ready.synchronize()
+                self.wait_s = time.perf_counter() - start
             tokens = self._sampled_host.tolist()
             for state, token in zip(self.sample_states, tokens):
                 state.output_token_ids.append(token)

@@ -17,7 +17,7 @@ from fastllm.entrypoints.cli import main
 SMALL = ["--num-gpu-blocks", "64", "--no-progress"]  # a small KV pool: quick to allocate
 LATENCY_COLUMNS = [
     "batch_size", "input_len", "output_len", "ttft_ms", "prefill_tok_s", "tpot_ms_mean", "tpot_ms_p50",
-    "tpot_ms_p90", "tpot_ms_p99", "floor_ms", "floor_mode", "tok_s_per_seq", "tok_s_total", "e2e_s",
+    "tpot_ms_p90", "tpot_ms_p99", "floor_ms", "floor_mode", "host_ms_p50", "host_frac", "tok_s_per_seq", "tok_s_total", "e2e_s",
     "e2e_output_tok_s", "steps", "decode_steps", "bytes_per_step", "flops_per_step", "achieved_gb_s", "bw_frac",
     "achieved_tflops", "tc_frac", "peak_mem_gib", "preemptions",
 ]
@@ -63,6 +63,7 @@ def test_latency_sweep_table_json_csv_plot(tmp_path, capsys):
         assert row["bw_frac"] is None and row["tc_frac"] is None and row["peak_mem_gib"] is None
         assert row["decode_steps"] == 5 and row["tpot_ms_mean"] > 0 and row["ttft_ms"] > 0
         assert row["floor_ms"] > 0 and row["floor_mode"] == "eager"
+        assert row["host_frac"] == 1.0  # on the CPU nothing is waited for: the whole step is host work
         # decode steps attend over 9..13 tokens (8 prompt + the outputs so far): mean 11 per request
         b = row["batch_size"]
         assert row["bytes_per_step"] == pytest.approx(shape.decode_bytes([11] * b))
