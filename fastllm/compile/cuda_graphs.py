@@ -1,7 +1,8 @@
 """Decode steps replayed from CUDA graphs, one captured per batch size.
 
-Every captured graph reads its inputs from the same static buffers and writes its logits to its
-own output, all in one memory pool. A batch of B requests replays the smallest captured size
+Every captured graph reads its inputs from the same static buffers and writes its final hidden
+states to its own output, all in one memory pool. The logits are computed after replay, for the real
+rows only: a graph per size holding [size, vocab] logits would pin over 1 GiB for a 128k vocabulary. A batch of B requests replays the smallest captured size
 >= B; the padding rows carry slot -1 (their K/V writes are skipped) and attend over one token of
 the null block (block 0, never handed out), so they touch no real KV slot. Prefill and mixed steps do not come here.
 """
@@ -27,9 +28,8 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, forward, compute_logits, sizes: list[int], max_blocks_per_seq: int, max_seq_len: int,
-                 device: torch.device):
-        self.forward, self.compute_logits = forward, compute_logits
+    def __init__(self, forward, sizes: list[int], max_blocks_per_seq: int, max_seq_len: int, device: torch.device):
+        self.forward = forward
         self.sizes = sorted(set(sizes))
         self.max_bs = self.sizes[-1]
         self.max_seq_len = max_seq_len
@@ -41,7 +41,7 @@ class CUDAGraphRunner:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # False runs the same padded step through the compiled forward without the graph: the
@@ -54,8 +54,7 @@ class CUDAGraphRunner:
 
     def _run(self, bs: int) -> torch.Tensor:
         with forward_context(self._metadata(bs)):
-            hidden = self.forward(self.input_ids[:bs], self.positions[:bs])
-        return self.compute_logits(hidden)
+            return self.forward(self.input_ids[:bs], self.positions[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -69,7 +68,7 @@ class CUDAGraphRunner:
             logger.debug("batch %d: warm-up %.2f s", bs, time.perf_counter() - size_start)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[bs] = self._run(bs)
+                self.hidden[bs] = self._run(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
@@ -85,7 +84,7 @@ class CUDAGraphRunner:
         return next(s for s in self.sizes if s >= num_reqs)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Replay for a decode batch; returns the logits [B, vocab] of its B rows."""
+        """Replay for a decode batch; returns the final hidden states [B, hidden] of its B rows."""
         num = input_ids.shape[0]
         bs = self.padded_size(num)
         self.input_ids[:num].copy_(input_ids, non_blocking=True)
@@ -101,4 +100,4 @@ class CUDAGraphRunner:
             with torch.inference_mode():
                 return self._run(bs)[:num]
         self.graphs[bs].replay()
-        return self.logits[bs][:num]
+        return self.hidden[bs][:num]

@@ -85,8 +85,7 @@ class ModelRunner:
         sched, model = self.config.scheduler, self.config.model
         sizes = list(cfg.cuda_graph_sizes or default_capture_sizes(sched.max_num_seqs))
         max_blocks = -(-model.max_model_len // self.block_size)
-        self.graphs = CUDAGraphRunner(self.forward, self.model.compute_logits, sizes, max_blocks,
-                                      model.max_model_len, self.device)
+        self.graphs = CUDAGraphRunner(self.forward, sizes, max_blocks, model.max_model_len, self.device)
         self.graphs.capture()
         logger.info("execution: compiled; decode batches up to %d replay CUDA graphs", self.graphs.max_bs)
 
@@ -136,16 +135,16 @@ class ModelRunner:
         metadata = inputs.attn_metadata
         if self.graphs is not None and self.graphs.can_run(metadata, len(states)):
             with nvtx_range("forward_graph"):
-                logits = self.graphs.run(inputs.input_ids, inputs.positions, metadata)[inputs.logits_indices]
+                hidden = self.graphs.run(inputs.input_ids, inputs.positions, metadata)
         else:
             with nvtx_range("forward"), forward_context(metadata):
                 hidden = self.forward(inputs.input_ids, inputs.positions)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices]) if inputs.sample_req_ids else None
         for req_id, state in zip(req_ids, states):
             state.num_computed_tokens += sched.num_scheduled_tokens[req_id]
         if not inputs.sample_req_ids:
             return AsyncRunnerOutput(req_ids, [])
         with nvtx_range("sample"):
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
             out = self.sampler(logits, inputs.sampling_metadata)
         sample_states = [self.requests[r] for r in inputs.sample_req_ids]
         for state in sample_states:
