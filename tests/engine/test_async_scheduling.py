@@ -5,6 +5,8 @@ and it must really overlap: the next step's input is read from the device."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fastllm import SamplingParams
@@ -22,9 +24,25 @@ MIXED = [
 ]
 
 
+# The CPU reference kernels compute each row alone, so the two loops agree to the bit. The GPU
+# kernels are not batch-invariant (split counts follow the batch size), and async scheduling runs
+# a request stopped by a token one extra step, so batches differ at the tail: there, logprobs are
+# compared to fp32 rounding and tokens exactly.
+GPU = os.environ.get("FASTLLM_TEST_DEVICE", "cpu") == "cuda"
+
+
 def run(llm, prompts=PROMPTS, params=MIXED):
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs] for o in outputs]
+    return [[(c.token_ids, c.text, c.finish_reason,
+              [{t: p.logprob for t, p in step.items()} for step in c.logprobs or []]) for c in o.outputs]
+            for o in outputs]
+
+
+def expect(outputs):
+    if not GPU:
+        return outputs
+    return [[(ids, text, reason, [pytest.approx(step, abs=1e-4) for step in logprobs])
+             for ids, text, reason, logprobs in o] for o in outputs]
 
 
 @pytest.mark.parametrize("engine_args", [
@@ -42,7 +60,7 @@ def test_async_equals_sync(engine_args, penalties):
     sync = run(cached_llm(async_scheduling=False, **engine_args), params=params)
     async_llm = cached_llm(async_scheduling=True, **engine_args)
     before = async_llm.engine.scheduler.num_preemptions
-    assert run(async_llm, params=params) == sync
+    assert run(async_llm, params=params) == expect(sync)
     if "num_gpu_blocks" in engine_args:
         assert async_llm.engine.scheduler.num_preemptions > before, "the pool was meant to be too small"
 
