@@ -64,8 +64,9 @@ def header(result: dict) -> str:
     if s:
         def fmt(key):
             return "n/a" if s.get(key) is None else f"{s[key]:.2f} s"
+        graph_mem = f" ({s['cuda_graph_gib']:.2f} GiB)" if s.get("cuda_graph_gib") is not None else ""
         lines.append(f"startup {fmt('total_s')}: load {fmt('load_s')}, compile {fmt('compile_s')}, "
-                     f"cuda graphs {fmt('cuda_graph_s')}, KV profile {fmt('kv_profile_s')}, "
+                     f"cuda graphs {fmt('cuda_graph_s')}{graph_mem}, KV profile {fmt('kv_profile_s')}, "
                      f"KV alloc {fmt('kv_alloc_s')} ({s['kv_cache_gib']:.2f} GiB), other {fmt('other_s')}")
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ class _PinnedBuffer:
     def __init__(self, dtype: torch.dtype, pinned: bool):
         self.dtype, self.pinned = dtype, pinned
         self.host = torch.empty(0, dtype=dtype)
-        self.copied: torch.cuda.Event | None = None  # recorded after the last copy out of host
+        self.copied: torch.cuda.Event | None = None  # recorded after the last copy out of host (shared)
 
     def fill(self, arrays: list[np.ndarray]) -> int:
         total = sum(a.size for a in arrays)
@@ -50,8 +50,6 @@ class StepInputStager:
             total = buffer.fill(arrays)
             if self.cuda:
                 flat = buffer.host[:total].to(self.device, non_blocking=True)
-                buffer.copied = torch.cuda.Event()
-                buffer.copied.record()
             else:
                 flat = buffer.host[:total].clone()  # the buffer is refilled next-but-one step
             views, offset = [], 0
@@ -59,4 +57,9 @@ class StepInputStager:
                 views.append(flat[offset:offset + a.size].view(a.shape))
                 offset += a.size
             out.append(views)
+        if self.cuda:  # one event for both copies
+            copied = torch.cuda.Event()
+            copied.record()
+            for buffer in buffers.values():
+                buffer.copied = copied
         return out[0], out[1]
