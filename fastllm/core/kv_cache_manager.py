@@ -75,6 +75,15 @@ class KVCacheManager:
         """Make room for num_new_tokens more tokens after request.num_computed_tokens (plus any
         prefix-cache hits in computed_blocks, which a new request takes first). Returns False,
         changing nothing, when the free blocks do not suffice."""
+        if not computed_blocks:
+            blocks = self.req_blocks.get(request.request_id)
+            end = request.num_computed_tokens + num_new_tokens
+            last = (end - 1) // self.block_size
+            if num_new_tokens > 0 and blocks and last < len(blocks) and request.num_computed_tokens // self.block_size == last \
+                    and blocks[last].ref_cnt == 1:
+                # The common decode step: it writes into one block it already holds alone.
+                self._cache_full_blocks(request, blocks, end)
+                return True
         computed_blocks = computed_blocks or []
         blocks = self.req_blocks[request.request_id]
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size

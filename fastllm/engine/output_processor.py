@@ -107,10 +107,12 @@ class OutputProcessor:
                     out.finish_reason, out.stop_reason = "stop", hit
                     stopped.append(request.request_id)
             touched[group.request_id] = group
-        outputs = [g.to_output() for g in touched.values()
-                   if g.output_kind != RequestOutputKind.FINAL_ONLY or g.finished]
+        outputs = []
         for group in touched.values():
-            if group.finished:
+            finished = group.finished
+            if group.output_kind != RequestOutputKind.FINAL_ONLY or finished:
+                outputs.append(group.to_output())
+            if finished:
                 self._drop(group)
         return outputs, stopped
 
