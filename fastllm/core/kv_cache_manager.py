@@ -29,6 +29,10 @@ class KVCacheManager:
         self.rewritten: set[str] = set()  # requests whose block table changed in place this step
         self.num_registered: dict[str, int] = defaultdict(int)  # leading blocks already offered to the cache
         self.chain_tail: dict[str, KVCacheBlock] = {}  # the cached block lookup finds at the last of those
+        # Blocks registered by the step being scheduled: that step's forward writes their KV. A
+        # prefix hit on one is safe (each layer writes K/V before attending), but a copy-on-write
+        # copy runs before the forward, so a fork must not share one (see fork).
+        self.filled_this_step: set[int] = set()
 
     @property
     def num_free_blocks(self) -> int:
@@ -122,7 +126,10 @@ class KVCacheManager:
         parent = self.chain_tail.get(request.request_id)
         for i in range(start, num_full):
             tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            new = blocks[i].block_hash is None
             parent = self.pool.register(blocks[i], request.block_hashes[i], tokens, parent)
+            if new and blocks[i].block_hash is not None:
+                self.filled_this_step.add(blocks[i].block_id)
         if num_full > start:
             self.num_registered[request.request_id] = num_full
             self.chain_tail[request.request_id] = parent
@@ -136,11 +143,16 @@ class KVCacheManager:
         if cpu_blocks:
             self.cpu_pool.free(cpu_blocks)
 
-    def fork(self, parent: Request, child: Request, num_tokens: int) -> None:
-        """Let child share the parent's blocks holding its first num_tokens tokens."""
+    def fork(self, parent: Request, child: Request, num_tokens: int) -> bool:
+        """Let child share the parent's blocks holding its first num_tokens tokens. False (and
+        nothing shared) while one of them is being filled by this step: the child's first write
+        copies the block it writes into, and that copy would run before the block holds its KV."""
         shared = self.req_blocks[parent.request_id][:cdiv(num_tokens, self.block_size)]
+        if any(b.block_id in self.filled_this_step for b in shared):
+            return False
         self.pool.touch(shared)
         self.req_blocks[child.request_id] = list(shared)
+        return True
 
     # swapping
 
@@ -175,7 +187,9 @@ class KVCacheManager:
         return rewritten
 
     def take_copies(self) -> list[tuple[int, int]]:
+        """The step's copy-on-write pairs; called once per step, when its schedule is complete."""
         copies, self.pending_copies = self.pending_copies, []
+        self.filled_this_step.clear()
         return copies
 
     # invariants

@@ -200,9 +200,9 @@ class Scheduler:
         computed_blocks, num_cached = [], 0
         forked = False
         if parent is not None and parent.status == RequestStatus.RUNNING and request.num_computed_tokens == 0 \
-                and parent.num_computed_tokens >= request.num_prompt_tokens:
+                and parent.num_computed_tokens >= request.num_prompt_tokens \
+                and self.kv.fork(parent, request, request.num_prompt_tokens - 1):
             # Share the parent's KV of the prompt minus its last token, whose logits we need.
-            self.kv.fork(parent, request, request.num_prompt_tokens - 1)
             request.num_computed_tokens = request.num_prompt_tokens - 1
             forked = True
         elif request.num_computed_tokens == 0:

@@ -266,8 +266,9 @@ def test_fork_then_copy_on_write_of_the_partial_block():
     parent = req("p", 6)
     compute(kv, parent, 6)
     assert kv.block_ids("p") == [1, 2]
+    assert kv.take_copies() == []  # the parent's step is over: its blocks hold their KV
     child = req("c", parent.prompt_token_ids)
-    kv.fork(parent, child, 5)  # the prompt minus its last token
+    assert kv.fork(parent, child, 5)  # the prompt minus its last token
     assert kv.block_ids("c") == [1, 2]
     assert [kv.pool.blocks[i].ref_cnt for i in (1, 2)] == [2, 2]
     child.num_computed_tokens = 5
@@ -286,8 +287,9 @@ def test_fork_at_a_block_boundary_needs_no_copy():
     parent = req("p", 5)  # (5 - 1) % 4 == 0: the last prompt token starts block 2
     compute(kv, parent, 5)
     assert kv.block_ids("p") == [1, 2]
+    assert kv.take_copies() == []
     child = req("c", parent.prompt_token_ids)
-    kv.fork(parent, child, 4)
+    assert kv.fork(parent, child, 4)
     assert kv.block_ids("c") == [1]
     child.num_computed_tokens = 4
     assert kv.allocate_slots(child, 1)
@@ -297,14 +299,30 @@ def test_fork_at_a_block_boundary_needs_no_copy():
     kv.check_invariants()
 
 
+def test_no_fork_onto_a_block_the_same_step_fills():
+    """A block registered by the step being scheduled gets its KV only in that step's forward,
+    after the step's copy-on-write copies: a child sharing it would copy an empty block."""
+    kv = KVCacheManager(10, BS)
+    parent = req("p", 6)
+    compute(kv, parent, 6)  # fills block 1 in this very step
+    child = req("c", parent.prompt_token_ids)
+    assert not kv.fork(parent, child, 5)
+    assert kv.block_ids("c") == [] and [kv.pool.blocks[i].ref_cnt for i in (1, 2)] == [1, 1]
+    assert kv.take_copies() == []  # the step is scheduled; next step the blocks hold their KV
+    assert kv.fork(parent, child, 5)
+    assert kv.block_ids("c") == [1, 2]
+    kv.check_invariants()
+
+
 def test_copy_on_write_counts_against_free_space():
     kv = KVCacheManager(4, BS)  # usable: 1..3
     parent = req("p", 6)
     compute(kv, parent, 6)
     other = req("o", 3)
     compute(kv, other, 3)  # takes the last block
+    assert kv.take_copies() == []
     child = req("c", parent.prompt_token_ids)
-    kv.fork(parent, child, 5)
+    assert kv.fork(parent, child, 5)
     child.num_computed_tokens = 5
     before = snapshot(kv)
     assert not kv.allocate_slots(child, 1)

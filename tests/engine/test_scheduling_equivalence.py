@@ -78,3 +78,26 @@ def test_n3_with_preemption_and_copy_on_write():
     assert forks and copies, "siblings should share the prompt's blocks and copy the partial one on write"
     for want, out in zip(expected(), outputs):
         assert all(c.token_ids == want for c in out.outputs)
+
+
+def test_n3_siblings_fork_only_from_computed_blocks():
+    """Prompts sharing prefixes in a 12-block pool: requests are preempted, recomputed with
+    prefix-cache hits, and fork n=3 siblings from them. A sibling must never copy a block that
+    another request's same step is still to fill (found by fuzzing async vs sync scheduling)."""
+    base = [450, 215, 428, 378, 379, 243, 24, 216, 448, 107, 137, 333, 113, 173, 169]
+    prompts = [base[:3], base[:7], base, [450], [365, 12, 166, 339, 363, 147, 242, 109, 182, 413, 68, 496, 31, 239],
+               base[:8], base[:2], base[:10], base[:13], [90, 334, 423, 312, 386, 438, 19, 405, 356, 345]]
+    g = lambda **k: SamplingParams(temperature=0.0, **k)  # noqa: E731
+    params = [g(max_tokens=15, ignore_eos=True), g(n=3, max_tokens=30, stop_token_ids=[109]), g(n=3, max_tokens=25),
+              g(max_tokens=15, ignore_eos=True), g(max_tokens=25), g(n=3, max_tokens=26, ignore_eos=True),
+              g(max_tokens=10), g(max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=124, max_tokens=18, min_tokens=4),
+              SamplingParams(temperature=0.7, seed=742, max_tokens=17)]
+    llm = cached_llm(num_gpu_blocks=12, block_size=4, max_model_len=40, max_num_seqs=8)
+    before = llm.engine.scheduler.num_preemptions
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > before
+    for prompt, p, out in zip(prompts, params, outputs):
+        if p.n > 1:
+            [alone] = llm.generate([{"prompt_token_ids": prompt}], p.clone(n=1), use_tqdm=False)
+            assert [c.token_ids for c in out.outputs] == [alone.outputs[0].token_ids] * 3
