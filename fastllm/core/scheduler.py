@@ -251,7 +251,9 @@ class Scheduler:
         """Append sampled tokens, apply stop conditions, free finished requests.
         Returns the requests that got a token this step (finished ones included)."""
         updated = []
-        scheduled = self._scheduled_requests.pop(scheduler_output.step_id, {})
+        scheduled = self._scheduled_requests.pop(scheduler_output.step_id, None)
+        if scheduled is None:
+            raise ValueError(f"step {scheduler_output.step_id} was not scheduled here, or its output was already applied")
         for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = scheduled.get(req_id)
             if token is None or request is None or request.is_finished:
