@@ -11,22 +11,8 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
-from kbench import (
-    DEVICE,
-    DTYPE,
-    HEAD_DIM,
-    HIDDEN,
-    HQ,
-    compiled,
-    cuda_ok,
-    record,
-    row,
-    run_cases,
-    time_ms,
-    try_row,
-)
+from kbench import DEVICE, DTYPE, HEAD_DIM, HIDDEN, HQ, compiled, entry_points, row, time_ms, try_row
 
 KERNEL = "fused_add_rms_norm"
 # name -> (op, shape): the hidden-state norms of a prefill chunk and a decode batch, and Qwen3's q-norm
@@ -59,13 +45,4 @@ def measure(case: str):
     return rows, ours
 
 
-def run() -> list[dict]:
-    return run_cases(KERNEL, {name: functools.partial(measure, name) for name in CASES})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not cuda_ok(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", list(CASES))
-def test_bench_fused_add_rms_norm(benchmark, case):
-    rows, ours = measure(case)
-    record(benchmark, rows, ours)
+run, test_bench_fused_add_rms_norm = entry_points(KERNEL, CASES, measure)

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
-from kbench import DEVICE, DTYPE, HEAD_DIM, HKV, cuda_ok, record, row, run_cases, time_ms, try_row
+from kbench import DEVICE, DTYPE, HEAD_DIM, HKV, entry_points, row, time_ms, try_row
 
 KERNEL = "kv_cache_write"
 CASES = {"T8192": 8192, "T64": 64}
@@ -47,13 +46,4 @@ def measure(case: str):
     return rows, ours
 
 
-def run() -> list[dict]:
-    return run_cases(KERNEL, {name: functools.partial(measure, name) for name in CASES})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not cuda_ok(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", list(CASES))
-def test_bench_kv_cache_write(benchmark, case):
-    rows, ours = measure(case)
-    record(benchmark, rows, ours)
+run, test_bench_kv_cache_write = entry_points(KERNEL, CASES, measure)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
 import torch.nn.functional as F
 from kbench import (
@@ -21,12 +20,10 @@ from kbench import (
     HKV,
     HQ,
     contiguous_kv,
-    cuda_ok,
+    entry_points,
     num_sms,
     paged_kv,
-    record,
     row,
-    run_cases,
     sdpa_rows,
     time_ms,
 )
@@ -62,13 +59,4 @@ def measure(case: str):
     return rows, ours
 
 
-def run() -> list[dict]:
-    return run_cases(KERNEL, {name: functools.partial(measure, name) for name in CASES})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not cuda_ok(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", list(CASES))
-def test_bench_paged_decode_attention(benchmark, case):
-    rows, ours = measure(case)
-    record(benchmark, rows, ours)
+run, test_bench_paged_decode_attention = entry_points(KERNEL, CASES, measure)

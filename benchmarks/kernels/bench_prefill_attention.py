@@ -11,22 +11,8 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
-from kbench import (
-    DEVICE,
-    DTYPE,
-    HEAD_DIM,
-    HQ,
-    contiguous_kv,
-    cuda_ok,
-    paged_kv,
-    record,
-    row,
-    run_cases,
-    sdpa_rows,
-    time_ms,
-)
+from kbench import DEVICE, DTYPE, HEAD_DIM, HQ, contiguous_kv, entry_points, paged_kv, row, sdpa_rows, time_ms
 
 KERNEL = "prefill_attention"
 CASES = {"B8_S2048": (8, 2048), "B1_S8192": (1, 8192)}
@@ -59,13 +45,4 @@ def measure(case: str):
     return rows, ours
 
 
-def run() -> list[dict]:
-    return run_cases(KERNEL, {name: functools.partial(measure, name) for name in CASES})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not cuda_ok(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", list(CASES))
-def test_bench_prefill_attention(benchmark, case):
-    rows, ours = measure(case)
-    record(benchmark, rows, ours)
+run, test_bench_prefill_attention = entry_points(KERNEL, CASES, measure)

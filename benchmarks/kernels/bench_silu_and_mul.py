@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
-from kbench import DEVICE, DTYPE, INTERMEDIATE, compiled, cuda_ok, record, row, run_cases, time_ms, try_row
+from kbench import DEVICE, DTYPE, INTERMEDIATE, compiled, entry_points, row, time_ms, try_row
 
 KERNEL = "silu_and_mul"
 CASES = {"T8192": 8192, "T64": 64}
@@ -37,13 +36,4 @@ def measure(case: str):
     return rows, ours
 
 
-def run() -> list[dict]:
-    return run_cases(KERNEL, {name: functools.partial(measure, name) for name in CASES})
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not cuda_ok(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", list(CASES))
-def test_bench_silu_and_mul(benchmark, case):
-    rows, ours = measure(case)
-    record(benchmark, rows, ours)
+run, test_bench_silu_and_mul = entry_points(KERNEL, CASES, measure)

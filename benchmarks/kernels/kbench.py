@@ -11,6 +11,7 @@ import functools
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `import fastllm`
@@ -171,3 +172,19 @@ def record(benchmark, rows: list[dict], fn) -> None:
         torch.cuda.synchronize()
 
     benchmark.pedantic(synced, rounds=20, warmup_rounds=3)
+
+
+def entry_points(kernel: str, cases, measure):
+    """The two ways a bench_*.py runs, from its measure(case) -> (rows, our callable): run() for
+    run_all.py's table, and one pytest-benchmark test per case (bind it to a test_* name)."""
+    def run() -> list[dict]:
+        return run_cases(kernel, {name: functools.partial(measure, name) for name in cases})
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not cuda_ok(), reason="needs a CUDA GPU")
+    @pytest.mark.parametrize("case", list(cases))
+    def test(benchmark, case):
+        rows, ours = measure(case)
+        record(benchmark, rows, ours)
+
+    return run, test
