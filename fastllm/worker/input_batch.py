@@ -15,6 +15,7 @@ import torch
 
 from fastllm.layers.sampler import SamplingMetadata, SamplingRow
 from fastllm.sampling_params import SamplingParams
+from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.attn_metadata import AttentionMetadata
 from fastllm.worker.staging import StepInputStager
 
@@ -71,19 +72,12 @@ class StepInputs:
     sampling_metadata: SamplingMetadata | None
 
 
-@dataclass
-class InFlightTokens:
-    """The tokens sampled by the last step, still on the device: row i belongs to req_ids[i]."""
-
-    sampled: torch.Tensor  # [S] int64
-    rows: dict[str, int]
-
-
 def build_step_inputs(
     states: list[CachedRequestState], num_scheduled: list[int], block_size: int, vocab_size: int,
-    eos_token_id: int | None, stager: StepInputStager, in_flight: InFlightTokens | None = None,
+    eos_token_id: int | None, stager: StepInputStager, in_flight: AsyncRunnerOutput | None = None,
 ) -> StepInputs:
-    """Flatten the scheduled requests into one unpadded batch."""
+    """Flatten the scheduled requests into one unpadded batch. in_flight: the last step's output
+    while its tokens are still on the device (rows whose input is such a token read it there)."""
     num_reqs = len(states)
     counts = np.asarray(num_scheduled, dtype=np.int64)
     starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)

@@ -19,7 +19,7 @@ from fastllm.tracing import nvtx_range
 from fastllm.worker.attn_metadata import forward_context
 from fastllm.worker.cache_engine import CacheEngine
 from fastllm.worker.async_output import AsyncRunnerOutput
-from fastllm.worker.input_batch import CachedRequestState, InFlightTokens, build_step_inputs
+from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
 from fastllm.worker.staging import StepInputStager
 
 logger = logging.getLogger(__name__)
@@ -129,9 +129,8 @@ class ModelRunner:
             last.result()
             last = None
         with nvtx_range("prepare_inputs"):
-            in_flight = InFlightTokens(last.sampled, last.rows) if last is not None else None
             inputs = build_step_inputs(states, list(sched.num_scheduled_tokens.values()), self.block_size,
-                                       self.args.vocab_size, self.eos_token_id, self.stager, in_flight)
+                                       self.args.vocab_size, self.eos_token_id, self.stager, last)
         metadata = inputs.attn_metadata
         if self.graphs is not None and self.graphs.can_run(metadata, len(states)):
             with nvtx_range("forward_graph"):
