@@ -271,9 +271,12 @@ class Scheduler:
     def _ends_with_pending_token(self, request: Request) -> bool:
         """Whether the request stops by length once its in-flight token lands (so scheduling it
         again would compute a token nobody reads)."""
-        n = request.num_pending_tokens
-        return n > 0 and (request.num_output_tokens + n >= request.max_tokens
-                          or request.num_tokens + n >= self.max_model_len)
+        return request.num_pending_tokens > 0 and self._reaches_length(request, request.num_pending_tokens)
+
+    def _reaches_length(self, request: Request, num_more: int = 0) -> bool:
+        """Whether max_tokens or max_model_len is reached once num_more further tokens are appended."""
+        return (request.num_output_tokens + num_more >= request.max_tokens
+                or request.num_tokens + num_more >= self.max_model_len)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -283,6 +286,6 @@ class Scheduler:
             if token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if self._reaches_length(request):
             return RequestStatus.FINISHED_LENGTH
         return None
