@@ -68,7 +68,7 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from
-    sample_req_ids: list[str]  # the S requests that get a token this step
+    sample_states: list[CachedRequestState]  # the S requests that get a token this step
     sampling_metadata: SamplingMetadata | None
 
 
@@ -125,6 +125,6 @@ def build_step_inputs(
         positions=positions_d,
         attn_metadata=metadata,
         logits_indices=logits_d,
-        sample_req_ids=[s.req_id for s in sample_states],
+        sample_states=sample_states,
         sampling_metadata=SamplingMetadata.build(rows, vocab_size, stager.device) if rows else None,
     )

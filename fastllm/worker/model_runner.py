@@ -140,15 +140,14 @@ class ModelRunner:
                 hidden = self.forward(inputs.input_ids, inputs.positions)
         for req_id, state in zip(req_ids, states):
             state.num_computed_tokens += sched.num_scheduled_tokens[req_id]
-        if not inputs.sample_req_ids:
+        if not inputs.sample_states:
             return AsyncRunnerOutput(req_ids, [])
         with nvtx_range("sample"):
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             out = self.sampler(logits, inputs.sampling_metadata)
-        sample_states = [self.requests[r] for r in inputs.sample_req_ids]
-        for state in sample_states:
+        for state in inputs.sample_states:
             state.num_pending += 1
-        self._last_output = AsyncRunnerOutput(req_ids, sample_states, out.sampled, out.logprobs)
+        self._last_output = AsyncRunnerOutput(req_ids, inputs.sample_states, out.sampled, out.logprobs)
         return self._last_output
 
     def _update_states(self, sched: SchedulerOutput) -> None:
