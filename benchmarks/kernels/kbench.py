@@ -35,6 +35,26 @@ def paged_kv(batch: int, seq: int, page: int = 16, device=None, dtype=None, num_
     return key_cache, value_cache, block_tables
 
 
+def prefill_problem(batch: int, new: int, prefix: int = 0, page: int = 16, device=None, dtype=None,
+                    num_q_heads: int = HQ, num_kv_heads: int = HKV, head_dim: int = HEAD_DIM):
+    """`batch` requests of `prefix` cached tokens plus `new` tokens computed this step, laid out as the model
+    has them: q, k, v are slices of one qkv projection output [T, Hq + 2 Hkv, D], and k, v are already
+    written to the paged cache. Returns (query, key, value, key_cache, value_cache, block_tables, seq_lens,
+    query_start_loc): prefill_attention's arguments up to max_query_len and scale."""
+    device, dtype = device or DEVICE, dtype or DTYPE
+    seq = prefix + new
+    key_cache, value_cache, block_tables = paged_kv(batch, seq, page, device, dtype, num_kv_heads, head_dim)
+    qkv = torch.randn(batch * new, num_q_heads + 2 * num_kv_heads, head_dim, device=device, dtype=dtype)
+    query, key, value = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    pos = torch.arange(prefix, seq, device=device)
+    slots = (block_tables[:, pos // page].long() * page + pos % page).reshape(-1)  # [batch * new]
+    key_cache.view(-1, num_kv_heads, head_dim)[slots] = key
+    value_cache.view(-1, num_kv_heads, head_dim)[slots] = value
+    seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=device)
+    return query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc
+
+
 def contiguous_kv(key_cache, value_cache, block_tables, seq: int):
     """The same K/V laid out contiguously per request, [batch, HKV, seq, HEAD_DIM], for torch's SDPA."""
     batch, (num_kv_heads, head_dim) = block_tables.shape[0], key_cache.shape[2:]

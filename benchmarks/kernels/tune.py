@@ -10,7 +10,8 @@ Shapes: 32 q heads, 8 kv heads, head dim 128, bf16, block size 16.
                           tile config the host table can choose, plus the pre-tuning launch);
                           metric GB/s (bytes_moved) and its fraction of a measured copy bandwidth.
   prefill_attention       8 x 2048, 1 x 8192, 1 x 512, and a chunk of 512 new tokens over a 2048-token
-                          cached prefix for 4 requests; every autotune candidate and autotune's own pick;
+                          cached prefix for 4 requests; the table's tile and its neighbours, TMA and pointer
+                          chunk loads;
                           metric TFLOP/s and its fraction of the best torch SDPA backend on the same problem.
   kv_cache_write          T = 1, 64, 512, 8192 into random slots, and 8192 into whole blocks (a prefill's
                           pattern); every candidate of the host table;
@@ -208,14 +209,19 @@ PREFILL_CASES = {  # name -> (batch, new tokens, cached prefix)
 }
 
 
-def prefill_explore_configs():
-    import triton
+def prefill_configs(explore: bool):
+    """PrefillConfigs to time: the table's choice and its neighbours, or (explore) a wider grid."""
+    from fastllm.kernels.prefill_attention import PrefillConfig, choose_config
 
-    out = []
+    chosen = choose_config(D, HQ // HKV, DTYPE)
+    if not explore:
+        return [chosen, PrefillConfig(64, 64, 4, 2), PrefillConfig(128, 64, 4, 2), PrefillConfig(128, 128, 8, 3)]
+    out = [chosen]
     for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4)):
-        if bm == 128 and bn == 128 and w == 4:
-            continue  # register-starved: spills
-        out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+        if (bm == 128 and bn == 128 and w == 4) or (bn == 128 and s == 4):
+            continue  # register-starved (spills) / over the shared-memory limit
+        if PrefillConfig(bm, bn, w, s) != chosen:
+            out.append(PrefillConfig(bm, bn, w, s))
     return out
 
 
@@ -229,13 +235,11 @@ def run_prefill(table: Table, explore: bool) -> None:
         print(f"prefill {case}", flush=True)
         seq = new + prefix
         try:
-            key_cache, value_cache, block_tables = paged_kv(batch, seq)
-            seq_lens = torch.full((batch,), seq, dtype=torch.int32, device=DEVICE)
-            qsl = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=DEVICE)
-            query = torch.randn(batch * new, HQ, D, device=DEVICE, dtype=DTYPE)
+            args = kbench.prefill_problem(batch, new, prefix, PAGE, DEVICE, DTYPE, HQ, HKV, D)
+            query, key, value, key_cache, value_cache, block_tables = args[:6]
             n_flops = mod.flops([new] * batch, [seq] * batch, HQ, D)
             k, v = contiguous_kv(key_cache, value_cache, block_tables, seq)
-            q = query.view(batch, new, HQ, D).transpose(1, 2).contiguous()
+            q = query.reshape(batch, new, HQ, D).transpose(1, 2).contiguous()
         except Exception as e:  # noqa: BLE001
             table.add(kernel="prefill", case=case, config="setup", error=f"{type(e).__name__}: {e}"[:160])
             continue
@@ -265,48 +269,32 @@ def run_prefill(table: Table, explore: bool) -> None:
         if ref is not None:
             ref = ref.transpose(1, 2).reshape(batch * new, HQ, D)
 
-        args = (query, key_cache, value_cache, block_tables, seq_lens, qsl, new, SCALE)
-        configs = prefill_explore_configs() if explore else mod.candidate_configs(D, HQ // HKV)
-        legacy = mod.candidate_configs(D, HQ // HKV)[0]
-        # autotune's own pick: it tunes here, at the first call with this key; timed after the candidates
-        # (timing it right after tuning read up to 2x slow on a ~20 us case)
-        picked, tune_s = None, float("nan")
-        try:
-            t0 = time.time()
-            out = mod.prefill_attention(*args)
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-            tune_s = time.time() - t0
-            picked = mod.tuned_config(D, HQ // HKV, new, PAGE, DTYPE)
-            ref = out if ref is None else ref
-            auto_err = rel_err(out, ref)
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            table.add(kernel="prefill", case=case, config="autotune", tag="chosen", error=f"{type(e).__name__}: {e}"[:160])
-        for cfg in configs:
-            name = _cfg_name(cfg)
-            tag = "legacy" if name == _cfg_name(legacy) else ""
+        full = (*args, new, SCALE)
+        chosen = mod.choose_config(D, HQ // HKV, DTYPE)
+        tma_ok = mod.use_chunk_tma(key, value)
+        for cfg, tma in [(c, t) for c in prefill_configs(explore) for t in ((True, False) if tma_ok else (False,))]:
+            name = _cfg_name(cfg) + (" tma" if tma else " ptr")
+            tag = "chosen" if cfg == chosen and tma == tma_ok else ""
             try:
-                fn = lambda: mod.prefill_attention_config(*args, config=cfg)  # noqa: E731
+                fn = lambda: mod.prefill_attention_config(*full, config=cfg, chunk_tma=tma)  # noqa: E731
                 out = fn()
-                err = rel_err(out, ref) if ref is not None else float("nan")
+                ref = out if ref is None else ref
+                err = rel_err(out, ref)
                 ms = bench(fn)
                 table.add(kernel="prefill", case=case, config=name, tag=tag, ms=ms, TFLOPs=n_flops / ms / 1e9,
                           frac=(best_sdpa / ms) if best_sdpa else float("nan"), err=err, bad=err > 2e-2)
             except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
                 table.add(kernel="prefill", case=case, config=name, tag=tag, error=f"{type(e).__name__}: {e}"[:160])
-        if picked is not None:
-            ms = bench(lambda: mod.prefill_attention(*args))
-            table.add(kernel="prefill", case=case, config=f"autotune -> {_cfg_name(picked)}", tag="chosen", ms=ms,
-                      TFLOPs=n_flops / ms / 1e9, frac=(best_sdpa / ms) if best_sdpa else float("nan"),
-                      err=auto_err, tune_s=tune_s)
-        del key_cache, value_cache, k, v, q
+        del args, key_cache, value_cache, k, v, q
         torch.cuda.empty_cache()
 
 
 def _cfg_name(cfg) -> str:
     if cfg is None:
         return "?"
+    if hasattr(cfg, "block_m"):
+        return f"BM={cfg.block_m} BN={cfg.block_n} w={cfg.num_warps} s={cfg.num_stages}"
     return f"BM={cfg.kwargs['BLOCK_M']} BN={cfg.kwargs['BLOCK_N']} w={cfg.num_warps} s={cfg.num_stages}"
 
 

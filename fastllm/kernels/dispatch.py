@@ -105,11 +105,11 @@ def paged_decode_attention(
 
 
 def prefill_attention(
-    query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-    query_start_loc: Tensor, max_query_len: int, scale: float,
+    query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
+    seq_lens: Tensor, query_start_loc: Tensor, max_query_len: int, scale: float,
 ) -> Tensor:
     return _select("prefill_attention", query.device)(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
+        query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
     )
 
 

@@ -93,6 +93,8 @@ def paged_decode_attention(
 
 def prefill_attention(
     query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]: the chunks' own K/V, already in the cache (the Triton kernel reads
+    value: torch.Tensor,  # them from here instead of through the block table; this reads the cache alone)
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,

@@ -33,5 +33,6 @@ class Attention(nn.Module):
         if metadata.is_decode_only:
             return ops.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
                                               metadata.seq_lens, metadata.max_seq_len, self.scale)
-        return ops.prefill_attention(query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
-                                     metadata.query_start_loc, metadata.max_query_len, self.scale)
+        return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
+                                     metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
+                                     self.scale)

@@ -85,6 +85,27 @@ class PagedKV:
         self.block_tables = table.to(device)
         self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int32, device=device)
 
+    def chunk_rows(self, q_lens, pad_tokens: int = 0, width: int | None = None):
+        """(key, value) [sum(q_lens) + pad_tokens, Hkv, D]: each request's last q_len tokens as the cache holds
+        them (the rows a step has just written), then NaN padding rows that belong to no request. With
+        width, each is a strided slice of a [T, width, D] buffer, like k and v inside a fused qkv output."""
+        hkv, d = self.key_cache.shape[2:]
+        slots = []
+        for i, (q, length) in enumerate(zip(q_lens, self.seq_lens_list)):
+            pos = torch.arange(length - q, length)
+            blocks = self.block_tables[i].cpu().long()[pos // self.block_size]
+            slots.append(blocks * self.block_size + pos % self.block_size)
+        slot_t = torch.cat(slots + [torch.zeros(0, dtype=torch.long)]).to(self.key_cache.device)
+        total = len(slot_t)
+        out = []
+        for cache in (self.key_cache, self.value_cache):
+            buf = torch.full((total + pad_tokens, width or hkv, d), float("nan"), dtype=cache.dtype,
+                             device=cache.device)
+            rows = buf[:, 1 : hkv + 1] if width else buf
+            rows[:total] = cache.view(-1, hkv, d)[slot_t]
+            out.append(rows)
+        return tuple(out)
+
     def compact_float(self):
         """(key_cache, value_cache, block_tables): float32, only the used blocks (a small oracle input)."""
         blocks, rows = [], []
@@ -104,7 +125,9 @@ def attention_oracle(query: torch.Tensor, kv: PagedKV, query_start_loc: torch.Te
     scale = query.shape[-1] ** -0.5
     q = query.float()
     max_q = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if query_start_loc.numel() > 1 else 0
-    return reference_impl("prefill_attention")(q, k, v, table, kv.seq_lens, query_start_loc, max_q, scale)
+    key, value = kv.chunk_rows((query_start_loc[1:] - query_start_loc[:-1]).tolist())
+    return reference_impl("prefill_attention")(q, key.float(), value.float(), k, v, table, kv.seq_lens,
+                                               query_start_loc, max_q, scale)
 
 
 def decode_oracle(query: torch.Tensor, kv: PagedKV, max_seq_len: int) -> torch.Tensor:

@@ -60,7 +60,7 @@ def test_every_op_dispatches_on_cpu(monkeypatch):
     bt = torch.tensor([[0, 1]], dtype=torch.int32)
     q = torch.randn(1, 4, 8)
     dec = kernels.paged_decode_attention(q, cache, cache, bt, torch.tensor([6], dtype=torch.int32), 8, 0.3)
-    pre = kernels.prefill_attention(q, cache, cache, bt, torch.tensor([6], dtype=torch.int32),
+    pre = kernels.prefill_attention(q, cache[1, 1:2], cache[1, 1:2], cache, cache, bt, torch.tensor([6], dtype=torch.int32),
                                     torch.tensor([0, 1], dtype=torch.int32), 1, 0.3)
     assert torch.allclose(dec, pre)
     assert all(fn.__module__ == "fastllm.kernels.reference" for fn in kernels._chosen.values())

@@ -19,35 +19,38 @@ DTYPES = [torch.float32, torch.float16, BF16]
 
 
 def _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page, num_blocks=None, pad_tokens=0,
-         strided_query=False, config=None):
-    """pad_tokens NaN query rows after the last request's rows (they belong to no request)."""
+         strided=False, config=None, chunk_tma=None):
+    """pad_tokens NaN query / key / value rows after the last request's rows (they belong to no request);
+    strided: q, k and v are slices of one qkv-like buffer row, as in the model."""
     assert all(0 <= q <= s for q, s in zip(q_lens, seq_lens))
     num_blocks = num_blocks or sum(-(-n // page) for n in seq_lens) + 8
     kv = PagedKV(seq_lens, num_blocks, page, hkv, d, dtype, device, gen)
     total = sum(q_lens)
-    width = hq + 2 if strided_query else hq
+    width = hq + 2 if strided else hq
     buf = torch.randn(total + pad_tokens, width, d, device=device).to(dtype)
     buf[total:] = float("nan")
-    query = buf[:, 1 : hq + 1] if strided_query else buf
+    query = buf[:, 1 : hq + 1] if strided else buf
+    key, value = kv.chunk_rows(q_lens, pad_tokens, width=hkv + 2 if strided else None)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
-    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, max(q_lens), d**-0.5)
-    if config is None:
+    args = (query, key, value, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, max(q_lens),
+            d**-0.5)
+    if config is None and chunk_tma is None:
         out = triton_impl("prefill_attention")(*args)
     else:
         from fastllm.kernels.prefill_attention import prefill_attention_config
 
-        out = prefill_attention_config(*args, config=config)
+        out = prefill_attention_config(*args, config=config, chunk_tma=chunk_tma)
     assert out.dtype == dtype and out.shape == query.shape
     ref = attention_oracle(query[:total], kv, qsl)
     assert_close(out[:total], ref, *TOL[dtype], what=f"prefill q={q_lens} s={seq_lens}")
 
 
 def _configs(head_dim):
-    from fastllm.kernels.prefill_attention import CONFIGS_HEAD_DIM_128, CONFIGS_HEAD_DIM_256
+    """The table's config, and tiles where one query tile spans several key tiles (and the reverse)."""
+    from fastllm.kernels.prefill_attention import PrefillConfig, choose_config
 
-    configs = CONFIGS_HEAD_DIM_128 if head_dim <= 128 else CONFIGS_HEAD_DIM_256
-    return [pytest.param(c, id="BM{BLOCK_M}-BN{BLOCK_N}".format(**c.kwargs) + f"-w{c.num_warps}-s{c.num_stages}")
-            for c in configs]
+    configs = [choose_config(head_dim, 4, torch.float16), PrefillConfig(128, 16, 4, 2), PrefillConfig(64, 128, 4, 2)]
+    return [pytest.param(c, id="BM{}-BN{}-w{}-s{}".format(*c)) for c in configs]
 
 
 # (q_lens, seq_lens, Hq, Hkv, head_dim, block_size)
@@ -82,8 +85,8 @@ def test_prefill_grid(device, gen, dtype, hq, hkv, page, d):
 
 
 def test_prefill_padding_tokens_and_strided_query(device, gen):
-    # rows past query_start_loc[-1] (NaN) are nobody's; q is a strided slice of a qkv-like buffer
-    _run(device, gen, torch.float16, [5, 12], [40, 12], 8, 2, 64, 16, pad_tokens=3, strided_query=True)
+    # rows past query_start_loc[-1] (NaN) are nobody's; q, k, v are strided slices of qkv-like buffers
+    _run(device, gen, torch.float16, [5, 12], [40, 12], 8, 2, 64, 16, pad_tokens=3, strided=True)
 
 
 def test_prefill_head_dim_96(device, gen):
@@ -91,44 +94,53 @@ def test_prefill_head_dim_96(device, gen):
 
 
 @pytest.mark.parametrize("config", _configs(64))
-def test_prefill_every_candidate_config(device, gen, config):
-    # each autotune candidate on its own: several query tiles, unmasked key tiles before the diagonal,
-    # chunks over a cached prefix, a decode row, an empty request, group 4
+def test_prefill_configs(device, gen, config):
+    # several query tiles, unmasked key tiles before the diagonal, chunks over a cached prefix, a decode row,
+    # an empty request, group 4
     _run(device, gen, torch.float16, [150, 33, 1, 0], [220, 100, 50, 9], 8, 2, 64, 16, config=config)
 
 
 @pytest.mark.parametrize("config", _configs(256))
-def test_prefill_every_candidate_config_head_dim_256(device, gen, config):
+def test_prefill_configs_head_dim_256(device, gen, config):
     _run(device, gen, torch.float16, [70, 1], [100, 30], 4, 2, 256, 16, config=config)
 
 
-def test_prefill_candidates_and_buckets():
-    from fastllm.kernels.prefill_attention import CONFIGS_HEAD_DIM_128, candidate_configs, len_bucket
+# The TMA path (chunk tiles through tensor descriptors) is what an sm_90 GPU runs; the interpreter runs it too.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", _configs(64))
+def test_prefill_chunk_tma(device, gen, dtype, config):
+    # a prompt whose last key tiles run past its end into the next request's rows and the NaN padding:
+    # those keys must stay masked (the diagonal tiles read through masked pointer loads)
+    _run(device, gen, dtype, [150, 33, 1, 0, 70], [220, 100, 50, 9, 70], 8, 2, 64, 16, pad_tokens=5,
+         strided=True, config=config, chunk_tma=True)
 
-    assert candidate_configs(128, 4) == CONFIGS_HEAD_DIM_128  # the first one is the pre-tuning config
-    assert all(c.kwargs["BLOCK_M"] >= 32 for c in candidate_configs(64, 32))  # a tile holds one token's heads
-    lens = (1, 16, 17, 64, 65, 512, 2048, 8192, 20000)
-    assert [len_bucket(n) for n in lens] == [16, 16, 32, 64, 128, 512, 2048, 8192, 16384]
+
+def test_prefill_choose_config():
+    from fastllm.kernels.prefill_attention import choose_config
+
+    assert choose_config(128, 4, torch.bfloat16) == (64, 64, 4, 3)  # measured best on an H100
+    assert choose_config(128, 4, torch.float32).num_stages == 2  # fp32 tiles: half the stages fit
+    assert choose_config(64, 32, torch.float16).block_m == 64 and choose_config(64, 128, torch.float16).block_m == 128
+    assert choose_config(256, 8, torch.bfloat16).block_n == 32
 
 
-def test_prefill_autotune_pick_is_cached(device, gen):
-    # the first call of a (bucket, shape, dtype) key tunes (interpreter: the single pre-tuning candidate) and
-    # records the pick; later calls of that key launch the plain kernel with it
-    from fastllm.kernels.prefill_attention import candidate_configs, tuned_config
+def test_prefill_chunk_tma_needs_a_tma_layout(device):
+    from fastllm.kernels.prefill_attention import _tma_layout_ok
 
-    _run(device, gen, torch.float16, [21, 7], [21, 30], 8, 2, 64, 16)
-    picked = tuned_config(64, 4, 21, 16, torch.float16)
-    assert picked is not None and picked in candidate_configs(64, 4)
-    _run(device, gen, torch.float16, [30, 1], [60, 9], 8, 2, 64, 16)  # same bucket (32): the cached pick
-    assert tuned_config(64, 4, 30, 16, torch.float16) is picked
+    qkv = torch.zeros(4, 12, 64, device=device, dtype=torch.float16)
+    assert _tma_layout_ok(qkv[:, 8:10], 64)  # k inside a fused qkv row: rows 12 * 64 * 2 bytes apart
+    assert not _tma_layout_ok(torch.zeros(4, 2, 96, device=device, dtype=torch.float16), 96)  # box not 2^k
+    assert not _tma_layout_ok(torch.zeros(4, 2, 8, device=device, dtype=torch.float16), 8)  # below 16 wide
+    assert not _tma_layout_ok(torch.zeros(4, 2, 3, 64, device=device)[:, :, 0], 64)  # heads not packed
 
 
 def test_prefill_all_empty(device, gen):
     kv = PagedKV([4, 7], 8, 16, 2, 64, torch.float16, device, gen)
     query = torch.randn(0, 4, 64, device=device).half()
+    key = torch.randn(0, 2, 64, device=device).half()
     qsl = torch.zeros(3, dtype=torch.int32, device=device)
     out = triton_impl("prefill_attention")(
-        query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, 0, 0.125)
+        query, key, key, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, 0, 0.125)
     assert out.shape == (0, 4, 64)
 
 
@@ -164,17 +176,28 @@ def test_prefill_gpu(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page):
 @pytest.mark.parametrize("config", _configs(128))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,page", [(32, 8, 16), (28, 4, 128), (32, 32, 32)])
-def test_prefill_gpu_every_candidate_config(device, gen, config, dtype, hq, hkv, page):
-    # each config autotune can pick, on a mix of long prompts, chunks, decode rows and an empty request
+@pytest.mark.parametrize("chunk_tma", [True, False], ids=["tma", "pointers"])
+def test_prefill_gpu_configs(device, gen, config, dtype, hq, hkv, page, chunk_tma):
+    # long prompts, chunks, decode rows and an empty request, NaN padding rows, q/k/v inside a qkv row
     q_lens, seq_lens = [512, 1, 1, 1000, 4, 0, 300], [4096, 3000, 17, 2024, 4, 9, 300]
-    _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, 128, page, num_blocks=4096, config=config)
+    _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, 128, page, num_blocks=4096, pad_tokens=7, strided=True,
+         config=config, chunk_tma=chunk_tma)
 
 
 @gpu
 @pytest.mark.parametrize("config", _configs(256))
-def test_prefill_gpu_every_candidate_config_head_dim_256(device, gen, config):
+def test_prefill_gpu_configs_head_dim_256(device, gen, config):
     _run(device, gen, torch.bfloat16, [700, 1, 64], [900, 50, 64], 16, 8, 256, 16, num_blocks=4096,
          config=config)
+
+
+@gpu
+def test_prefill_gpu_uses_tma_on_hopper(device):
+    from fastllm.kernels.prefill_attention import use_chunk_tma
+
+    qkv = torch.zeros(4, 48, 128, device=device, dtype=torch.bfloat16)
+    expected = torch.cuda.get_device_capability()[0] >= 9
+    assert use_chunk_tma(qkv[:, 32:40], qkv[:, 40:48]) == expected
 
 
 @gpu
