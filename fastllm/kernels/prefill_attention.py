@@ -17,9 +17,10 @@ head r % GROUP). Each K/V tile is thus loaded once for the whole group, and shor
 verify) still fill the tl.dot M dimension with heads instead of padding. Keys come in three loops, each
 running an online softmax (base 2, fp32 state):
   1. prefix tiles through the block table (every row sees every prefix key; only the last tile masked);
-  2. chunk tiles fully below the diagonal: no mask, TMA loads where available (CHUNK_TMA);
-  3. the diagonal chunk tiles: causal mask, masked pointer loads. These never read rows past the request's
-     q_len, so a neighbour's or padding rows (even NaN) cannot leak in through p = 0 * v.
+  2. chunk tiles fully below the diagonal: no mask;
+  3. the diagonal chunk tiles: causal mask, and V rows past the request's q_len zeroed, so a neighbour's
+     or padding rows (even NaN) cannot leak in through p = 0 * v.
+The chunk loops load through TMA where available (CHUNK_TMA), else through masked pointer loads.
 Grid: (cdiv(max_query_len, BLOCK_Q), B, Hkv). Tiles are launched last-first, so the longest (most causal
 work) start first; tiles past a request's q_len return at once. The inner step is the FA-2 recipe: exp2
 with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's acc operand).
@@ -150,11 +151,18 @@ def _chunk_tile_rows(
 
 
 @triton.jit
-def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, row, col, scale_log2, PRECISION: tl.constexpr):
-    """Chunk keys at flat rows row : row + BLOCK_N through TMA (every key valid for every row)."""
-    k = k_desc.load([row, col])  # [BLOCK_N, HEAD_DIM]
+def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q_tok, scale_log2,
+                    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr):
+    """Chunk keys j0 : j0 + BLOCK_N through TMA. A diagonal tile (CAUSAL_MASK) may run past the request
+    into the next request's rows or padding: those scores are masked and their V rows zeroed (p = 0 times
+    a NaN row would still be NaN); rows past the tensor's end load as zeros."""
+    k = k_desc.load([q_start + j0, col])  # [BLOCK_N, HEAD_DIM]
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    v = v_desc.load([row, col])
+    v = v_desc.load([q_start + j0, col])
+    if CAUSAL_MASK:
+        j = j0 + tl.arange(0, BLOCK_N)
+        s = tl.where(j[None, :] <= q_tok[:, None], s, float("-inf"))
+        v = tl.where((j < q_len)[:, None], v, 0.0)
     return _softmax_step(acc, m_i, l_i, s, v, scale_log2, PRECISION)
 
 
@@ -215,17 +223,21 @@ def _prefill_kernel(
     v_rows = value_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
     for j0 in range(0, full_end, BLOCK_N):
         if CHUNK_TMA:
-            acc, m_i, l_i = _chunk_tile_tma(acc, m_i, l_i, q, key_desc, value_desc, q_start + j0,
-                                            kv_head * HEAD_DIM, scale_log2, PRECISION)
+            acc, m_i, l_i = _chunk_tile_tma(acc, m_i, l_i, q, key_desc, value_desc, q_start, kv_head * HEAD_DIM,
+                                            j0, q_len, tok, scale_log2, BLOCK_N, False, PRECISION)
         else:
             acc, m_i, l_i = _chunk_tile_rows(
                 acc, m_i, l_i, q, j0, q_len, tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2,
                 HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION)
     last_tok = tl.minimum(tok0 + BLOCK_Q, q_len) - 1
     for j0 in range(full_end, last_tok + 1, BLOCK_N):
-        acc, m_i, l_i = _chunk_tile_rows(
-            acc, m_i, l_i, q, j0, q_len, tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2,
-            HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION)
+        if CHUNK_TMA:
+            acc, m_i, l_i = _chunk_tile_tma(acc, m_i, l_i, q, key_desc, value_desc, q_start, kv_head * HEAD_DIM,
+                                            j0, q_len, tok, scale_log2, BLOCK_N, True, PRECISION)
+        else:
+            acc, m_i, l_i = _chunk_tile_rows(
+                acc, m_i, l_i, q, j0, q_len, tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2,
+                HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (row_t * stride_ot + heads * stride_oh)[:, None] + d[None, :],
