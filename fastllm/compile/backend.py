@@ -1,4 +1,4 @@
-"""torch.compile of the model forward: one graph, no breaks, dynamic in the number of tokens.
+"""torch.compile of the model forward: one graph, no breaks, dynamic in the number of tokens (1 included).
 
 Our kernels are custom ops (custom_ops.py), so Dynamo traces straight through the model;
 `fullgraph=True` makes any graph break an error rather than a silent slowdown. Inductor's caches
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -50,11 +49,12 @@ def compile_forward(model: torch.nn.Module):
     return torch.compile(model.forward, fullgraph=True, dynamic=True)
 
 
-def warm_up(forward, example_sizes: list[int], make_inputs) -> float:
-    """Compile ahead of serving by running the forward at a few token counts; returns seconds."""
-    start = time.perf_counter()
-    for num_tokens in example_sizes:
-        forward(*make_inputs(num_tokens))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+def mark_tokens_unbacked(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Mark dim 0 (the token count) of the first call's inputs unbacked, so Dynamo traces one graph for
+    every count: a backed dynamic size is specialized on 0 and 1, and a 1-token decode step would compile
+    a second whole-model graph (about half of the compile time at startup)."""
+    from torch._dynamo.decorators import mark_unbacked
+
+    for x in inputs:
+        mark_unbacked(x, 0)
+    return inputs

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from fastllm.compile.backend import compile_forward
+from fastllm.compile.backend import compile_forward, mark_tokens_unbacked
 from fastllm.compile.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from fastllm.config import EngineConfig
 from fastllm.core.scheduler_output import SchedulerOutput
@@ -73,10 +73,9 @@ class ModelRunner:
             return
         start = time.perf_counter()
         self.forward = compile_forward(self.model)
-        with torch.inference_mode(), forward_context(None):  # compile the general and the 1-token graph
-            for num_tokens in (2, 1):
-                ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-                self.forward(ids, ids.clone())
+        with torch.inference_mode(), forward_context(None):
+            ids = torch.zeros(2, dtype=torch.int64, device=self.device)
+            self.forward(*mark_tokens_unbacked(ids, ids.clone()))
         self.compile_seconds = time.perf_counter() - start
         logger.info("torch.compile: %.1f s", self.compile_seconds)
         if self.device.type != "cuda":
