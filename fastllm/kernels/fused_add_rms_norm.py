@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The row count varies every step: not specializing it (on == 1, % 16) keeps one compiled variant instead
+# of several, each JIT-compiled at its first use, possibly mid-serving.
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     num_rows, num_heads, n_cols, eps,

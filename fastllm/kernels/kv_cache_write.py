@@ -38,7 +38,7 @@ LEGACY_CONFIG = KVWriteConfig(1, 4)  # one token per program, as before tuning
 CANDIDATES = [LEGACY_CONFIG, KVWriteConfig(4, 4), KVWriteConfig(2, 4), KVWriteConfig(8, 4), KVWriteConfig(16, 8)]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one variant for every step's token count (no JIT mid-serving)
 def _kv_cache_write_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, num_tokens,
     stride_kt, stride_kh, stride_vt, stride_vh,  # key/value [T, Hkv, D], last dim contiguous
