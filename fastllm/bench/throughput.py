@@ -73,13 +73,14 @@ def throughput_row(run: RunRecord, shared_prefix_len: int, prefix_caching: bool)
 
 def run_throughput(engine: LLMEngine, prompts: list, output_len: int, shared_prefix_len: int = 0,
                    progress: bool = True, warmup_len: int = 16) -> dict:
-    # Warm-up on prompts that share nothing with the measured ones: short ones (Triton JIT, cuBLAS),
-    # then two of the measured length, so the prefill kernel's first-call tile autotuning for that
-    # length is not counted in the measured time to first token.
-    max_len = engine.config.model.max_model_len - 2
+    # Warm-up on prompts that share nothing with the measured ones: short ones, then a slice of the
+    # workload at its prompt length (full prefill chunks, mixed steps, decode batches), so Triton's and
+    # cuBLAS's first-use work at those sizes is not counted in the measured time.
+    warm_output = 4
+    max_len = engine.config.model.max_model_len - warm_output
     full_len = max(len(engine.tokenize(p)[1]) for p in prompts)
     warm = make_prompts(engine, min(8, len(prompts)), max(1, min(warmup_len, max_len)), seed=12345)
-    warm += make_prompts(engine, 2, max(1, min(full_len, max_len)), seed=54321)
-    run_requests(engine, warm, 2, "warmup", progress=False)
+    warm += make_prompts(engine, min(32, len(prompts)), max(1, min(full_len, max_len)), seed=54321)
+    run_requests(engine, warm, warm_output, "warmup", progress=False)
     run = run_requests(engine, prompts, output_len, "req", progress=progress, desc="requests")
     return throughput_row(run, shared_prefix_len, engine.config.cache.enable_prefix_caching)
