@@ -125,6 +125,12 @@ def test_prefill_choose_config():
     assert choose_config(256, 8, torch.bfloat16).block_n == 32
 
 
+def test_prefill_chunk_tma_only_for_large_steps():
+    from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS, _tma_pays
+
+    assert not _tma_pays(TMA_MIN_TOKENS - 1) and _tma_pays(TMA_MIN_TOKENS)  # descriptor setup must pay off
+
+
 def test_prefill_chunk_tma_needs_a_tma_layout(device):
     from fastllm.kernels.prefill_attention import _tma_layout_ok
 
