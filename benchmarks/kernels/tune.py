@@ -272,9 +272,10 @@ def run_prefill(table: Table, explore: bool) -> None:
         full = (*args, new, SCALE)
         chosen = mod.choose_config(D, HQ // HKV, DTYPE)
         tma_ok = mod.use_chunk_tma(key, value)
+        tma_chosen = tma_ok and mod._tma_pays(batch * new)  # what the engine would run
         for cfg, tma in [(c, t) for c in prefill_configs(explore) for t in ((True, False) if tma_ok else (False,))]:
             name = _cfg_name(cfg) + (" tma" if tma else " ptr")
-            tag = "chosen" if cfg == chosen and tma == tma_ok else ""
+            tag = "chosen" if cfg == chosen and tma == tma_chosen else ""
             try:
                 fn = lambda: mod.prefill_attention_config(*full, config=cfg, chunk_tma=tma)  # noqa: E731
                 out = fn()
@@ -291,11 +292,7 @@ def run_prefill(table: Table, explore: bool) -> None:
 
 
 def _cfg_name(cfg) -> str:
-    if cfg is None:
-        return "?"
-    if hasattr(cfg, "block_m"):
-        return f"BM={cfg.block_m} BN={cfg.block_n} w={cfg.num_warps} s={cfg.num_stages}"
-    return f"BM={cfg.kwargs['BLOCK_M']} BN={cfg.kwargs['BLOCK_N']} w={cfg.num_warps} s={cfg.num_stages}"
+    return f"BM={cfg.block_m} BN={cfg.block_n} w={cfg.num_warps} s={cfg.num_stages}"
 
 
 # ---------------------------------------------------------------- kv write

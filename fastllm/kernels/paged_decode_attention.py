@@ -64,7 +64,7 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # eager steps' block-table width varies: one variant for all
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
     scale_log2,  # scale * log2(e): softmax runs in base 2

@@ -20,7 +20,8 @@ running an online softmax (base 2, fp32 state):
   2. chunk tiles fully below the diagonal: no mask;
   3. the diagonal chunk tiles: causal mask, and V rows past the request's q_len zeroed, so a neighbour's
      or padding rows (even NaN) cannot leak in through p = 0 * v.
-The chunk loops load through TMA where available (CHUNK_TMA), else through masked pointer loads.
+The chunk loops load through TMA (CHUNK_TMA) on sm_90+ for steps of TMA_MIN_TOKENS or more tokens (below
+that the descriptors' host cost outweighs them), else through masked pointer loads.
 Grid: (cdiv(max_query_len, BLOCK_Q), B, Hkv). Tiles are launched last-first, so the longest (most causal
 work) start first; tiles past a request's q_len return at once. The inner step is the FA-2 recipe: exp2
 with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's acc operand).
@@ -166,7 +167,8 @@ def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q
     return _softmax_step(acc, m_i, l_i, s, v, scale_log2, PRECISION)
 
 
-@triton.jit
+# stride_bt (the step's widest block table) changes from step to step: one compiled variant for all.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr, key_ptr, value_ptr,  # the chunk's K/V rows, [T, Hkv, D]
     key_desc, value_desc,  # TMA descriptors over the same rows as [T, Hkv * D] (CHUNK_TMA; else unused)
@@ -275,7 +277,8 @@ _logged: set[str] = set()
 
 
 def use_chunk_tma(key: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether the chunk's full tiles load through TMA; says once why not on a CUDA device."""
+    """Whether the chunk's tiles can load through TMA (device and layout); says once why not on a CUDA
+    device. prefill_attention also needs the step to be large enough (_tma_pays)."""
     why = None
     if not key.is_cuda:
         return False
@@ -289,8 +292,10 @@ def use_chunk_tma(key: torch.Tensor, value: torch.Tensor) -> bool:
     return why is None
 
 
-# TMA descriptors cost host time at every launch. On an H100, TMA chunk loads won at 8 x 2048 tokens
-# (0.656 vs 0.758 ms) and at 4 x 512 over a 2048 prefix (0.242 vs 0.250), and lost at 1 x 512 (0.086 vs 0.051).
+# TMA descriptors cost host time at every launch (~20-30 us more than pointer loads). On an H100 (tune.py,
+# do_bench) TMA chunk loads won at 8 x 2048 tokens (0.656 vs 0.758 ms) and at 4 x 512 over a 2048-token
+# prefix (0.242 vs 0.250), and lost at 1 x 512 (0.086 vs 0.051). Launched back to back, where the host
+# sets the pace, 4 x 512 without a prefix lost too (114 vs 85 us a call): the gate is on tokens, not work.
 TMA_MIN_TOKENS = 2048
 
 
@@ -350,6 +355,9 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
     assert config.block_m >= group, (config, group)
     if chunk_tma is None:
         chunk_tma = _tma_pays(num_tokens) and use_chunk_tma(key, value)
+    elif chunk_tma:  # forced (tests, tune.py): the descriptors would silently read the wrong columns
+        assert TensorDescriptor is not None, "TMA descriptors need triton >= 3.4"
+        assert _tma_layout_ok(key, head_dim) and _tma_layout_ok(value, head_dim), (key.stride(), value.stride())
     key_desc, value_desc = key, value  # unused without TMA
     if chunk_tma:
         shape, box = [num_tokens, num_kv_heads * head_dim], [config.block_n, head_dim]

@@ -103,6 +103,7 @@ def prefill_attention(
     max_query_len: int,  # an upper bound on the per-request query lengths (sizes the grid)
     scale: float,
 ) -> torch.Tensor:
+    assert key.shape == value.shape == (query.shape[0], *key_cache.shape[2:]), (key.shape, query.shape)
     return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
 
 

@@ -85,7 +85,7 @@ def test_prefill_grid(device, gen, dtype, hq, hkv, page, d):
     _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page)
 
 
-def test_prefill_padding_tokens_and_strided_query(device, gen):
+def test_prefill_padding_tokens_and_strided_qkv(device, gen):
     # rows past query_start_loc[-1] (NaN) are nobody's; q, k, v are strided slices of qkv-like buffers
     _run(device, gen, torch.float16, [5, 12], [40, 12], 8, 2, 64, 16, pad_tokens=3, strided=True)
 
@@ -101,9 +101,44 @@ def test_prefill_configs(device, gen, config):
     _run(device, gen, torch.float16, [150, 33, 1, 0], [220, 100, 50, 9], 8, 2, 64, 16, config=config)
 
 
+@pytest.mark.parametrize("chunk_tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("config", _configs(256))
-def test_prefill_configs_head_dim_256(device, gen, config):
-    _run(device, gen, torch.float16, [70, 1], [100, 30], 4, 2, 256, 16, config=config)
+def test_prefill_configs_head_dim_256(device, gen, config, chunk_tma):
+    _run(device, gen, torch.float16, [70, 1], [100, 30], 4, 2, 256, 16, config=config, chunk_tma=chunk_tma)
+
+
+@pytest.mark.parametrize("chunk_tma", [False, True], ids=["pointers", "tma"])
+def test_prefill_reads_the_chunk_from_key_value(device, gen, chunk_tma):
+    # the chunk's own cache slots are poisoned after the reference ran: only the prefix may come from the
+    # cache, the chunk must come from key / value
+    from fastllm.kernels.prefill_attention import prefill_attention_config
+
+    q_lens, seq_lens = [70, 5, 1], [70, 60, 33]
+    kv = PagedKV(seq_lens, 32, 16, 2, 64, torch.float16, device, gen)
+    query = torch.randn(sum(q_lens), 8, 64, device=device).half()
+    qsl = torch.tensor([0, 70, 75, 76], dtype=torch.int32, device=device)
+    key, value = kv.chunk_rows(q_lens)
+    ref = attention_oracle(query, kv, qsl)
+    for i, (q, length) in enumerate(zip(q_lens, seq_lens)):
+        pos = torch.arange(length - q, length)
+        blocks = kv.block_tables[i].cpu().long()[pos // 16]
+        kv.key_cache[blocks, pos % 16] = float("nan")
+        kv.value_cache[blocks, pos % 16] = float("nan")
+    out = prefill_attention_config(query, key, value, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                   qsl, 70, 64**-0.5, chunk_tma=chunk_tma)
+    assert_close(out, ref, *TOL[torch.float16], what="chunk from key/value")
+
+
+def test_prefill_forced_tma_checks_the_layout(device):
+    from fastllm.kernels.prefill_attention import prefill_attention_config
+
+    kv_rows = torch.zeros(4, 2, 2, 64, device=device).half()[:, :, 0]  # heads not packed: stride(1) != D
+    cache = torch.zeros(4, 16, 2, 64, device=device).half()
+    with pytest.raises(AssertionError):
+        prefill_attention_config(torch.zeros(4, 8, 64, device=device).half(), kv_rows, kv_rows, cache, cache,
+                                 torch.zeros(1, 1, dtype=torch.int32, device=device),
+                                 torch.tensor([4], dtype=torch.int32, device=device),
+                                 torch.tensor([0, 4], dtype=torch.int32, device=device), 4, 0.125, chunk_tma=True)
 
 
 # The TMA path (chunk tiles through tensor descriptors) is what an sm_90 GPU runs; the interpreter runs it too.
@@ -192,10 +227,11 @@ def test_prefill_gpu_configs(device, gen, config, dtype, hq, hkv, page, chunk_tm
 
 
 @gpu
+@pytest.mark.parametrize("chunk_tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("config", _configs(256))
-def test_prefill_gpu_configs_head_dim_256(device, gen, config):
+def test_prefill_gpu_configs_head_dim_256(device, gen, config, chunk_tma):
     _run(device, gen, torch.bfloat16, [700, 1, 64], [900, 50, 64], 16, 8, 256, 16, num_blocks=4096,
-         config=config)
+         config=config, chunk_tma=chunk_tma)
 
 
 @gpu
