@@ -167,6 +167,22 @@ def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q
     return _softmax_step(acc, m_i, l_i, s, v, scale_log2, PRECISION)
 
 
+@triton.jit
+def _chunk_tile(
+    acc, m_i, l_i, q, j0, q_start, q_len, q_tok, k_desc, v_desc, col, k_rows, v_rows, stride_kt, stride_vt,
+    scale_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, CHUNK_TMA: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Chunk keys j0 : j0 + BLOCK_N through TMA or through pointers (CHUNK_TMA, a compile-time choice)."""
+    if CHUNK_TMA:
+        acc, m_i, l_i = _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q_tok,
+                                        scale_log2, BLOCK_N, CAUSAL_MASK, PRECISION)
+    else:
+        acc, m_i, l_i = _chunk_tile_rows(acc, m_i, l_i, q, j0, q_len, q_tok, k_rows, v_rows, stride_kt, stride_vt,
+                                         scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL_MASK, PRECISION)
+    return acc, m_i, l_i
+
+
 # stride_bt (the step's widest block table) changes from step to step: one compiled variant for all.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
@@ -223,23 +239,16 @@ def _prefill_kernel(
     full_end = ((tok0 + 1) // BLOCK_N) * BLOCK_N
     k_rows = key_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     v_rows = value_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    col = kv_head * HEAD_DIM
     for j0 in range(0, full_end, BLOCK_N):
-        if CHUNK_TMA:
-            acc, m_i, l_i = _chunk_tile_tma(acc, m_i, l_i, q, key_desc, value_desc, q_start, kv_head * HEAD_DIM,
-                                            j0, q_len, tok, scale_log2, BLOCK_N, False, PRECISION)
-        else:
-            acc, m_i, l_i = _chunk_tile_rows(
-                acc, m_i, l_i, q, j0, q_len, tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2,
-                HEAD_DIM, BLOCK_D, BLOCK_N, False, PRECISION)
+        acc, m_i, l_i = _chunk_tile(
+            acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
+            stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, False, CHUNK_TMA, PRECISION)
     last_tok = tl.minimum(tok0 + BLOCK_Q, q_len) - 1
     for j0 in range(full_end, last_tok + 1, BLOCK_N):
-        if CHUNK_TMA:
-            acc, m_i, l_i = _chunk_tile_tma(acc, m_i, l_i, q, key_desc, value_desc, q_start, kv_head * HEAD_DIM,
-                                            j0, q_len, tok, scale_log2, BLOCK_N, True, PRECISION)
-        else:
-            acc, m_i, l_i = _chunk_tile_rows(
-                acc, m_i, l_i, q, j0, q_len, tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2,
-                HEAD_DIM, BLOCK_D, BLOCK_N, True, PRECISION)
+        acc, m_i, l_i = _chunk_tile(
+            acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
+            stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (row_t * stride_ot + heads * stride_oh)[:, None] + d[None, :],

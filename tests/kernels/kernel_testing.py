@@ -85,17 +85,21 @@ class PagedKV:
         self.block_tables = table.to(device)
         self.seq_lens = torch.tensor(self.seq_lens_list, dtype=torch.int32, device=device)
 
+    def chunk_slots(self, q_lens) -> torch.Tensor:
+        """The flat cache slots of each request's last q_len tokens, in query-row order."""
+        slots = [torch.zeros(0, dtype=torch.long)]
+        for i, (q, length) in enumerate(zip(q_lens, self.seq_lens_list)):
+            pos = torch.arange(length - q, length)
+            blocks = self.block_tables[i].cpu().long()[pos // self.block_size]
+            slots.append(blocks * self.block_size + pos % self.block_size)
+        return torch.cat(slots).to(self.key_cache.device)
+
     def chunk_rows(self, q_lens, pad_tokens: int = 0, width: int | None = None):
         """(key, value) [sum(q_lens) + pad_tokens, Hkv, D]: each request's last q_len tokens as the cache holds
         them (the rows a step has just written), then NaN padding rows that belong to no request. With
         width, each is a strided slice of a [T, width, D] buffer, like k and v inside a fused qkv output."""
         hkv, d = self.key_cache.shape[2:]
-        slots = []
-        for i, (q, length) in enumerate(zip(q_lens, self.seq_lens_list)):
-            pos = torch.arange(length - q, length)
-            blocks = self.block_tables[i].cpu().long()[pos // self.block_size]
-            slots.append(blocks * self.block_size + pos % self.block_size)
-        slot_t = torch.cat(slots + [torch.zeros(0, dtype=torch.long)]).to(self.key_cache.device)
+        slot_t = self.chunk_slots(q_lens)
         total = len(slot_t)
         out = []
         for cache in (self.key_cache, self.value_cache):

@@ -119,11 +119,8 @@ def test_prefill_reads_the_chunk_from_key_value(device, gen, chunk_tma):
     qsl = torch.tensor([0, 70, 75, 76], dtype=torch.int32, device=device)
     key, value = kv.chunk_rows(q_lens)
     ref = attention_oracle(query, kv, qsl)
-    for i, (q, length) in enumerate(zip(q_lens, seq_lens)):
-        pos = torch.arange(length - q, length)
-        blocks = kv.block_tables[i].cpu().long()[pos // 16]
-        kv.key_cache[blocks, pos % 16] = float("nan")
-        kv.value_cache[blocks, pos % 16] = float("nan")
+    for cache in (kv.key_cache, kv.value_cache):
+        cache.view(-1, 2, 64)[kv.chunk_slots(q_lens)] = float("nan")
     out = prefill_attention_config(query, key, value, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
                                    qsl, 70, 64**-0.5, chunk_tma=chunk_tma)
     assert_close(out, ref, *TOL[torch.float16], what="chunk from key/value")
