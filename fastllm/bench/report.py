@@ -26,6 +26,8 @@ DISPLAY = {
         "shared_prefix_len": ("prefix", 1), "prefix_caching": ("caching", 1), "total_s": ("total_s", 1), "requests_s": ("req/s", 1),
         "input_tok_s": ("in_tok/s", 1), "output_tok_s": ("out_tok/s", 1), "ttft_ms_mean": ("ttft_ms", 1),
         "ttft_ms_p99": ("ttft_p99", 1), "prefix_hit_rate": ("%hit", 100), "peak_mem_gib": ("peak_GiB", 1),
+        "steps": ("steps", 1), "prefill_steps": ("pf_steps", 1), "prefill_steps_s": ("pf_steps_s", 1),
+        "decode_steps_s": ("dec_steps_s", 1), "host_s": ("host_s", 1),
     },
     "startup": {
         "load_s": ("load_s", 1), "compile_s": ("compile_s", 1), "cuda_graph_s": ("graphs_s", 1),

@@ -24,7 +24,7 @@ LATENCY_COLUMNS = [
 THROUGHPUT_COLUMNS = [
     "num_prompts", "input_len_mean", "output_len", "shared_prefix_len", "prefix_caching", "total_s", "requests_s",
     "input_tok_s", "output_tok_s", "total_tok_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "prefix_hit_rate",
-    "steps", "peak_mem_gib", "preemptions",
+    "steps", "prefill_steps", "prefill_steps_s", "decode_steps_s", "host_s", "peak_mem_gib", "preemptions",
 ]
 STARTUP_KEYS = ["load_s", "compile_s", "cuda_graph_s", "kv_profile_s", "kv_alloc_s", "total_s", "other_s"]
 
@@ -87,6 +87,8 @@ def test_throughput_and_startup(tmp_path, capsys):
     assert list(row) == THROUGHPUT_COLUMNS
     assert row["num_prompts"] == 4 and row["input_len_mean"] == 8 and row["steps"] >= 4
     assert row["output_tok_s"] == pytest.approx(16 / row["total_s"])
+    assert 1 <= row["prefill_steps"] < row["steps"]
+    assert 0 < row["host_s"] <= row["prefill_steps_s"] + row["decode_steps_s"] <= row["total_s"]
     assert row["prefix_hit_rate"] == 0.0  # 8-token prompts fill no 16-token block
     assert "req/s" in stdout
 
