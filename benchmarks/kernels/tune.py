@@ -112,7 +112,9 @@ contiguous_kv = kbench.contiguous_kv
 
 # ---------------------------------------------------------------- decode
 DECODE_CASES = {"B1_ctx32768": (1, 32768), "B1_ctx4096": (1, 4096), "B8_ctx4096": (8, 4096),
-                "B64_ctx4096": (64, 4096), "B256_ctx512": (256, 512)}
+                "B64_ctx4096": (64, 4096), "B256_ctx512": (256, 512),
+                # the engine's large decode batches: short contexts, many programs, one split
+                "B256_ctx256": (256, 256), "B512_ctx192": (512, 192)}
 
 
 def decode_candidates(mod, batch, ctx, sms, explore):
@@ -120,8 +122,8 @@ def decode_candidates(mod, batch, ctx, sms, explore):
     legacy = tuple(mod.legacy_config(ctx, batch, HKV, D, sms))
     chosen = tuple(mod.choose_config(ctx, batch, HKV, D, sms))
     if explore:
-        tiles = [(bn, w, s) for bn in (64, 128) for w in (4, 8) for s in (2, 3, 4)] + [(32, 4, 2), (64, 2, 2),
-                                                                                       (32, 4, 3)]
+        tiles = [(bn, w, s) for bn in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+        tiles += [(bn, w, s) for bn in (16, 32) for w in (2, 4) for s in (2, 3, 4)] + [(64, 2, 2), (64, 4, 1)]
         max_programs = 40 * sms
         splits = [s for s in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
                   if s * 32 <= ctx and batch * HKV * s <= max_programs]
@@ -408,6 +410,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--explore", action="store_true", help="time a wider grid than the kernels' candidates")
     parser.add_argument("--only", default="decode,prefill,kv")
+    parser.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     parser.add_argument("--csv", default=None)
     parser.add_argument("--dry-run", action="store_true", help="CPU + TRITON_INTERPRET=1, tiny cases")
     args = parser.parse_args()
@@ -425,6 +428,11 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu (dry run)"
     print(f"{gpu} | {sms} SMs | torch {torch.__version__} | triton {triton.__version__} | "
           f"copy bandwidth {copy_bw:.0f} GB/s (read + write)", flush=True)
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        for cases in (DECODE_CASES, PREFILL_CASES, KV_CASES):
+            for name in [c for c in cases if c not in wanted]:
+                del cases[name]
     table = Table()
     only = set(args.only.split(","))
     for name, fn in (("kv", lambda: run_kv(table, copy_bw, args.explore)),

@@ -168,7 +168,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model's dtype: the sampler upcasts only when it does more than an argmax
+        (a float32 copy of [256, 128k] logits costs ~0.1 ms a decode step on an H100)."""
+        return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
