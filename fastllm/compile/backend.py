@@ -2,7 +2,8 @@
 
 Our kernels are custom ops (custom_ops.py), so Dynamo traces straight through the model;
 `fullgraph=True` makes any graph break an error rather than a silent slowdown. Inductor's caches
-live under a fastllm cache directory so a second start of the same model is fast.
+live under a fastllm cache directory, and the compiled forward itself is saved there (aot_cache.py),
+so a second start of the same model neither generates code nor traces again.
 """
 
 from __future__ import annotations
@@ -34,19 +35,41 @@ def configure_inductor_cache() -> Path:
     return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
-def compile_forward(model: torch.nn.Module):
-    """The compiled model.forward(input_ids [T], positions [T]) -> hidden [T, H]."""
-    configure_inductor_cache()
-    # Dynamo keys its cache on the code object, so every model instance in a process (tests,
-    # benchmarks comparing configurations) adds an entry: allow many before giving up.
+def configure_dynamo() -> None:
     import torch._dynamo.config as dynamo_config
 
+    # Dynamo keys its cache on the code object, so every model instance in a process (tests,
+    # benchmarks comparing configurations) adds an entry: allow many before giving up.
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
     if hasattr(dynamo_config, "accumulated_recompile_limit"):
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 1024)
-    return torch.compile(model.forward, fullgraph=True, dynamic=True)
+    # Python floats (eps, softmax scale, rope constants) are constants of the model, not inputs. Left
+    # symbolic under dynamic=True, they make Dynamo trace the whole model twice (it restarts once
+    # it finds them used as tensors), and the AOT compile does not restart at all.
+    dynamo_config.specialize_float = True
+
+
+def compile_forward(model: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor]):
+    """The compiled model.forward(input_ids [T], positions [T]) -> hidden [T, H], already run once on
+    `example` (inputs from mark_tokens_unbacked, under inference mode and a forward context).
+    Returns (forward, how): how says whether it was compiled or loaded from the cache directory."""
+    from fastllm.compile import aot_cache
+
+    configure_inductor_cache()
+    configure_dynamo()
+    if aot_cache.disabled_by_env():
+        how = "compiled (FASTLLM_DISABLE_COMPILE_CACHE=1: not saved)"
+    elif not aot_cache.available():
+        how = f"compiled (torch {torch.__version__} has no AOT compile: not saved, a restart traces again)"
+    else:
+        forward, how = aot_cache.load_or_compile(model, example, cache_dir())
+        forward(*example)
+        return forward, how
+    forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
+    forward(*example)
+    return forward, how
 
 
 def mark_tokens_unbacked(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:

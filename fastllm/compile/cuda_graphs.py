@@ -35,8 +35,10 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, forward, sizes: list[int], max_blocks_per_seq: int, max_seq_len: int, device: torch.device):
+    def __init__(self, forward, attention_layers, sizes: list[int], max_blocks_per_seq: int, max_seq_len: int,
+                 device: torch.device):
         self.forward = forward
+        self.attention_layers = attention_layers
         self.sizes = sorted(set(sizes))
         self.max_bs = self.sizes[-1]
         self.max_seq_len = max_seq_len
@@ -60,7 +62,7 @@ class CUDAGraphRunner:
                                  self.query_start_loc[:bs + 1], max_query_len=1, max_seq_len=self.max_seq_len)
 
     def _run(self, bs: int) -> torch.Tensor:
-        with forward_context(self._metadata(bs)):
+        with forward_context(self._metadata(bs), self.attention_layers):
             return self.forward(self.input_ids[:bs], self.positions[:bs])
 
     @torch.inference_mode()

@@ -4,29 +4,19 @@ fake (shape-only) implementation and never breaks the graph on them.
 The eager model calls these same ops: one code path, compiled or not (a custom-op call costs a
 few microseconds of dispatch in eager mode; the compiled runner replays CUDA graphs).
 
-Attention is one op, `fastllm::attention`, taking the layer's index: it reads the step's
-metadata from the forward context and the layer's KV cache from the registry below. Dynamo
-therefore never guards on per-step values (sequence lengths, max_query_len), and the kernels
-launched inside are captured into CUDA graphs like any other.
+Attention is one op, `fastllm::attention`, taking the layer's number in its model: it finds the
+layer (and so its KV cache) and the step's metadata in the forward context. Dynamo therefore never
+guards on per-step values (sequence lengths, max_query_len), the graph holds no reference to a
+particular model instance, and the kernels launched inside are captured into CUDA graphs like any other.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from torch import Tensor
 
 from fastllm.kernels import dispatch as kernels
-
-# Attention layers by index, for the attention op to find its KV cache. Weak references: an
-# engine that is dropped must give its KV cache memory back.
-_attention_layers: list[weakref.ref] = []
-
-
-def register_attention_layer(layer) -> int:
-    _attention_layers.append(weakref.ref(layer))
-    return len(_attention_layers) - 1
+from fastllm.worker.attn_metadata import get_forward_context
 
 
 @torch.library.custom_op("fastllm::rms_norm", mutates_args=())
@@ -62,7 +52,7 @@ def _(positions, query, key, cos_sin_cache, is_neox):
 @torch.library.custom_op("fastllm::attention", mutates_args=())
 def attention(query: Tensor, key: Tensor, value: Tensor, layer_index: int) -> Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]; writes key/value into the cache."""
-    return _attention_layers[layer_index]().run(query, key, value)
+    return get_forward_context().attention_layers[layer_index].run(query, key, value)
 
 
 @attention.register_fake

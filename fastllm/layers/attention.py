@@ -6,17 +6,17 @@ import torch
 from torch import nn
 
 from fastllm.kernels import dispatch as ops
-from fastllm.compile import custom_ops
+from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
 from fastllm.worker.attn_metadata import get_attn_metadata
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_index: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.layer_index = custom_ops.register_attention_layer(self)
+        self.layer_index = layer_index  # its place in the model's attention_layers() (the forward context)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""

@@ -4,6 +4,7 @@ attention layers, through a scoped forward context (no module-level state leaks 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,25 +24,35 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-_current: AttentionMetadata | None = None
-_active = False
+@dataclass(frozen=True)
+class ForwardContext:
+    metadata: AttentionMetadata | None  # None: a profiling run without a KV cache
+    # The model's attention layers by layer number: the attention op finds its layer here, so a
+    # compiled graph names layers 0..L-1 of whichever model runs it (and can be saved and reloaded).
+    attention_layers: Sequence
+
+
+_current: ForwardContext | None = None
 
 
 @contextlib.contextmanager
-def forward_context(metadata: AttentionMetadata | None):
-    """Install the step's metadata for the duration of one forward. None means a profiling run
-    without a KV cache. Nesting is a bug and is refused."""
-    global _current, _active
-    if _active:
+def forward_context(metadata: AttentionMetadata | None, attention_layers: Sequence):
+    """Install the step's metadata for the duration of one forward. Nesting is a bug and is refused."""
+    global _current
+    if _current is not None:
         raise RuntimeError("forward_context does not nest")
-    _current, _active = metadata, True
+    _current = ForwardContext(metadata, attention_layers)
     try:
         yield
     finally:
-        _current, _active = None, False
+        _current = None
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("attention ran outside forward_context")
+    return _current
 
 
 def get_attn_metadata() -> AttentionMetadata | None:
-    if not _active:
-        raise RuntimeError("attention ran outside forward_context")
-    return _current
+    return get_forward_context().metadata

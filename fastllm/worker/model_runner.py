@@ -33,6 +33,7 @@ class ModelRunner:
         self.model = load_model(config.model, device)
         self.dtype = next(self.model.parameters()).dtype
         self.args = self.model.args
+        self.attention_layers = self.model.attention_layers()  # the forward context's, every step
         self.eos_token_id = config.model.hf_config.get("eos_token_id")
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
@@ -42,6 +43,7 @@ class ModelRunner:
         self.forward = self.model.forward  # replaced by the compiled forward in init_kv_cache
         self.graphs: CUDAGraphRunner | None = None
         self.compile_seconds = 0.0
+        self.compile_how = None  # "compiled, saved to ..." / "loaded ..." (see compile/aot_cache.py)
         self.stager = StepInputStager(device)
         self._last_output: AsyncRunnerOutput | None = None  # its tokens may still be on the device
         self._said_penalties_wait = False
@@ -56,7 +58,7 @@ class ModelRunner:
         a = self.args
         self.cache = CacheEngine(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype,
                                  self.device, num_blocks, num_cpu_blocks)
-        for layer, kv in zip(self.model.attention_layers(), self.cache.layer_caches()):
+        for layer, kv in zip(self.attention_layers, self.cache.layer_caches()):
             layer.kv_cache = kv
         self._compile_and_capture()
 
@@ -72,19 +74,19 @@ class ModelRunner:
                         "(compile_on_cpu=True compiles here too)", self.device.type)
             return
         start = time.perf_counter()
-        self.forward = compile_forward(self.model)
-        with torch.inference_mode(), forward_context(None):
+        with torch.inference_mode(), forward_context(None, self.attention_layers):
             ids = torch.zeros(2, dtype=torch.int64, device=self.device)
-            self.forward(*mark_tokens_unbacked(ids, ids.clone()))
+            self.forward, self.compile_how = compile_forward(self.model, mark_tokens_unbacked(ids, ids.clone()))
         self.compile_seconds = time.perf_counter() - start
-        logger.info("torch.compile: %.1f s", self.compile_seconds)
+        logger.info("torch.compile: %.1f s (%s)", self.compile_seconds, self.compile_how)
         if self.device.type != "cuda":
             logger.info("execution: compiled, without CUDA graphs (device %s)", self.device.type)
             return
         sched, model = self.config.scheduler, self.config.model
         sizes = list(cfg.cuda_graph_sizes or default_capture_sizes(sched.max_num_seqs))
         max_blocks = -(-model.max_model_len // self.block_size)
-        self.graphs = CUDAGraphRunner(self.forward, sizes, max_blocks, model.max_model_len, self.device)
+        self.graphs = CUDAGraphRunner(self.forward, self.attention_layers, sizes, max_blocks, model.max_model_len,
+                                      self.device)
         self.graphs.capture()
         logger.info("execution: compiled; decode batches up to %d replay CUDA graphs", self.graphs.max_bs)
 
@@ -96,7 +98,7 @@ class ModelRunner:
         num_tokens = min(sched.max_num_batched_tokens, self.config.model.max_model_len * sched.max_num_seqs)
         input_ids = torch.randint(0, self.args.vocab_size, (num_tokens,), device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % self.config.model.max_model_len
-        with forward_context(None):
+        with forward_context(None, self.attention_layers):
             hidden = self.model(input_ids, positions)
         num_rows = min(sched.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:num_rows])
@@ -135,7 +137,7 @@ class ModelRunner:
             with nvtx_range("forward_graph"):
                 hidden = self.graphs.run(inputs.input_ids, inputs.positions, metadata)
         else:
-            with nvtx_range("forward"), forward_context(metadata):
+            with nvtx_range("forward"), forward_context(metadata, self.attention_layers):
                 hidden = self.forward(inputs.input_ids, inputs.positions)
         for req_id, state in zip(req_ids, states):
             state.num_computed_tokens += sched.num_scheduled_tokens[req_id]
