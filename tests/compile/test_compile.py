@@ -1,21 +1,27 @@
-"""torch.compile of the model: one graph with no breaks (prefill, decode and mixed steps), and the
-same greedy tokens as the eager model. On the CPU this compiles once (~15-30 s), so it is one test."""
+"""torch.compile of the model: one graph with no breaks (prefill, decode and mixed steps), the same
+greedy tokens as the eager model, and the compiled forward saved and loaded again. On the CPU a
+compile takes ~15-30 s, so this is one test that compiles once."""
 
 from __future__ import annotations
 
 import torch
 import torch._dynamo
 
-from fastllm import SamplingParams
-from tests.conftest import PROMPTS, cached_llm
+from fastllm import LLM, SamplingParams
+from fastllm.compile import aot_cache
+from tests.conftest import PROMPTS, STORIES, cached_llm
+
+ENGINE = dict(compile_on_cpu=True, max_num_batched_tokens=24, dtype="float32", device="cpu")
 
 
-def test_compiled_equals_eager_without_graph_breaks():
+def test_compiled_equals_eager_without_graph_breaks(tmp_path, monkeypatch):
+    monkeypatch.setenv("FASTLLM_CACHE_DIR", str(tmp_path))  # a cold cache: this process traces
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = cached_llm(compile_on_cpu=True, max_num_batched_tokens=24)
+    compiled = LLM(STORIES, **ENGINE)
     eager = cached_llm(enforce_eager=True, max_num_batched_tokens=24)
-    assert compiled.engine.worker.runner.forward is not compiled.engine.worker.runner.model.forward
+    runner = compiled.engine.worker.runner
+    assert runner.forward is not runner.model.forward
     params = SamplingParams(temperature=0, max_tokens=24)
     # 24-token budget: long prompts are chunked while others decode, so prefill, decode-only and
     # mixed steps all run through the compiled graph.
@@ -27,3 +33,14 @@ def test_compiled_equals_eager_without_graph_breaks():
     assert breaks == 0, dict(torch._dynamo.utils.counters["graph_break"])
     # dynamic in the token count, 1 included (an unbacked size): one graph for every step
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
+
+    if not aot_cache.available():
+        assert runner.compile_how.startswith("compiled (torch")
+        return
+    assert runner.compile_how.startswith("compiled, saved to"), runner.compile_how
+    # A second engine of the same model loads that forward instead of tracing: no new Dynamo graph.
+    reloaded = LLM(STORIES, **ENGINE)
+    assert reloaded.engine.worker.runner.compile_how.startswith("loaded"), reloaded.engine.worker.runner.compile_how
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    got = [o.outputs[0].token_ids for o in reloaded.generate(prompts, params, use_tqdm=False)]
+    assert got == want

@@ -1,0 +1,35 @@
+"""The saved compiled forward: what its file name depends on, and a broken file never stops the
+engine (the compile round trip itself is in test_compile.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from fastllm.compile import aot_cache
+from fastllm.config import EngineConfig
+from fastllm.models.loader import load_model
+
+
+def _model(**kwargs):
+    return load_model(EngineConfig.from_kwargs(None, **kwargs).model, torch.device("cpu"))
+
+
+def test_key_follows_dtype_and_config_not_the_instance():
+    cpu = torch.device("cpu")
+    a, b = _model(dtype="float32"), _model(dtype="float32")
+    assert aot_cache.artifact_key(a, cpu) == aot_cache.artifact_key(b, cpu)
+    assert aot_cache.artifact_key(_model(dtype="bfloat16"), cpu) != aot_cache.artifact_key(a, cpu)
+    a.args = dataclasses.replace(a.args, rms_norm_eps=a.args.rms_norm_eps * 2)  # any config field counts
+    assert aot_cache.artifact_key(a, cpu) != aot_cache.artifact_key(b, cpu)
+
+
+def test_broken_file_is_logged_and_skipped(tmp_path, caplog):
+    path = tmp_path / "forward.bin"
+    path.write_bytes(b"not a compiled function")
+    ids = torch.zeros(2, dtype=torch.int64)
+    with caplog.at_level(logging.WARNING, logger="fastllm.compile.aot_cache"):
+        assert aot_cache._load(path, _model(dtype="float32"), (ids, ids.clone())) is None
+    assert "could not load the compiled forward" in caplog.text
