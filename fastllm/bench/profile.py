@@ -121,7 +121,7 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: 
     trace = out / f"decode_bs{batch_size}_{device.type}.trace.json"
     prof.export_chrome_trace(str(trace))
     return {"trace": str(trace), "top": top_ops(prof, on_gpu), "ranges": range_table(prof, steps, on_gpu),
-            "on_gpu": on_gpu}
+            "host": top_ops(prof, on_gpu=False) if on_gpu else None, "on_gpu": on_gpu, "steps": steps}
 
 
 def print_profile(result: dict, file=sys.stdout) -> None:
@@ -131,6 +131,9 @@ def print_profile(result: dict, file=sys.stdout) -> None:
         what = "kernels by device time" if result["on_gpu"] else "CPU ops by self time (no GPU)"
         print(f"top {what}:", file=file)
         print(result["top"].to_string(index=False), file=file)
+        if result.get("host") is not None:  # on a GPU run, where the host's time goes (CUDA API calls included)
+            print(f"top host ops by self CPU time ({result['steps']} steps):", file=file)
+            print(result["host"].to_string(index=False), file=file)
         if len(result["ranges"]):
             print("engine ranges per decode step:", file=file)
             print(result["ranges"].to_string(index=False), file=file)
