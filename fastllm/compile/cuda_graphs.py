@@ -4,7 +4,9 @@ Every captured graph reads its inputs from the same static buffers and writes it
 states to its own output, all in one memory pool. The logits are computed after replay, for the real
 rows only: a graph per size holding [size, vocab] logits would pin over 1 GiB for a 128k vocabulary. A batch of B requests replays the smallest captured size
 >= B; the padding rows carry slot -1 (their K/V writes are skipped) and attend over one token of
-the null block (block 0, never handed out), so they touch no real KV slot. Prefill and mixed steps do not come here.
+the null block (block 0, never handed out), so they touch no real KV slot. The step's inputs are
+staged straight into the static buffers (input_batch.py), padding rows included: a replay is one
+launch, with no copies before it. Prefill and mixed steps do not come here.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ logger = logging.getLogger(__name__)
 # Larger decode batches run compiled without a graph: at 512 rows the GPU work of a step (~15 ms
 # for an 8B model) dwarfs its launches, and every captured size costs startup time.
 MAX_DEFAULT_CAPTURE_SIZE = 512
+
+
+# static_i64 holds 3 graph inputs of max_bs rows, then up to 3 more rows' worth of per-step indices
+# (logits rows, and the in-flight token scatter pairs).
+STATIC_I64_ROWS = 6
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -43,11 +50,17 @@ class CUDAGraphRunner:
         self.max_bs = self.sizes[-1]
         self.max_seq_len = max_seq_len
         n = self.max_bs
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # The graphs' inputs, packed as the step's staging copy lays them out (input_batch.py), so a
+        # decode step's two host-to-device copies land straight in them: int64 [input_ids, positions,
+        # slot_mapping] of n rows each (then room for the step's logits/scatter indices), int32
+        # [seq_lens (n), block_tables (n x max_blocks_per_seq)].
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.static_i64 = torch.zeros(STATIC_I64_ROWS * n, dtype=torch.int64, device=device)
+        self.static_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self.static_i64[:3 * n].view(3, n)
+        self.slot_mapping.fill_(-1)
+        self.seq_lens = self.static_i32[:n]
+        self.block_tables = self.static_i32[n:].view(n, max_blocks_per_seq)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
@@ -86,25 +99,17 @@ class CUDAGraphRunner:
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
                     len(self.graphs), self.sizes[0], self.max_bs, self.capture_seconds, self.pool_bytes / 2**30)
 
-    def can_run(self, metadata: AttentionMetadata, num_reqs: int) -> bool:
-        return metadata.is_decode_only and num_reqs <= self.max_bs and bool(self.graphs)
+    def fits(self, num_scheduled: list[int]) -> bool:
+        """Whether a step of these per-request token counts replays a graph: decode only, not too many."""
+        return bool(self.graphs) and len(num_scheduled) <= self.max_bs and all(n == 1 for n in num_scheduled)
 
     def padded_size(self, num_reqs: int) -> int:
         return next(s for s in self.sizes if s >= num_reqs)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Replay for a decode batch; returns the final hidden states [B, hidden] of its B rows."""
-        num = input_ids.shape[0]
+    def replay_staged(self, num: int) -> torch.Tensor:
+        """Replay for a decode batch of `num` requests whose inputs (padding rows included, up to
+        padded_size(num)) are already in the static buffers; returns the final hidden states [num, hidden]."""
         bs = self.padded_size(num)
-        self.input_ids[:num].copy_(input_ids, non_blocking=True)
-        self.positions[:num].copy_(positions, non_blocking=True)
-        self.slot_mapping[:num].copy_(metadata.slot_mapping, non_blocking=True)
-        self.slot_mapping[num:bs].fill_(-1)
-        self.seq_lens[:num].copy_(metadata.seq_lens, non_blocking=True)
-        self.seq_lens[num:bs].fill_(1)
-        width = metadata.block_tables.shape[1]
-        self.block_tables[:num, :width].copy_(metadata.block_tables, non_blocking=True)
-        self.block_tables[num:bs].fill_(0)
         if not self.replay:
             with torch.inference_mode():
                 return self._run(bs)[:num]

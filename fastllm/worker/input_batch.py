@@ -67,17 +67,21 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] rows of the hidden states to sample from
+    logits_indices: torch.Tensor | None  # [S] rows of the hidden states to sample from; None: every row
     sample_states: list[CachedRequestState]  # the S requests that get a token this step
     sampling_metadata: SamplingMetadata | None
+    staged_for_graph: bool = False  # inputs are in the CUDA graph runner's static buffers
 
 
 def build_step_inputs(
     states: list[CachedRequestState], num_scheduled: list[int], block_size: int, vocab_size: int,
     eos_token_id: int | None, stager: StepInputStager, in_flight: AsyncRunnerOutput | None = None,
+    graph=None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one unpadded batch. in_flight: the last step's output
-    while its tokens are still on the device (rows whose input is such a token read it there)."""
+    while its tokens are still on the device (rows whose input is such a token read it there).
+    graph: a CUDAGraphRunner that fits this decode step: the inputs are staged straight into its
+    static buffers, padded to its replay size."""
     num_reqs = len(states)
     counts = np.asarray(num_scheduled, dtype=np.int64)
     starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
@@ -102,15 +106,38 @@ def build_step_inputs(
 
     query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
     np.cumsum(counts, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
     row_of_token = np.repeat(np.arange(num_reqs), counts)
-    positions = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
+    positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
     slots = block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    logits_indices = query_start_loc[1:][sample_rows].astype(np.int64) - 1
+    # Every token samples (a decode step): the hidden states are the logits' rows as they are.
+    every_row = len(sample_rows) == num_tokens
+    logits_indices = np.zeros(0, np.int64) if every_row else query_start_loc[1:][sample_rows].astype(np.int64) - 1
     scatter = np.asarray(from_device, dtype=np.int64).reshape(-1, 2).T
+    ids = np.asarray(input_ids, dtype=np.int64)
+    seq_lens = ends.astype(np.int32)
 
-    (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d) = stager.send(
-        [np.asarray(input_ids, dtype=np.int64), positions, slots, logits_indices, scatter],
-        [block_tables, ends.astype(np.int32), query_start_loc])
+    if graph is None:
+        (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d) = stager.send(
+            [ids, positions, slots, logits_indices, scatter], [block_tables, seq_lens, query_start_loc])
+    else:
+        # The graph's layout: int64 [ids | positions | slots] of max_bs rows each, int32 [seq_lens of
+        # max_bs rows | block table rows up to the replay size]. Padding rows: slot -1 (no KV write),
+        # one token of the null block 0.
+        n, padded = graph.max_bs, graph.padded_size(num_reqs)
+        static = np.zeros((3, n), dtype=np.int64)
+        static[0, :num_reqs], static[1, :num_reqs] = ids, positions
+        static[2] = -1
+        static[2, :num_reqs] = slots
+        static_lens = np.ones(n, dtype=np.int32)
+        static_lens[:num_reqs] = seq_lens
+        static_tables = np.zeros((padded, graph.max_blocks_per_seq), dtype=np.int32)
+        static_tables[:num_reqs, :max_blocks] = block_tables
+        (rows_d, logits_d, scatter_d), (static_lens_d, static_tables_d) = stager.send(
+            [static, logits_indices, scatter], [static_lens, static_tables], into=(graph.static_i64, graph.static_i32))
+        ids_d, positions_d, slots_d = rows_d[0, :num_reqs], rows_d[1, :num_reqs], rows_d[2, :num_reqs]
+        tables_d, seq_lens_d = static_tables_d[:num_reqs, :max_blocks], static_lens_d[:num_reqs]
+        qsl_d = graph.query_start_loc[:num_reqs + 1]
     if from_device:
         ids_d.index_copy_(0, scatter_d[0], in_flight.sampled.index_select(0, scatter_d[1]))
 
@@ -124,7 +151,8 @@ def build_step_inputs(
         input_ids=ids_d,
         positions=positions_d,
         attn_metadata=metadata,
-        logits_indices=logits_d,
+        logits_indices=None if every_row else logits_d,
         sample_states=sample_states,
         sampling_metadata=SamplingMetadata.build(rows, vocab_size, stager.device) if rows else None,
+        staged_for_graph=graph is not None,
     )

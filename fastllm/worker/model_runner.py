@@ -129,22 +129,24 @@ class ModelRunner:
                             "step's tokens instead of overlapping it (logged once)")
             last.result()
             last = None
+        num_scheduled = list(sched.num_scheduled_tokens.values())
+        graph = self.graphs if self.graphs is not None and self.graphs.fits(num_scheduled) else None
         with nvtx_range("prepare_inputs"):
-            inputs = build_step_inputs(states, list(sched.num_scheduled_tokens.values()), self.block_size,
-                                       self.args.vocab_size, self.eos_token_id, self.stager, last)
-        metadata = inputs.attn_metadata
-        if self.graphs is not None and self.graphs.can_run(metadata, len(states)):
+            inputs = build_step_inputs(states, num_scheduled, self.block_size, self.args.vocab_size,
+                                       self.eos_token_id, self.stager, last, graph)
+        if inputs.staged_for_graph:
             with nvtx_range("forward_graph"):
-                hidden = self.graphs.run(inputs.input_ids, inputs.positions, metadata)
+                hidden = self.graphs.replay_staged(len(states))
         else:
-            with nvtx_range("forward"), forward_context(metadata, self.attention_layers):
+            with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
                 hidden = self.forward(inputs.input_ids, inputs.positions)
         for req_id, state in zip(req_ids, states):
             state.num_computed_tokens += sched.num_scheduled_tokens[req_id]
         if not inputs.sample_states:
             return AsyncRunnerOutput(req_ids, [])
         with nvtx_range("sample"):
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
+            logits = self.model.compute_logits(rows)
             out = self.sampler(logits, inputs.sampling_metadata)
         for state in inputs.sample_states:
             state.num_pending += 1

@@ -41,14 +41,20 @@ class StepInputStager:
         self._buffers = [{dt: _PinnedBuffer(dt, self.cuda) for dt in (torch.int64, torch.int32)} for _ in range(2)]
         self._turn = 0
 
-    def send(self, int64_arrays: list[np.ndarray], int32_arrays: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def send(self, int64_arrays: list[np.ndarray], int32_arrays: list[np.ndarray],
+             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """into: (int64, int32) device buffers to copy into (a CUDA graph's static inputs, which then
+        hold the arrays back to back from offset 0); by default each copy gets a new device tensor."""
         buffers = self._buffers[self._turn]
         self._turn ^= 1
         out = []
-        for dtype, arrays in ((torch.int64, int64_arrays), (torch.int32, int32_arrays)):
+        for k, (dtype, arrays) in enumerate(((torch.int64, int64_arrays), (torch.int32, int32_arrays))):
             buffer = buffers[dtype]
             total = buffer.fill(arrays)
-            if self.cuda:
+            if into is not None:
+                flat = into[k][:total]
+                flat.copy_(buffer.host[:total], non_blocking=self.cuda)
+            elif self.cuda:
                 flat = buffer.host[:total].to(self.device, non_blocking=True)
             else:
                 flat = buffer.host[:total].clone()  # the buffer is refilled next-but-one step
