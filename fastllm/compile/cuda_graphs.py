@@ -1,8 +1,7 @@
 """Decode steps replayed from CUDA graphs, one captured per batch size.
 
-Every captured graph reads its inputs from the same static buffers and writes its final hidden
-states to its own output, all in one memory pool. The logits are computed after replay, for the real
-rows only: a graph per size holding [size, vocab] logits would pin over 1 GiB for a 128k vocabulary. A batch of B requests replays the smallest captured size
+Every captured graph reads its inputs from the same static buffers and writes the logits and their
+argmax (greedy sampling) to the same static outputs; temporaries live in one shared memory pool. A batch of B requests replays the smallest captured size
 >= B; the padding rows carry slot -1 (their K/V writes are skipped) and attend over one token of
 the null block (block 0, never handed out), so they touch no real KV slot. The step's inputs are
 staged straight into the static buffers (input_batch.py), padding rows included: a replay is one
@@ -42,9 +41,10 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    def __init__(self, forward, attention_layers, sizes: list[int], max_blocks_per_seq: int, max_seq_len: int,
-                 device: torch.device):
-        self.forward = forward
+    def __init__(self, forward, compute_logits, attention_layers, sizes: list[int], max_blocks_per_seq: int,
+                 max_seq_len: int, vocab_size: int, dtype: torch.dtype, device: torch.device):
+        self.forward, self.compute_logits = forward, compute_logits
+        start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         self.attention_layers = attention_layers
         self.sizes = sorted(set(sizes))
         self.max_bs = self.sizes[-1]
@@ -62,8 +62,13 @@ class CUDAGraphRunner:
         self.seq_lens = self.static_i32[:n]
         self.block_tables = self.static_i32[n:].view(n, max_blocks_per_seq)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        # Outputs shared by every graph (one replays at a time): the logits, and their argmax, which
+        # is the whole of sampling when every row is greedy. Graph-owned outputs would each stay
+        # allocated: [size, vocab] for every captured size is over 1 GiB for a 128k vocabulary.
+        self.logits = torch.zeros(n, vocab_size, dtype=dtype, device=device)
+        self.argmax = torch.zeros(n, dtype=torch.int64, device=device)
+        self.static_bytes = (torch.cuda.memory_allocated(device) - start_bytes) if device.type == "cuda" else 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.hidden: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # False runs the same padded step through the compiled forward without the graph: the
@@ -74,9 +79,11 @@ class CUDAGraphRunner:
         return AttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.seq_lens[:bs],
                                  self.query_start_loc[:bs + 1], max_query_len=1, max_seq_len=self.max_seq_len)
 
-    def _run(self, bs: int) -> torch.Tensor:
+    def _run(self, bs: int) -> None:
         with forward_context(self._metadata(bs), self.attention_layers):
-            return self.forward(self.input_ids[:bs], self.positions[:bs])
+            hidden = self.forward(self.input_ids[:bs], self.positions[:bs])
+        self.logits[:bs].copy_(self.compute_logits(hidden))
+        torch.argmax(self.logits[:bs], dim=-1, out=self.argmax[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -90,12 +97,12 @@ class CUDAGraphRunner:
             logger.debug("batch %d: warm-up %.2f s", bs, time.perf_counter() - size_start)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.hidden[bs] = self._run(bs)
+                self._run(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
-        self.pool_bytes = torch.cuda.memory_allocated() - before
+        self.pool_bytes = torch.cuda.memory_allocated() - before + self.static_bytes  # with the static buffers
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
                     len(self.graphs), self.sizes[0], self.max_bs, self.capture_seconds, self.pool_bytes / 2**30)
 
@@ -106,12 +113,14 @@ class CUDAGraphRunner:
     def padded_size(self, num_reqs: int) -> int:
         return next(s for s in self.sizes if s >= num_reqs)
 
-    def replay_staged(self, num: int) -> torch.Tensor:
+    def replay_staged(self, num: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for a decode batch of `num` requests whose inputs (padding rows included, up to
-        padded_size(num)) are already in the static buffers; returns the final hidden states [num, hidden]."""
+        padded_size(num)) are already in the static buffers; returns (logits [num, vocab], their
+        argmax [num]), views of buffers the next replay overwrites."""
         bs = self.padded_size(num)
-        if not self.replay:
+        if self.replay:
+            self.graphs[bs].replay()
+        else:
             with torch.inference_mode():
-                return self._run(bs)[:num]
-        self.graphs[bs].replay()
-        return self.hidden[bs][:num]
+                self._run(bs)
+        return self.logits[:num], self.argmax[:num]

@@ -43,6 +43,11 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # None: no row wants logprobs
     logprob_rows: list[int] = field(default_factory=list)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Sampling is the argmax of the logits (greedy rows, no logprobs, nothing masked or penalized)."""
+        return self.all_greedy and self.max_num_logprobs is None and not (self.penalty_rows or self.banned)
+
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingMetadata":
         params = [r.params for r in rows]
@@ -95,7 +100,7 @@ class SamplerOutput:
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        if metadata.all_greedy and metadata.max_num_logprobs is None and not (metadata.penalty_rows or metadata.banned):
+        if metadata.argmax_only:
             return SamplerOutput(logits.argmax(dim=-1))  # bf16 -> fp32 is exact: the same argmax, one kernel less
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None

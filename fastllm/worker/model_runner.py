@@ -12,7 +12,7 @@ from fastllm.compile.backend import compile_forward, mark_tokens_unbacked
 from fastllm.compile.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from fastllm.config import EngineConfig
 from fastllm.core.scheduler_output import SchedulerOutput
-from fastllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from fastllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from fastllm.models.loader import load_model
 from fastllm.sampling_params import SamplingParams
 from fastllm.tracing import nvtx_range
@@ -85,8 +85,8 @@ class ModelRunner:
         sched, model = self.config.scheduler, self.config.model
         sizes = list(cfg.cuda_graph_sizes or default_capture_sizes(sched.max_num_seqs))
         max_blocks = -(-model.max_model_len // self.block_size)
-        self.graphs = CUDAGraphRunner(self.forward, self.attention_layers, sizes, max_blocks, model.max_model_len,
-                                      self.device)
+        self.graphs = CUDAGraphRunner(self.forward, self.model.compute_logits, self.attention_layers, sizes,
+                                      max_blocks, model.max_model_len, self.args.vocab_size, self.dtype, self.device)
         self.graphs.capture()
         logger.info("execution: compiled; decode batches up to %d replay CUDA graphs", self.graphs.max_bs)
 
@@ -134,9 +134,10 @@ class ModelRunner:
         with nvtx_range("prepare_inputs"):
             inputs = build_step_inputs(states, num_scheduled, self.block_size, self.args.vocab_size,
                                        self.eos_token_id, self.stager, last, graph)
+        logits = greedy = None
         if inputs.staged_for_graph:
             with nvtx_range("forward_graph"):
-                hidden = self.graphs.replay_staged(len(states))
+                logits, greedy = self.graphs.replay_staged(len(states))  # every row samples
         else:
             with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
                 hidden = self.forward(inputs.input_ids, inputs.positions)
@@ -145,9 +146,13 @@ class ModelRunner:
         if not inputs.sample_states:
             return AsyncRunnerOutput(req_ids, [])
         with nvtx_range("sample"):
-            rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
-            logits = self.model.compute_logits(rows)
-            out = self.sampler(logits, inputs.sampling_metadata)
+            if greedy is not None and inputs.sampling_metadata.argmax_only:
+                out = SamplerOutput(greedy)  # sampled inside the graph
+            else:
+                if logits is None:
+                    rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
+                    logits = self.model.compute_logits(rows)
+                out = self.sampler(logits, inputs.sampling_metadata)
         for state in inputs.sample_states:
             state.num_pending += 1
         self._last_output = AsyncRunnerOutput(req_ids, inputs.sample_states, out.sampled, out.logprobs)
