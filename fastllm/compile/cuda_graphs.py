@@ -82,7 +82,7 @@ class CUDAGraphRunner:
     def _run(self, bs: int) -> None:
         with forward_context(self._metadata(bs), self.attention_layers):
             hidden = self.forward(self.input_ids[:bs], self.positions[:bs])
-        self.logits[:bs].copy_(self.compute_logits(hidden))
+        self.compute_logits(hidden, out=self.logits[:bs])
         torch.argmax(self.logits[:bs], dim=-1, out=self.argmax[:bs])
 
     @torch.inference_mode()

@@ -167,10 +167,13 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden_size]."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits in the model's dtype: the sampler upcasts only when it does more than an argmax
-        (a float32 copy of [256, 128k] logits costs ~0.1 ms a decode step on an H100)."""
-        return self.lm_head(hidden)
+        (a float32 copy of [256, 128k] logits costs ~0.1 ms a decode step on an H100). out: write
+        them there (a CUDA graph's static buffer); the same GEMM as lm_head's F.linear."""
+        if out is None:
+            return self.lm_head(hidden)
+        return torch.mm(hidden, self.lm_head.weight.t(), out=out)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
