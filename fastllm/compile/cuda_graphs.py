@@ -25,9 +25,8 @@ logger = logging.getLogger(__name__)
 MAX_DEFAULT_CAPTURE_SIZE = 512
 
 
-# static_i64 holds 3 graph inputs of max_bs rows, then up to 3 more rows' worth of per-step indices
-# (logits rows, and the in-flight token scatter pairs).
-STATIC_I64_ROWS = 6
+# static_i64: input_ids, positions, slot_mapping and token_src, max_bs rows each.
+STATIC_I64_ROWS = 4
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -52,13 +51,15 @@ class CUDAGraphRunner:
         n = self.max_bs
         # The graphs' inputs, packed as the step's staging copy lays them out (input_batch.py), so a
         # decode step's two host-to-device copies land straight in them: int64 [input_ids, positions,
-        # slot_mapping] of n rows each (then room for the step's logits/scatter indices), int32
-        # [seq_lens (n), block_tables (n x max_blocks_per_seq)].
+        # slot_mapping, token_src] of n rows each, int32 [seq_lens (n), block_tables (n x max_blocks)].
+        # token_src[i] >= 0: row i's input is the token the previous step sampled in that row, still
+        # on the device; the graph reads it from `argmax` (where the previous step's tokens are).
         self.max_blocks_per_seq = max_blocks_per_seq
         self.static_i64 = torch.zeros(STATIC_I64_ROWS * n, dtype=torch.int64, device=device)
         self.static_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slot_mapping = self.static_i64[:3 * n].view(3, n)
+        self.input_ids, self.positions, self.slot_mapping, self.token_src = self.static_i64.view(STATIC_I64_ROWS, n)
         self.slot_mapping.fill_(-1)
+        self.token_src.fill_(-1)
         self.seq_lens = self.static_i32[:n]
         self.block_tables = self.static_i32[n:].view(n, max_blocks_per_seq)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
@@ -80,8 +81,10 @@ class CUDAGraphRunner:
                                  self.query_start_loc[:bs + 1], max_query_len=1, max_seq_len=self.max_seq_len)
 
     def _run(self, bs: int) -> None:
+        src = self.token_src[:bs]
+        input_ids = torch.where(src >= 0, self.argmax.index_select(0, src.clamp(min=0)), self.input_ids[:bs])
         with forward_context(self._metadata(bs), self.attention_layers):
-            hidden = self.forward(self.input_ids[:bs], self.positions[:bs])
+            hidden = self.forward(input_ids, self.positions[:bs])
         self.compute_logits(hidden, out=self.logits[:bs])
         torch.argmax(self.logits[:bs], dim=-1, out=self.argmax[:bs])
 
@@ -106,9 +109,16 @@ class CUDAGraphRunner:
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
                     len(self.graphs), self.sizes[0], self.max_bs, self.capture_seconds, self.pool_bytes / 2**30)
 
-    def fits(self, num_scheduled: list[int]) -> bool:
-        """Whether a step of these per-request token counts replays a graph: decode only, not too many."""
-        return bool(self.graphs) and len(num_scheduled) <= self.max_bs and all(n == 1 for n in num_scheduled)
+    def fits(self, num_scheduled: list[int], in_flight_tokens: torch.Tensor | None) -> bool:
+        """Whether a step of these per-request token counts replays a graph: decode only, not too many,
+        and the previous step's tokens (if still on the device) fit in `argmax`."""
+        return bool(self.graphs) and len(num_scheduled) <= self.max_bs and all(n == 1 for n in num_scheduled) \
+            and (in_flight_tokens is None or in_flight_tokens.shape[0] <= self.max_bs)
+
+    def take_in_flight_tokens(self, tokens: torch.Tensor) -> None:
+        """Make `argmax` hold the previous step's sampled tokens (there already after a greedy replay)."""
+        if tokens.data_ptr() != self.argmax.data_ptr():
+            self.argmax[:tokens.shape[0]].copy_(tokens)
 
     def padded_size(self, num_reqs: int) -> int:
         return next(s for s in self.sizes if s >= num_reqs)

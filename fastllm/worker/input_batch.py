@@ -64,9 +64,10 @@ class CachedRequestState:
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn_metadata: AttentionMetadata
+    # None when staged_for_graph: the graph reads its own static buffers
+    input_ids: torch.Tensor | None  # [T] int64
+    positions: torch.Tensor | None  # [T] int64
+    attn_metadata: AttentionMetadata | None
     logits_indices: torch.Tensor | None  # [S] rows of the hidden states to sample from; None: every row
     sample_states: list[CachedRequestState]  # the S requests that get a token this step
     sampling_metadata: SamplingMetadata | None
@@ -117,27 +118,11 @@ def build_step_inputs(
     ids = np.asarray(input_ids, dtype=np.int64)
     seq_lens = ends.astype(np.int32)
 
-    if graph is None:
-        (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d) = stager.send(
-            [ids, positions, slots, logits_indices, scatter], [block_tables, seq_lens, query_start_loc])
-    else:
-        # The graph's layout: int64 [ids | positions | slots] of max_bs rows each, int32 [seq_lens of
-        # max_bs rows | block table rows up to the replay size]. Padding rows: slot -1 (no KV write),
-        # one token of the null block 0.
-        n, padded = graph.max_bs, graph.padded_size(num_reqs)
-        static = np.zeros((3, n), dtype=np.int64)
-        static[0, :num_reqs], static[1, :num_reqs] = ids, positions
-        static[2] = -1
-        static[2, :num_reqs] = slots
-        static_lens = np.ones(n, dtype=np.int32)
-        static_lens[:num_reqs] = seq_lens
-        static_tables = np.zeros((padded, graph.max_blocks_per_seq), dtype=np.int32)
-        static_tables[:num_reqs, :max_blocks] = block_tables
-        (rows_d, logits_d, scatter_d), (static_lens_d, static_tables_d) = stager.send(
-            [static, logits_indices, scatter], [static_lens, static_tables], into=(graph.static_i64, graph.static_i32))
-        ids_d, positions_d, slots_d = rows_d[0, :num_reqs], rows_d[1, :num_reqs], rows_d[2, :num_reqs]
-        tables_d, seq_lens_d = static_tables_d[:num_reqs, :max_blocks], static_lens_d[:num_reqs]
-        qsl_d = graph.query_start_loc[:num_reqs + 1]
+    if graph is not None:
+        return _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slots, seq_lens,
+                                block_tables, sample_states, vocab_size, eos_token_id)
+    (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d) = stager.send(
+        [ids, positions, slots, logits_indices, scatter], [block_tables, seq_lens, query_start_loc])
     if from_device:
         ids_d.index_copy_(0, scatter_d[0], in_flight.sampled.index_select(0, scatter_d[1]))
 
@@ -145,14 +130,43 @@ def build_step_inputs(
         slot_mapping=slots_d, block_tables=tables_d, seq_lens=seq_lens_d, query_start_loc=qsl_d,
         max_query_len=int(counts.max()), max_seq_len=int(ends.max()),
     )
-    rows = [SamplingRow(s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids, eos_token_id,
-                        s.num_pending) for s in sample_states]
     return StepInputs(
         input_ids=ids_d,
         positions=positions_d,
         attn_metadata=metadata,
         logits_indices=None if every_row else logits_d,
         sample_states=sample_states,
-        sampling_metadata=SamplingMetadata.build(rows, vocab_size, stager.device) if rows else None,
-        staged_for_graph=graph is not None,
+        sampling_metadata=_sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device),
     )
+
+
+def _sampling_metadata(sample_states, vocab_size, eos_token_id, device) -> SamplingMetadata | None:
+    rows = [SamplingRow(s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids, eos_token_id,
+                        s.num_pending) for s in sample_states]
+    return SamplingMetadata.build(rows, vocab_size, device) if rows else None
+
+
+def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slots, seq_lens, block_tables,
+                     sample_states, vocab_size, eos_token_id) -> StepInputs:
+    """A decode step's inputs copied straight into the graph's static buffers, padded to its replay
+    size: int64 [ids | positions | slots | token_src] of max_bs rows each, int32 [seq_lens of max_bs
+    rows | block table rows up to the replay size]. Padding rows: slot -1 (no KV write), one token
+    of the null block 0. No device views or metadata are made: the graph reads the buffers."""
+    num_reqs, n = len(ids), graph.max_bs
+    static = np.zeros((4, n), dtype=np.int64)
+    static[0, :num_reqs], static[1, :num_reqs] = ids, positions
+    static[2:] = -1
+    static[2, :num_reqs] = slots
+    if from_device:  # rows whose input is still on the device: the graph gathers it (token_src)
+        rows, src = np.asarray(from_device, dtype=np.int64).T
+        static[3, rows] = src
+        graph.take_in_flight_tokens(in_flight.sampled)
+    static_lens = np.ones(n, dtype=np.int32)
+    static_lens[:num_reqs] = seq_lens
+    static_tables = np.zeros((graph.padded_size(num_reqs), graph.max_blocks_per_seq), dtype=np.int32)
+    static_tables[:num_reqs, :block_tables.shape[1]] = block_tables
+    stager.send_into([static], [static_lens, static_tables], (graph.static_i64, graph.static_i32))
+    return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=None,
+                      sample_states=sample_states,
+                      sampling_metadata=_sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device),
+                      staged_for_graph=True)

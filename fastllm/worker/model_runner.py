@@ -130,7 +130,8 @@ class ModelRunner:
             last.result()
             last = None
         num_scheduled = list(sched.num_scheduled_tokens.values())
-        graph = self.graphs if self.graphs is not None and self.graphs.fits(num_scheduled) else None
+        in_flight_tokens = last.sampled if last is not None else None
+        graph = self.graphs if self.graphs is not None and self.graphs.fits(num_scheduled, in_flight_tokens) else None
         with nvtx_range("prepare_inputs"):
             inputs = build_step_inputs(states, num_scheduled, self.block_size, self.args.vocab_size,
                                        self.eos_token_id, self.stager, last, graph)

@@ -41,13 +41,26 @@ class StepInputStager:
         self._buffers = [{dt: _PinnedBuffer(dt, self.cuda) for dt in (torch.int64, torch.int32)} for _ in range(2)]
         self._turn = 0
 
-    def send(self, int64_arrays: list[np.ndarray], int32_arrays: list[np.ndarray],
-             into: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """into: (int64, int32) device buffers to copy into (a CUDA graph's static inputs, which then
-        hold the arrays back to back from offset 0); by default each copy gets a new device tensor."""
+    def send(self, int64_arrays: list[np.ndarray], int32_arrays: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        out = []
+        for flat, arrays in zip(self._copy(int64_arrays, int32_arrays), (int64_arrays, int32_arrays)):
+            views, offset = [], 0
+            for a in arrays:
+                views.append(flat[offset:offset + a.size].view(a.shape))
+                offset += a.size
+            out.append(views)
+        return out[0], out[1]
+
+    def send_into(self, int64_arrays: list[np.ndarray], int32_arrays: list[np.ndarray],
+                  into: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Copy the arrays back to back into the (int64, int32) device buffers from offset 0 (a CUDA
+        graph's static inputs); no views are made, each of which would cost host time."""
+        self._copy(int64_arrays, int32_arrays, into)
+
+    def _copy(self, int64_arrays, int32_arrays, into=None) -> list[torch.Tensor]:
         buffers = self._buffers[self._turn]
         self._turn ^= 1
-        out = []
+        flats = []
         for k, (dtype, arrays) in enumerate(((torch.int64, int64_arrays), (torch.int32, int32_arrays))):
             buffer = buffers[dtype]
             total = buffer.fill(arrays)
@@ -58,14 +71,10 @@ class StepInputStager:
                 flat = buffer.host[:total].to(self.device, non_blocking=True)
             else:
                 flat = buffer.host[:total].clone()  # the buffer is refilled next-but-one step
-            views, offset = [], 0
-            for a in arrays:
-                views.append(flat[offset:offset + a.size].view(a.shape))
-                offset += a.size
-            out.append(views)
+            flats.append(flat)
         if self.cuda:  # one event for both copies
             copied = torch.cuda.Event()
             copied.record()
             for buffer in buffers.values():
                 buffer.copied = copied
-        return out[0], out[1]
+        return flats

@@ -1,5 +1,7 @@
 """A decode step staged for a CUDA graph: the inputs land in the graph runner's static buffers,
-padded to the replay size, and say the same as the ordinary unpadded batch."""
+padded to the replay size, and the graph's forward sees the same batch as the ordinary unpadded
+path, tokens still on the device included. The runner runs in its no-replay mode (the same buffers
+and code around the forward, without capture), so this runs on the CPU too."""
 
 from __future__ import annotations
 
@@ -7,64 +9,87 @@ import numpy as np
 import pytest
 import torch
 
+from fastllm.compile.cuda_graphs import CUDAGraphRunner
 from fastllm.sampling_params import SamplingParams
+from fastllm.worker.async_output import AsyncRunnerOutput
+from fastllm.worker.attn_metadata import get_attn_metadata
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
 from fastllm.worker.staging import StepInputStager
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-BLOCK, MAX_BLOCKS = 4, 8
+BLOCK, MAX_BLOCKS, VOCAB = 4, 8, 50
 
 
-class StaticBuffers:
-    """The part of CUDAGraphRunner that staging uses, without capturing anything."""
+def graph_runner(device):
+    seen = {}
 
-    def __init__(self, sizes, device):
-        from fastllm.compile.cuda_graphs import STATIC_I64_ROWS
+    def forward(input_ids, positions):
+        md = get_attn_metadata()
+        seen.update(ids=input_ids.clone(), positions=positions.clone(), slots=md.slot_mapping.clone(),
+                    seq_lens=md.seq_lens.clone(), tables=md.block_tables.clone())
+        return torch.zeros(input_ids.shape[0], 3, device=device)
 
-        self.sizes, self.max_bs, self.max_blocks_per_seq = sizes, sizes[-1], MAX_BLOCKS
-        n = self.max_bs
-        self.static_i64 = torch.full((STATIC_I64_ROWS * n,), 7, dtype=torch.int64, device=device)  # stale
-        self.static_i32 = torch.full((n + n * MAX_BLOCKS,), 7, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+    def compute_logits(hidden, out):
+        return out.zero_()
 
-    def padded_size(self, num):
-        return next(s for s in self.sizes if s >= num)
+    runner = CUDAGraphRunner(forward, compute_logits, [], [1, 2, 4, 8], MAX_BLOCKS, MAX_BLOCKS * BLOCK, VOCAB,
+                             torch.float32, device)
+    runner.graphs = dict.fromkeys(runner.sizes)  # as if captured; replay=False never touches them
+    runner.replay = False
+    return runner, seen
 
 
-def decoding_requests(rng, num):
+def decoding_requests(rng, num, pending):
+    """num requests in decode; the first `pending` have their newest token still on the device."""
     states = []
     for i in range(num):
-        prompt = rng.integers(1, 100, int(rng.integers(1, 20))).tolist()
-        output = rng.integers(1, 100, int(rng.integers(1, 5))).tolist()
-        total = len(prompt) + len(output)
+        prompt = rng.integers(1, VOCAB, int(rng.integers(1, 20))).tolist()
+        output = rng.integers(1, VOCAB, int(rng.integers(1, 5))).tolist()
+        total = len(prompt) + len(output) + (i < pending)
         blocks = rng.permutation(np.arange(1, 64))[:-(-total // BLOCK)].tolist()
-        states.append(CachedRequestState(f"r{i}", prompt, output, SamplingParams(temperature=0), None, blocks,
-                                         num_computed_tokens=total - 1))
+        state = CachedRequestState(f"r{i}", prompt, output, SamplingParams(temperature=0), None, blocks,
+                                   num_computed_tokens=total - 1)
+        state.num_pending = int(i < pending)
+        states.append(state)
     return states
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num", [1, 3, 8])
-def test_staged_inputs_match_the_plain_batch(device, num):
+@pytest.mark.parametrize("num,pending", [(1, 0), (1, 1), (3, 2), (8, 8)])
+def test_graph_sees_the_plain_batch(device, num, pending):
     dev = torch.device(device)
-    states = decoding_requests(np.random.default_rng(num), num)
-    args = (states, [1] * num, BLOCK, 100, None)
-    plain = build_step_inputs(*args, StepInputStager(dev))
-    graph = StaticBuffers([1, 2, 4, 8], dev)
-    staged = build_step_inputs(*args, StepInputStager(dev), graph=graph)
-    assert staged.staged_for_graph and not plain.staged_for_graph
-    assert staged.logits_indices is None and plain.logits_indices is None  # every row samples
-    for name in ("input_ids", "positions"):
-        torch.testing.assert_close(getattr(staged, name), getattr(plain, name), rtol=0, atol=0)
-    a, b = staged.attn_metadata, plain.attn_metadata
-    for name in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
-        torch.testing.assert_close(getattr(a, name), getattr(b, name), rtol=0, atol=0)
-    # the views are the static buffers themselves, and the padding rows up to the replay size are
-    # harmless: no KV write (slot -1), one token of the null block
-    n, padded = graph.max_bs, graph.padded_size(num)
-    ids, positions, slots = graph.static_i64[:3 * n].view(3, n)
-    assert staged.input_ids.data_ptr() == ids.data_ptr()
-    assert (slots[num:padded] == -1).all() and (ids[num:padded] == 0).all()
-    lens, tables = graph.static_i32[:n], graph.static_i32[n:].view(n, MAX_BLOCKS)
-    assert (lens[num:padded] == 1).all() and (tables[num:padded] == 0).all()
-    assert (tables[:num, a.block_tables.shape[1]:] == 0).all()
+    rng = np.random.default_rng(10 * num + pending)
+    states = decoding_requests(rng, num, pending)
+    in_flight = None
+    if pending:  # the previous step sampled these rows, in a shuffled order, with more rows than now
+        extra = min(2, 8 - num)
+        order = rng.permutation(num + extra)
+        sampled = torch.tensor(rng.integers(1, VOCAB, num + extra), device=dev)
+        others = [CachedRequestState(f"gone{j}", [1], [], SamplingParams(), None, [1], 0) for j in range(extra)]
+        prev_states = [(states + others)[j] for j in order]
+        in_flight = AsyncRunnerOutput([s.req_id for s in prev_states], prev_states, sampled)
+    args = (states, [1] * num, BLOCK, VOCAB, None)
+    plain = build_step_inputs(*args, StepInputStager(dev), in_flight)
+    runner, seen = graph_runner(dev)
+    assert runner.fits([1] * num, in_flight.sampled if in_flight else None)
+    staged = build_step_inputs(*args, StepInputStager(dev), in_flight, graph=runner)
+    assert staged.staged_for_graph and staged.attn_metadata is None
+    assert len(staged.sample_states) == num and staged.sampling_metadata.argmax_only
+    runner.replay_staged(num)
+    bs = runner.padded_size(num)
+    md = plain.attn_metadata
+    want = {"ids": plain.input_ids, "positions": plain.positions, "slots": md.slot_mapping,
+            "seq_lens": md.seq_lens}
+    for name, value in want.items():
+        torch.testing.assert_close(seen[name][:num], value, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(seen["tables"][:num, :md.block_tables.shape[1]], md.block_tables, rtol=0, atol=0)
+    assert (seen["tables"][:num, md.block_tables.shape[1]:] == 0).all()
+    # padding rows up to the replay size are harmless: no KV write (slot -1), one token of the null block
+    assert (seen["slots"][num:bs] == -1).all() and (seen["seq_lens"][num:bs] == 1).all()
+    assert (seen["tables"][num:bs] == 0).all() and seen["ids"].shape[0] == bs
+
+
+def test_previous_step_too_wide_for_the_graph_is_not_staged():
+    runner, _ = graph_runner(torch.device("cpu"))
+    assert not runner.fits([1, 1], torch.zeros(9, dtype=torch.int64))  # 9 rows > argmax's 8
+    assert not runner.fits([1, 2], None) and not runner.fits([1] * 9, None)
