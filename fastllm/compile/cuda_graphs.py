@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 MAX_DEFAULT_CAPTURE_SIZE = 512
 
 
-# static_i64: input_ids, positions, slot_mapping and token_src, max_bs rows each.
-STATIC_I64_ROWS = 4
+# static_i64: input_ids, positions, slot_mapping and token_src, max_bs rows each, then room for the
+# rows that sample (when some row is a one-token prefill chunk rather than a decode).
+STATIC_I64_ROWS = 5
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -57,7 +58,7 @@ class CUDAGraphRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.static_i64 = torch.zeros(STATIC_I64_ROWS * n, dtype=torch.int64, device=device)
         self.static_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.token_src = self.static_i64.view(STATIC_I64_ROWS, n)
+        self.input_ids, self.positions, self.slot_mapping, self.token_src = self.static_i64[:4 * n].view(4, n)
         self.slot_mapping.fill_(-1)
         self.token_src.fill_(-1)
         self.seq_lens = self.static_i32[:n]
@@ -123,14 +124,17 @@ class CUDAGraphRunner:
     def padded_size(self, num_reqs: int) -> int:
         return next(s for s in self.sizes if s >= num_reqs)
 
-    def replay_staged(self, num: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay for a decode batch of `num` requests whose inputs (padding rows included, up to
-        padded_size(num)) are already in the static buffers; returns (logits [num, vocab], their
-        argmax [num]), views of buffers the next replay overwrites."""
+    def replay_staged(self, num: int, sample_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay for a batch of `num` one-token requests whose inputs (padding rows included, up to
+        padded_size(num)) are already in the static buffers. Returns (logits [S, vocab], their argmax
+        [S]) of the rows that sample: sample_rows, or all num rows when None (views of buffers the
+        next replay overwrites, in that case)."""
         bs = self.padded_size(num)
         if self.replay:
             self.graphs[bs].replay()
         else:
             with torch.inference_mode():
                 self._run(bs)
-        return self.logits[:num], self.argmax[:num]
+        if sample_rows is None:
+            return self.logits[:num], self.argmax[:num]
+        return self.logits[sample_rows], self.argmax[sample_rows]

@@ -68,7 +68,7 @@ class StepInputs:
     input_ids: torch.Tensor | None  # [T] int64
     positions: torch.Tensor | None  # [T] int64
     attn_metadata: AttentionMetadata | None
-    logits_indices: torch.Tensor | None  # [S] rows of the hidden states to sample from; None: every row
+    logits_indices: torch.Tensor | None  # [S] rows of the hidden states (graph: of the batch) that sample; None: all
     sample_states: list[CachedRequestState]  # the S requests that get a token this step
     sampling_metadata: SamplingMetadata | None
     staged_for_graph: bool = False  # inputs are in the CUDA graph runner's static buffers
@@ -120,7 +120,8 @@ def build_step_inputs(
 
     if graph is not None:
         return _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slots, seq_lens,
-                                block_tables, sample_states, vocab_size, eos_token_id)
+                                block_tables, None if every_row else logits_indices, sample_states, vocab_size,
+                                eos_token_id)
     (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d) = stager.send(
         [ids, positions, slots, logits_indices, scatter], [block_tables, seq_lens, query_start_loc])
     if from_device:
@@ -147,11 +148,12 @@ def _sampling_metadata(sample_states, vocab_size, eos_token_id, device) -> Sampl
 
 
 def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slots, seq_lens, block_tables,
-                     sample_states, vocab_size, eos_token_id) -> StepInputs:
+                     sample_rows, sample_states, vocab_size, eos_token_id) -> StepInputs:
     """A decode step's inputs copied straight into the graph's static buffers, padded to its replay
-    size: int64 [ids | positions | slots | token_src] of max_bs rows each, int32 [seq_lens of max_bs
-    rows | block table rows up to the replay size]. Padding rows: slot -1 (no KV write), one token
-    of the null block 0. No device views or metadata are made: the graph reads the buffers."""
+    size: int64 [ids | positions | slots | token_src] of max_bs rows each, then the rows that sample
+    unless all do (a one-token prefill chunk does not), int32 [seq_lens of max_bs rows | block table
+    rows up to the replay size]. Padding rows: slot -1 (no KV write), one token of the null block 0.
+    No device views or metadata are made (but the sample rows'): the graph reads the buffers."""
     num_reqs, n = len(ids), graph.max_bs
     static = np.zeros((4, n), dtype=np.int64)
     static[0, :num_reqs], static[1, :num_reqs] = ids, positions
@@ -165,8 +167,10 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
     static_lens[:num_reqs] = seq_lens
     static_tables = np.zeros((graph.padded_size(num_reqs), graph.max_blocks_per_seq), dtype=np.int32)
     static_tables[:num_reqs, :block_tables.shape[1]] = block_tables
-    stager.send_into([static], [static_lens, static_tables], (graph.static_i64, graph.static_i32))
-    return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=None,
+    int64_arrays = [static] if sample_rows is None else [static, sample_rows]
+    stager.send_into(int64_arrays, [static_lens, static_tables], (graph.static_i64, graph.static_i32))
+    logits_d = None if sample_rows is None else graph.static_i64[4 * n:4 * n + len(sample_rows)]
+    return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=logits_d,
                       sample_states=sample_states,
                       sampling_metadata=_sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device),
                       staged_for_graph=True)

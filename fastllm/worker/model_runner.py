@@ -138,7 +138,7 @@ class ModelRunner:
         logits = greedy = None
         if inputs.staged_for_graph:
             with nvtx_range("forward_graph"):
-                logits, greedy = self.graphs.replay_staged(len(states))  # every row samples
+                logits, greedy = self.graphs.replay_staged(len(states), inputs.logits_indices)
         else:
             with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
                 hidden = self.forward(inputs.input_ids, inputs.positions)

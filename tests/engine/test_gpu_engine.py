@@ -77,6 +77,14 @@ def test_graph_replay_and_compiled_only_agree():
         assert tokens(llm, many_prompts(n)) == compiled_only, f"batch {n}"
 
 
+def test_one_token_prefill_chunks_in_graph_steps(cpu_reference):
+    """A 13-token budget for 13 requests: once 12 decode, the last prompt is prefilled one token a
+    step, so graph-replayed steps hold a row that must not sample. The tokens stay the CPU's."""
+    llm = cached_llm(device="cuda", dtype="float32", max_num_seqs=64, max_num_batched_tokens=13, **SMALL_POOL)
+    assert llm.engine.worker.runner.graphs is not None
+    assert tokens(llm, many_prompts(13)) == cpu_reference[13]
+
+
 def test_dummy_llama_8b_profiled_kv_and_compiled_vs_eager():
     release_cached_engines()
     results = {}

@@ -27,10 +27,10 @@ def graph_runner(device):
         md = get_attn_metadata()
         seen.update(ids=input_ids.clone(), positions=positions.clone(), slots=md.slot_mapping.clone(),
                     seq_lens=md.seq_lens.clone(), tables=md.block_tables.clone())
-        return torch.zeros(input_ids.shape[0], 3, device=device)
+        return input_ids.float().unsqueeze(1)  # each row's "hidden state" is its input token
 
-    def compute_logits(hidden, out):
-        return out.zero_()
+    def compute_logits(hidden, out):  # one-hot of the input token: a row's argmax is its input
+        return out.zero_().scatter_(1, hidden.long(), 1.0)
 
     runner = CUDAGraphRunner(forward, compute_logits, [], [1, 2, 4, 8], MAX_BLOCKS, MAX_BLOCKS * BLOCK, VOCAB,
                              torch.float32, device)
@@ -93,3 +93,24 @@ def test_previous_step_too_wide_for_the_graph_is_not_staged():
     runner, _ = graph_runner(torch.device("cpu"))
     assert not runner.fits([1, 1], torch.zeros(9, dtype=torch.int64))  # 9 rows > argmax's 8
     assert not runner.fits([1, 2], None) and not runner.fits([1] * 9, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_token_prefill_chunk_does_not_sample(device):
+    """Every request has one token this step, but one of them is a chunk of its prompt: it replays
+    the graph, and only the others get a token."""
+    dev = torch.device(device)
+    states = decoding_requests(np.random.default_rng(5), 3, 0)
+    prompt = list(range(1, 11))
+    states.insert(1, CachedRequestState("prefilling", prompt, [], SamplingParams(temperature=0), None, [9, 10, 11],
+                                        num_computed_tokens=3))
+    args = (states, [1] * 4, BLOCK, VOCAB, None)
+    plain = build_step_inputs(*args, StepInputStager(dev))
+    runner, seen = graph_runner(dev)
+    staged = build_step_inputs(*args, StepInputStager(dev), graph=runner)
+    assert [s.req_id for s in staged.sample_states] == ["r0", "r1", "r2"]  # not "prefilling", row 1
+    assert staged.logits_indices.tolist() == plain.logits_indices.tolist() == [0, 2, 3]
+    logits, greedy = runner.replay_staged(4, staged.logits_indices)
+    assert logits.shape[0] == 3
+    torch.testing.assert_close(greedy, plain.input_ids[plain.logits_indices], rtol=0, atol=0)
+    assert seen["ids"][1].item() == prompt[3]  # the chunk's token went through the graph too
