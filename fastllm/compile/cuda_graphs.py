@@ -52,9 +52,10 @@ class CUDAGraphRunner:
         n = self.max_bs
         # The graphs' inputs, packed as the step's staging copy lays them out (input_batch.py), so a
         # decode step's two host-to-device copies land straight in them: int64 [input_ids, positions,
-        # slot_mapping, token_src] of n rows each, int32 [seq_lens (n), block_tables (n x max_blocks)].
-        # token_src[i] >= 0: row i's input is the token the previous step sampled in that row, still
-        # on the device; the graph reads it from `argmax` (where the previous step's tokens are).
+        # slot_mapping, token_src] of n rows each, then the rows that sample when not all do; int32
+        # [seq_lens (n), the step's block-table rows at the step's width]. token_src[i] >= 0: row i's
+        # input is the token the previous step sampled in that row, still on the device; the graph
+        # reads it from `argmax` (where the previous step's tokens are).
         self.max_blocks_per_seq = max_blocks_per_seq
         self.static_i64 = torch.zeros(STATIC_I64_ROWS * n, dtype=torch.int64, device=device)
         self.static_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
@@ -62,7 +63,10 @@ class CUDAGraphRunner:
         self.slot_mapping.fill_(-1)
         self.token_src.fill_(-1)
         self.seq_lens = self.static_i32[:n]
-        self.block_tables = self.static_i32[n:].view(n, max_blocks_per_seq)
+        self._staged_tables = self.static_i32[n:]
+        # What the graphs read, at the full width (a long max_model_len makes it thousands of blocks
+        # wide): a step stages only its own width, and take_block_tables spreads it into these rows.
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         # Outputs shared by every graph (one replays at a time): the logits, and their argmax, which
         # is the whole of sampling when every row is greedy. Graph-owned outputs would each stay
@@ -115,6 +119,12 @@ class CUDAGraphRunner:
         and the previous step's tokens (if still on the device) fit in `argmax`."""
         return bool(self.graphs) and len(num_scheduled) <= self.max_bs and all(n == 1 for n in num_scheduled) \
             and (in_flight_tokens is None or in_flight_tokens.shape[0] <= self.max_bs)
+
+    def take_block_tables(self, rows: int, width: int) -> None:
+        """Copy the staged [rows, width] block tables into the first rows and columns of the graphs'
+        table. Columns past a row's width keep older block ids: the kernels read a row only up to
+        its seq_len, which the width covers."""
+        self.block_tables[:rows, :width].copy_(self._staged_tables[:rows * width].view(rows, width))
 
     def take_in_flight_tokens(self, tokens: torch.Tensor) -> None:
         """Make `argmax` hold the previous step's sampled tokens (there already after a greedy replay)."""

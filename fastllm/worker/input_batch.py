@@ -79,7 +79,8 @@ def build_step_inputs(
     eos_token_id: int | None, stager: StepInputStager, in_flight: AsyncRunnerOutput | None = None,
     graph=None,
 ) -> StepInputs:
-    """Flatten the scheduled requests into one unpadded batch. in_flight: the last step's output
+    """Flatten the scheduled requests into one unpadded batch (or, for a graph, padded to its size).
+    in_flight: the last step's output
     while its tokens are still on the device (rows whose input is such a token read it there).
     graph: a CUDAGraphRunner that fits this decode step: the inputs are staged straight into its
     static buffers, padded to its replay size."""
@@ -152,7 +153,8 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
     """A decode step's inputs copied straight into the graph's static buffers, padded to its replay
     size: int64 [ids | positions | slots | token_src] of max_bs rows each, then the rows that sample
     unless all do (a one-token prefill chunk does not), int32 [seq_lens of max_bs rows | block table
-    rows up to the replay size]. Padding rows: slot -1 (no KV write), one token of the null block 0.
+    rows up to the replay size, at this step's width]. Padding rows: slot -1 (no KV write), one
+    token of the null block 0.
     No device views or metadata are made (but the sample rows'): the graph reads the buffers."""
     num_reqs, n = len(ids), graph.max_bs
     static = np.zeros((4, n), dtype=np.int64)
@@ -165,10 +167,12 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
         graph.take_in_flight_tokens(in_flight.sampled)
     static_lens = np.ones(n, dtype=np.int32)
     static_lens[:num_reqs] = seq_lens
-    static_tables = np.zeros((graph.padded_size(num_reqs), graph.max_blocks_per_seq), dtype=np.int32)
-    static_tables[:num_reqs, :block_tables.shape[1]] = block_tables
+    padded, width = graph.padded_size(num_reqs), block_tables.shape[1]
+    static_tables = np.zeros((padded, width), dtype=np.int32)  # padding rows: the null block
+    static_tables[:num_reqs] = block_tables
     int64_arrays = [static] if sample_rows is None else [static, sample_rows]
     stager.send_into(int64_arrays, [static_lens, static_tables], (graph.static_i64, graph.static_i32))
+    graph.take_block_tables(padded, width)
     logits_d = None if sample_rows is None else graph.static_i64[4 * n:4 * n + len(sample_rows)]
     return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=logits_d,
                       sample_states=sample_states,
