@@ -62,6 +62,9 @@ def artifact_key(model: torch.nn.Module, device: torch.device) -> str:
         "config": getattr(model, "args", None).__dict__ if hasattr(model, "args") else repr(model),
         "dtype": str(param.dtype),
         "device": device.type,
+        # Inductor's C++ for a CPU uses the vector instructions it finds (a shared cache directory
+        # must not hand AVX-512 code to an AVX2 machine).
+        "cpu_isa": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else None,
         "gpu": (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
         if device.type == "cuda" else None,
         "torch": torch.__version__, "triton": triton_version, "python": sys.version, "machine": platform.machine(),
@@ -79,6 +82,7 @@ def _bind(compiled, model: torch.nn.Module) -> Callable:
 
 
 def _load(path: Path, model: torch.nn.Module, example: tuple) -> Callable | None:
+    """The loaded forward, already run once on example; None (logged) if it cannot be used."""
     try:
         # Loaded under inference mode, as it was traced: the guards compare dispatch keys.
         with open(path, "rb") as f, torch.inference_mode():
@@ -87,11 +91,13 @@ def _load(path: Path, model: torch.nn.Module, example: tuple) -> Callable | None
         if not compiled.guard_check(model, *(x.clone() for x in example)):
             logger.warning("compiled forward in %s does not fit this model (guards failed): compiling again", path)
             return None
+        forward = _bind(compiled, model)
+        forward(*example)  # kernels that fail to load show here, not in the first step
     except Exception as e:  # noqa: BLE001  (a stale or broken file must never stop the engine)
         logger.warning("could not load the compiled forward in %s (%s: %s): compiling again",
                        path, type(e).__name__, e)
         return None
-    return _bind(compiled, model)
+    return forward
 
 
 def _save(compiled, path: Path) -> None:
@@ -104,11 +110,13 @@ def _save(compiled, path: Path) -> None:
         os.replace(tmp, path)
     except Exception as e:  # noqa: BLE001  (the engine runs fine without the file)
         logger.warning("could not save the compiled forward to %s (%s: %s)", path, type(e).__name__, e)
+        tmp.unlink(missing_ok=True)
 
 
 def load_or_compile(model: torch.nn.Module, example: tuple, cache_root: Path) -> tuple[Callable, str]:
-    """The compiled forward(input_ids, positions) and how it was obtained ("loaded <path>" or
-    "compiled, saved to <path>"). example: the first call's inputs (token dim marked unbacked)."""
+    """The compiled forward(input_ids, positions), already run once on example (the first call's
+    inputs, token dim marked unbacked), and how it was obtained ("loaded <path>" or "compiled,
+    saved to <path>"). Raises if the AOT compile itself fails (the caller falls back)."""
     import torch._dynamo.config as dynamo_config
 
     path = cache_root / "aot" / f"forward-{artifact_key(model, example[0].device)}.bin"
@@ -122,6 +130,8 @@ def load_or_compile(model: torch.nn.Module, example: tuple, cache_root: Path) ->
     compiled_fn = torch.compile(type(model).forward, fullgraph=True, dynamic=True)
     with torch.inference_mode():
         compiled = compiled_fn.aot_compile(((model, *example), {}))
-    _save(compiled, path)
-    return _bind(compiled, model), f"compiled, saved to {path}"
+    forward = _bind(compiled, model)
+    forward(*example)
+    _save(compiled, path)  # only a forward that ran
+    return forward, f"compiled, saved to {path}"
 

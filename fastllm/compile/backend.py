@@ -64,9 +64,12 @@ def compile_forward(model: torch.nn.Module, example: tuple[torch.Tensor, torch.T
     elif not aot_cache.available():
         how = f"compiled (torch {torch.__version__} has no AOT compile: not saved, a restart traces again)"
     else:
-        forward, how = aot_cache.load_or_compile(model, example, cache_dir())
-        forward(*example)
-        return forward, how
+        try:
+            return aot_cache.load_or_compile(model, example, cache_dir())
+        except Exception as e:  # noqa: BLE001  (torch.compile without saving still works)
+            logger.warning("AOT compile failed (%s: %s): compiling with torch.compile, not saved",
+                           type(e).__name__, e)
+            how = f"compiled (AOT compile failed: {type(e).__name__}; not saved)"
     forward = torch.compile(model.forward, fullgraph=True, dynamic=True)
     forward(*example)
     return forward, how

@@ -134,7 +134,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        per_layer = layer_ranges_enabled()
+        # Per-layer NVTX ranges are an eager-mode view: a compiled forward (which fuses across layers)
+        # never reads the switch, so turning it on later neither recompiles nor trips a saved graph.
+        per_layer = not torch.compiler.is_compiling() and layer_ranges_enabled()
         for i, layer in enumerate(self.layers):
             if per_layer:
                 with nvtx_range(f"layer{i}"):

@@ -33,3 +33,32 @@ def test_broken_file_is_logged_and_skipped(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="fastllm.compile.aot_cache"):
         assert aot_cache._load(path, _model(dtype="float32"), (ids, ids.clone())) is None
     assert "could not load the compiled forward" in caplog.text
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 4)
+
+    def forward(self, input_ids, positions):
+        return self.embed(input_ids) * positions.unsqueeze(1)
+
+
+def test_a_failing_aot_compile_falls_back_to_torch_compile(monkeypatch, caplog):
+    from fastllm.compile import backend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no AOT here")
+
+    monkeypatch.setattr(aot_cache, "load_or_compile", broken)
+    monkeypatch.setattr(aot_cache, "available", lambda: True)
+    monkeypatch.delenv("FASTLLM_DISABLE_COMPILE_CACHE", raising=False)
+    model = _Tiny()
+    with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="fastllm.compile.backend"):
+        ids = torch.tensor([1, 2, 3])
+        forward, how = backend.compile_forward(model, backend.mark_tokens_unbacked(ids, ids.clone()))
+        out = forward(torch.tensor([4, 5]), torch.tensor([1, 2]))
+        want = model(torch.tensor([4, 5]), torch.tensor([1, 2]))
+    assert how.startswith("compiled (AOT compile failed: RuntimeError")
+    assert "AOT compile failed" in caplog.text
+    torch.testing.assert_close(out, want)
