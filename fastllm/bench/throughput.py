@@ -66,8 +66,11 @@ def throughput_row(run: RunRecord, shared_prefix_len: int, prefix_caching: bool)
         "ttft_ms_p99": percentile(ttft, 99),
         "prefix_hit_rate": run.prefix_hits / run.prefix_queries if run.prefix_queries else (0.0 if prefix_caching else None),
         "steps": len(run.steps),
-        # Where the time went: steps that returned a first token (they ran a prefill) against pure
-        # decode steps, and the host's share (a step's time minus its wait for the GPU).
+        # Where the time went: step() calls that returned some request's first token against the
+        # rest, and the host's share (a step's time minus its wait for the GPU). With async
+        # scheduling a call returns the previous step's tokens, so its time is mostly that step's
+        # GPU time: the first group is the steps that finished a prompt. Prefill chunks that do not
+        # finish one (prompts longer than the token budget) fall in the second group.
         "prefill_steps": sum(1 for s in run.steps if s.num_first_tokens),
         "prefill_steps_s": sum(s.seconds for s in run.steps if s.num_first_tokens),
         "decode_steps_s": sum(s.seconds for s in run.steps if not s.num_first_tokens),
