@@ -1,11 +1,12 @@
 """Decode steps replayed from CUDA graphs, one captured per batch size.
 
 Every captured graph reads its inputs from the same static buffers and writes the logits and their
-argmax (greedy sampling) to the same static outputs; temporaries live in one shared memory pool. A batch of B requests replays the smallest captured size
->= B; the padding rows carry slot -1 (their K/V writes are skipped) and attend over one token of
-the null block (block 0, never handed out), so they touch no real KV slot. The step's inputs are
-staged straight into the static buffers (input_batch.py), padding rows included: a replay is one
-launch, with no copies before it. Prefill and mixed steps do not come here.
+argmax (greedy sampling) to the same static outputs; temporaries live in one shared memory pool.
+A batch of B requests replays the smallest captured size >= B; the padding rows carry slot -1
+(their K/V writes are skipped) and attend over one token of the null block (block 0, never handed
+out), so they touch no real KV slot. The step's inputs are staged straight into the static buffers
+(input_batch.py), padding rows included: a replay is one launch after the two staging copies (and a
+block-table spread). Prefill and mixed steps do not come here.
 """
 
 from __future__ import annotations
