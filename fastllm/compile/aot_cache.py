@@ -59,7 +59,7 @@ def artifact_key(model: torch.nn.Module, device: torch.device) -> str:
     except ImportError:
         triton_version = None
     facts = {
-        "config": getattr(model, "args", None).__dict__ if hasattr(model, "args") else repr(model),
+        "config": model.args.__dict__ if hasattr(model, "args") else repr(model),
         "dtype": str(param.dtype),
         "device": device.type,
         # Inductor's C++ for a CPU uses the vector instructions it finds (a shared cache directory

@@ -89,7 +89,9 @@ def build_step_inputs(
     starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
     ends = starts + counts
     max_blocks = max(len(s.block_ids) for s in states)
-    block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int32)
+    # A graph's replay size of rows: the padding rows stay 0, the null block.
+    table_rows = graph.padded_size(num_reqs) if graph is not None else num_reqs
+    block_tables = np.zeros((table_rows, max_blocks), dtype=np.int32)
     input_ids: list[int] = []
     from_device: list[tuple[int, int]] = []  # (flat input row, row of in_flight.sampled)
     sample_rows, sample_states = [], []
@@ -115,7 +117,6 @@ def build_step_inputs(
     # Every token samples (a decode step): the hidden states are the logits' rows as they are.
     every_row = len(sample_rows) == num_tokens
     logits_indices = np.zeros(0, np.int64) if every_row else query_start_loc[1:][sample_rows].astype(np.int64) - 1
-    scatter = np.asarray(from_device, dtype=np.int64).reshape(-1, 2).T
     ids = np.asarray(input_ids, dtype=np.int64)
     seq_lens = ends.astype(np.int32)
 
@@ -123,6 +124,7 @@ def build_step_inputs(
         return _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slots, seq_lens,
                                 block_tables, None if every_row else logits_indices, sample_states, vocab_size,
                                 eos_token_id)
+    scatter = np.asarray(from_device, dtype=np.int64).reshape(-1, 2).T
     (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d) = stager.send(
         [ids, positions, slots, logits_indices, scatter], [block_tables, seq_lens, query_start_loc])
     if from_device:
@@ -167,12 +169,9 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
         graph.take_in_flight_tokens(in_flight.sampled)
     static_lens = np.ones(n, dtype=np.int32)
     static_lens[:num_reqs] = seq_lens
-    padded, width = graph.padded_size(num_reqs), block_tables.shape[1]
-    static_tables = np.zeros((padded, width), dtype=np.int32)  # padding rows: the null block
-    static_tables[:num_reqs] = block_tables
     int64_arrays = [static] if sample_rows is None else [static, sample_rows]
-    stager.send_into(int64_arrays, [static_lens, static_tables], (graph.static_i64, graph.static_i32))
-    graph.take_block_tables(padded, width)
+    stager.send_into(int64_arrays, [static_lens, block_tables], (graph.static_i64, graph.static_i32))
+    graph.take_block_tables(*block_tables.shape)
     logits_d = None if sample_rows is None else graph.static_i64[4 * n:4 * n + len(sample_rows)]
     return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=logits_d,
                       sample_states=sample_states,
