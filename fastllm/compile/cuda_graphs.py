@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from fastllm.kernels import dispatch as kernels
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ class CUDAGraphRunner:
         with forward_context(self._metadata(bs), self.attention_layers):
             hidden = self.forward(input_ids, self.positions[:bs])
         self.compute_logits(hidden, out=self.logits[:bs])
-        torch.argmax(self.logits[:bs], dim=-1, out=self.argmax[:bs])
+        kernels.argmax(self.logits[:bs], out=self.argmax[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:

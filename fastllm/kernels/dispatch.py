@@ -30,6 +30,7 @@ KERNEL_NAMES = (
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "argmax",
 )
 _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "kv_cache_write": "kv_cache_write",
@@ -39,6 +40,7 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "rms_norm": "fused_add_rms_norm",
     "rotary_embedding": "rotary",
     "silu_and_mul": "silu_and_mul",
+    "argmax": "argmax",
 }
 
 _MODE = os.environ.get("FASTLLM_KERNELS", "auto").strip().lower() or "auto"
@@ -129,3 +131,7 @@ def rotary_embedding(
 
 def silu_and_mul(x: Tensor) -> Tensor:
     return _select("silu_and_mul", x.device)(x)
+
+
+def argmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
+    return _select("argmax", logits.device)(logits, out)

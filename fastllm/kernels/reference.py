@@ -146,6 +146,11 @@ def rotary_embedding(
         x.copy_(rotated.to(x.dtype))
 
 
+def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] -> int64 [B]: the first index of each row's maximum (NaN counts as the maximum)."""
+    return torch.argmax(logits, dim=-1, out=out) if out is not None else torch.argmax(logits, dim=-1)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] laid out as [gate | up]; returns silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)

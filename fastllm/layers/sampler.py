@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fastllm.kernels import dispatch as kernels
 from fastllm.sampling_params import SamplingParams
 
 
@@ -101,11 +102,11 @@ class SamplerOutput:
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if metadata.argmax_only:
-            return SamplerOutput(logits.argmax(dim=-1))  # bf16 -> fp32 is exact: the same argmax, one kernel less
+            return SamplerOutput(kernels.argmax(logits))  # in the model's dtype: the same argmax as in fp32
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
         logits = apply_penalties(logits, metadata)
-        sampled = logits.argmax(dim=-1)
+        sampled = kernels.argmax(logits)
         if not metadata.all_greedy:
             probs = filtered_probs(logits, metadata)
             drawn = (probs / exponential_noise(probs, metadata.generators)).argmax(dim=-1)
