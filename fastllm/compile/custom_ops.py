@@ -50,11 +50,12 @@ def _(positions, query, key, cos_sin_cache, is_neox):
 
 
 @torch.library.custom_op("fastllm::attention", mutates_args=())
-def attention(query: Tensor, key: Tensor, value: Tensor, layer_index: int) -> Tensor:
-    """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]; writes key/value into the cache."""
-    return get_forward_context().attention_layers[layer_index].run(query, key, value)
+def attention(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, layer_index: int) -> Tensor:
+    """query [T, Hq, D], key/value [T, Hkv, D] before rotary -> [T, Hq, D]; rotates q and k (out of place)
+    and writes the rotated key and the value into the layer's cache."""
+    return get_forward_context().attention_layers[layer_index].run(positions, query, key, value)
 
 
 @attention.register_fake
-def _(query, key, value, layer_index):
+def _(positions, query, key, value, layer_index):
     return torch.empty_like(query)

@@ -31,6 +31,7 @@ KERNEL_NAMES = (
     "rotary_embedding",
     "silu_and_mul",
     "argmax",
+    "rotary_kv_cache_write",
 )
 _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "kv_cache_write": "kv_cache_write",
@@ -41,6 +42,7 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "rotary_embedding": "rotary",
     "silu_and_mul": "silu_and_mul",
     "argmax": "argmax",
+    "rotary_kv_cache_write": "rotary_kv_cache_write",
 }
 
 _MODE = os.environ.get("FASTLLM_KERNELS", "auto").strip().lower() or "auto"
@@ -135,3 +137,12 @@ def silu_and_mul(x: Tensor) -> Tensor:
 
 def argmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
     return _select("argmax", logits.device)(logits, out)
+
+
+def rotary_kv_cache_write(
+    positions: Tensor, query: Tensor, key: Tensor, value: Tensor, cos_sin_cache: Tensor, is_neox: bool,
+    key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, return_key: bool,
+) -> tuple[Tensor, Tensor | None]:
+    return _select("rotary_kv_cache_write", query.device)(
+        positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, return_key
+    )

@@ -146,6 +146,26 @@ def rotary_embedding(
         x.copy_(rotated.to(x.dtype))
 
 
+def rotary_kv_cache_write(
+    positions: torch.Tensor,  # [T]
+    query: torch.Tensor,  # [T, Hq, D] (not modified)
+    key: torch.Tensor,  # [T, Hkv, D] (not modified)
+    value: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]; < 0 means skip
+    return_key: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """rotary_embedding on copies of query and key, then kv_cache_write of the rotated key and value.
+    Returns (rotated query, rotated key if return_key else None)."""
+    query, key = query.clone(), key.clone()
+    rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+    kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    return query, (key if return_key else None)
+
+
 def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] -> int64 [B]: the first index of each row's maximum (NaN counts as the maximum)."""
     return torch.argmax(logits, dim=-1, out=out) if out is not None else torch.argmax(logits, dim=-1)

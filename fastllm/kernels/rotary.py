@@ -23,22 +23,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(base, stride_h, num_heads, cos, sin, i, i_ok,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr):
+def rotated_halves(base, stride_h, num_heads, cos, sin, i, i_ok,
+                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr):
+    """The rotated pair halves (fp32) of every head at `base`: (y_a, y_b, head index column,
+    offsets of a and b in a head, mask)."""
     h = tl.arange(0, BLOCK_H)
     mask = (h < num_heads)[:, None] & i_ok[None, :]  # [BLOCK_H, BLOCK_HALF]
     if IS_NEOX:
         off_a, off_b = i, i + HALF
     else:
         off_a, off_b = 2 * i, 2 * i + 1
-    ptr_a = base + h[:, None] * stride_h + off_a[None, :]
-    ptr_b = base + h[:, None] * stride_h + off_b[None, :]
-    xa = tl.load(ptr_a, mask=mask, other=0.0)
-    xb = tl.load(ptr_b, mask=mask, other=0.0)
-    xa32 = xa.to(tl.float32)
-    xb32 = xb.to(tl.float32)
-    tl.store(ptr_a, (xa32 * cos[None, :] - xb32 * sin[None, :]).to(xa.dtype), mask=mask)
-    tl.store(ptr_b, (xb32 * cos[None, :] + xa32 * sin[None, :]).to(xb.dtype), mask=mask)
+    xa = tl.load(base + h[:, None] * stride_h + off_a[None, :], mask=mask, other=0.0).to(tl.float32)
+    xb = tl.load(base + h[:, None] * stride_h + off_b[None, :], mask=mask, other=0.0).to(tl.float32)
+    ya = xa * cos[None, :] - xb * sin[None, :]
+    yb = xb * cos[None, :] + xa * sin[None, :]
+    return ya, yb, h[:, None], off_a[None, :], off_b[None, :], mask
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, num_heads, cos, sin, i, i_ok,
+                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, IS_NEOX: tl.constexpr):
+    ya, yb, h, off_a, off_b, mask = rotated_halves(base, stride_h, num_heads, cos, sin, i, i_ok,
+                                                   HALF, BLOCK_H, IS_NEOX)
+    head = base + h * stride_h
+    tl.store(head + off_a, ya.to(base.dtype.element_ty), mask=mask)
+    tl.store(head + off_b, yb.to(base.dtype.element_ty), mask=mask)
 
 
 @triton.jit

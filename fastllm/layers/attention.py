@@ -1,4 +1,7 @@
-"""Attention over the paged KV cache: the single call site of the attention kernels."""
+"""Attention over the paged KV cache: the single call site of the attention kernels.
+
+The layer owns the rotary embedding: one kernel rotates q and k and writes k and v into the cache,
+and the attention kernel reads them from there (decode) or from the rotated chunk (prefill)."""
 
 from __future__ import annotations
 
@@ -7,30 +10,39 @@ from torch import nn
 
 from fastllm.kernels import dispatch as ops
 from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
+from fastllm.layers.rotary import RotaryEmbedding
 from fastllm.worker.attn_metadata import get_attn_metadata
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_index: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_index: int,
+                 rotary: RotaryEmbedding):
         super().__init__()
+        self.rotary = rotary
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.layer_index = layer_index  # its place in the model's attention_layers() (the forward context)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
-        return torch.ops.fastllm.attention(query, key, value, self.layer_index)
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor) -> torch.Tensor:
+        """positions [T]; query [T, Hq, D], key/value [T, Hkv, D] before rotary -> [T, Hq, D]."""
+        return torch.ops.fastllm.attention(positions, query, key, value, self.layer_index)
 
-    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """The body of the attention op: write the new K/V into the cache, attend over it."""
+    def run(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+            value: torch.Tensor) -> torch.Tensor:
+        """The body of the attention op: rotate q and k and write the new K/V into the cache (one
+        kernel; the inputs stay as they are), then attend."""
         metadata = get_attn_metadata()
         if metadata is None or self.kv_cache is None:
             # Profiling run (no cache yet): the output only needs the right shape.
             return query.clone()
         key_cache, value_cache = self.kv_cache
-        ops.kv_cache_write(key, value, key_cache, value_cache, metadata.slot_mapping)
-        if metadata.is_decode_only:
+        decode = metadata.is_decode_only
+        query, key = ops.rotary_kv_cache_write(positions, query, key, value, self.rotary.cos_sin_cache,
+                                               self.rotary.is_neox, key_cache, value_cache,
+                                               metadata.slot_mapping, return_key=not decode)
+        if decode:  # keys come from the cache
             return ops.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
                                               metadata.seq_lens, metadata.max_seq_len, self.scale)
         return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,

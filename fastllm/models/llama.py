@@ -78,8 +78,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, args.hidden_size)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
-        self.attn = Attention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim ** -0.5, layer_index)
+        rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
+        self.attn = Attention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim ** -0.5, layer_index,
+                              rotary)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -90,8 +91,7 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary(positions, q, k)
-        out = self.attn(q, k, v)
+        out = self.attn(positions, q, k, v)
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 
 
