@@ -118,7 +118,7 @@ DECODE_CASES = {"B1_ctx32768": (1, 32768), "B1_ctx4096": (1, 4096), "B8_ctx4096"
 
 
 def decode_candidates(mod, batch, ctx, sms, explore):
-    """(num_splits, block_n, warps, stages) launches to time for one case."""
+    """(num_splits, block_n, warps, stages, merge_in_kernel) launches to time for one case."""
     legacy = tuple(mod.legacy_config(ctx, batch, HKV, D, sms))
     chosen = tuple(mod.choose_config(ctx, batch, HKV, D, sms))
     if explore:
@@ -131,6 +131,12 @@ def decode_candidates(mod, batch, ctx, sms, explore):
         tiles = list(mod.TILE_CONFIGS)
         splits = sorted({chosen[0], legacy[0]} | set(mod.split_candidates(ctx, batch, HKV, sms)))
     cands = [legacy, chosen] + [(s, *t) for s in splits for t in tiles]
+    # The last field: merge the splits in the same kernel. The legacy launch merged them in a second
+    # one; the chosen launch is also timed that way.
+    legacy, chosen = (*legacy, False), (*chosen, True)
+    cands = [legacy, chosen] + [(*c, True) for c in dict.fromkeys(cands)]
+    if chosen[0] > 1:
+        cands.append((*chosen[:4], False))
     return list(dict.fromkeys(cands)), legacy, chosen
 
 
@@ -155,14 +161,14 @@ def run_decode(table: Table, copy_bw: float, explore: bool, sms: int) -> None:
             continue
         cands, legacy, chosen = decode_candidates(mod, batch, ctx, sms, explore)
         for cand in cands:
-            splits, bn, w, s = cand
+            splits, bn, w, s, merge_in_kernel = cand
             tag = ("legacy+chosen" if cand == legacy == chosen else "legacy" if cand == legacy
                    else "chosen" if cand == chosen else "")
-            name = f"splits={splits} BN={bn} w={w} s={s}"
+            name = f"splits={splits} BN={bn} w={w} s={s}" + ("" if merge_in_kernel else " two-pass")
             try:
                 fn = lambda: mod.paged_decode_attention_splits(  # noqa: E731
                     query, key_cache, value_cache, block_tables, seq_lens, ctx, SCALE, splits,
-                    block_n=bn, num_warps=w, num_stages=s)
+                    block_n=bn, num_warps=w, num_stages=s, merge_in_kernel=merge_in_kernel)
                 err = rel_err(fn(), ref)
                 ms = bench_graph(fn)
                 gbs = mod.bytes_moved(query, key_cache, batch * ctx, splits) / ms / 1e6

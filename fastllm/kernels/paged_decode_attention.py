@@ -7,11 +7,15 @@ from its own seq_len). Pass 1 (grid B x Hkv x splits) runs an online softmax ove
 Hq/Hkv query heads of one KV group at once: the group is padded to 16 rows so that q @ K^T and p @ V
 are tensor-core tl.dot's, and each K/V tile is loaded once per group rather than once per head. It
 writes the partial output o_s (already divided by its own softmax sum) and
-lse_s = log2(sum_j exp2(s_j log2 e)). Pass 2 (grid B x Hq) merges the non-empty splits, BLOCK_S at a time:
+lse_s = log2(sum_j exp2(s_j log2 e)). The splits are then merged, BLOCK_S at a time:
     out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s.
-Splits past the end of a request's sequence (start >= seq_len) return at once and write nothing: pass 2
-recomputes from seq_len how many splits hold keys, so a loose max_seq_len bound costs only empty programs.
-With one split pass 1 writes `out` directly and pass 2 is skipped.
+The merge runs in the same launch: each split, once its partials are stored, counts itself done on a
+per-(request, KV head) counter (an acq_rel atomic after a block barrier), and the one that counts last
+merges the group's splits and zeroes the counter for the next launch. A second kernel for the merge cost
+~2.3 us of launch-bound time per layer at small batches on an H100 (merge_in_kernel=False keeps that
+layout for comparison: pass 2, grid B x Hq). Splits past the end of a request's sequence (start >= seq_len)
+return at once and neither count nor write: the merge recomputes from seq_len how many splits hold keys, so
+a loose max_seq_len bound costs only empty programs. With one split the kernel writes `out` directly.
 
 Launch config (split count, BLOCK_N, warps, stages) comes from a host-side table (`choose_config`) that
 depends only on max_seq_len (a host-side bound), batch, Hkv and the SM count, never on device values: no
@@ -64,9 +68,26 @@ class DecodeConfig(NamedTuple):
     num_stages: int
 
 
+# The merge's [heads, splits, head_dim] fp32 tile stays within this many elements (64 registers a thread
+# at 4 warps), BLOCK_S splits a step.
+_MERGE_TILE_ELEMENTS = 8192
+_MAX_MERGE_BLOCK_S = 16
+_counters: dict[torch.device, list[torch.Tensor]] = {}  # device -> split counters, newest (largest) last
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """n int32 zeros that the kernel leaves zeroed again. A larger request adds a buffer and keeps the old
+    ones: a captured CUDA graph holds the address it was captured with."""
+    buffers = _counters.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 @triton.jit(do_not_specialize=["stride_bt"])  # eager steps' block-table width varies: one variant for all
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
+    counters_ptr,  # int32 [B * Hkv], all 0 between launches (MERGE_IN_KERNEL)
     scale_log2,  # scale * log2(e): softmax runs in base 2
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -74,6 +95,8 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr,  # one split: write out here, no reduce pass
+    MERGE_IN_KERNEL: tl.constexpr,  # the group's last split to finish merges them (no pass 2)
+    BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr,  # the merge's tile: query heads x splits (x BLOCK_D)
     PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -85,7 +108,13 @@ def _decode_split_kernel(
     end = tl.minimum(start + part_len, seq_len)  # start >= end: an empty split
     if not DIRECT_OUT:
         if start >= end:
-            return  # the reduce pass only reads the splits that hold keys
+            if MERGE_IN_KERNEL and split == 0:  # seq_len 0: nothing to merge, out = 0
+                g0 = tl.arange(0, BLOCK_GM)
+                d0 = tl.arange(0, BLOCK_D)
+                tl.store(out_ptr + b * stride_ob + (kv_head * GROUP + g0)[:, None] * stride_oh + d0[None, :],
+                         tl.zeros([BLOCK_GM, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+                         mask=(g0 < GROUP)[:, None] & (d0 < HEAD_DIM)[None, :])
+            return  # the merge only reads the splits that hold keys
 
     g = tl.arange(0, BLOCK_G)
     heads = kv_head * GROUP + g  # [BLOCK_G] query heads of this KV group (rows >= GROUP are padding)
@@ -132,6 +161,52 @@ def _decode_split_kernel(
         row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BLOCK_G]
         tl.store(part_o_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=row_mask)
         tl.store(part_lse_ptr + row, m_i + tl.log2(l_i), mask=g_ok)  # a non-empty split: l_i >= 1
+        if MERGE_IN_KERNEL:
+            # Count this split done; the last of the group's non-empty splits to get here merges them.
+            # The barrier puts every thread's partial stores before the counter's release; the
+            # acquire side reads partials past L1 (.cg), where another SM's writes may not be.
+            tl.debug_barrier()
+            counter = counters_ptr + b * tl.num_programs(1) + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            n_active = tl.cdiv(seq_len, part_len)
+            if done == n_active - 1:
+                tl.store(counter, 0)  # every other split has counted: ready for the next launch
+                _merge_splits(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
+                              (b * tl.num_programs(1) * GROUP + kv_head * GROUP) * num_splits, num_splits,
+                              n_active, kv_head * GROUP, GROUP, HEAD_DIM, BLOCK_GM, BLOCK_S, BLOCK_D)
+
+
+@triton.jit
+def _merge_splits(part_o_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row, num_splits, n_active, first_head,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """out[h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over splits 0 .. n_active - 1, for the GROUP
+    query heads whose partial rows start at first_row (head-major, num_splits rows each)."""
+    g = tl.arange(0, BLOCK_GM)
+    g_ok = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    rows = first_row + g * num_splits  # [BLOCK_GM]: each head's split 0
+    # m starts finite: padding heads (all -inf) then get weight 0 rather than exp2(-inf + inf) = NaN
+    m = tl.full([BLOCK_GM], -1.0e30, tl.float32)
+    den = tl.zeros([BLOCK_GM], tl.float32)
+    acc = tl.zeros([BLOCK_GM, BLOCK_D], tl.float32)
+    for s0 in range(0, n_active, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        gs_ok = g_ok[:, None] & (s < n_active)[None, :]  # [BLOCK_GM, BLOCK_S]
+        gs = rows[:, None] + s[None, :]
+        lse = tl.load(part_lse_ptr + gs, mask=gs_ok, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + gs[:, :, None] * HEAD_DIM + d[None, None, :],
+                    mask=gs_ok[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, axis=1))
+        w = tl.exp2(lse - m_new[:, None])  # [BLOCK_GM, BLOCK_S]
+        alpha = tl.exp2(m - m_new)
+        den = den * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        m = m_new
+    out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(out_row_ptr + (first_head + g)[:, None] * stride_oh + d[None, :],
+             out.to(out_row_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -214,9 +289,10 @@ def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: i
 
 def paged_decode_attention_splits(
     query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float, num_splits: int,
-    block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, merge_in_kernel: bool = True,
 ) -> torch.Tensor:
-    """paged_decode_attention with an explicit launch config (tests and tuning); max_seq_len is unused here."""
+    """paged_decode_attention with an explicit launch config (tests and tuning); max_seq_len is unused here.
+    merge_in_kernel=False merges the splits in a second kernel (the layout before the in-kernel merge)."""
     batch, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
@@ -236,14 +312,17 @@ def paged_decode_attention_splits(
     block_n = block_n or (32 if head_dim > 128 else 64)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
     block_d = max(16, triton.next_power_of_2(head_dim))
+    merge_in_kernel = merge_in_kernel and num_splits > 1
     if num_splits > 1:
         f32 = dict(dtype=torch.float32, device=query.device)
         part_o = torch.empty((batch, num_q_heads, num_splits, head_dim), **f32)
         part_lse = torch.empty((batch, num_q_heads, num_splits), **f32)
     else:
         part_o = part_lse = out  # unused
+    counters = _split_counters(query.device, batch * num_kv_heads) if merge_in_kernel else seq_lens  # unused
+    block_gm = triton.next_power_of_2(group)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, out, part_o, part_lse, block_tables, seq_lens,
+        query, key_cache, value_cache, out, part_o, part_lse, block_tables, seq_lens, counters,
         scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -251,12 +330,13 @@ def paged_decode_attention_splits(
         num_splits,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_G=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT_OUT=num_splits == 1,
+        DIRECT_OUT=num_splits == 1, MERGE_IN_KERNEL=merge_in_kernel, BLOCK_GM=block_gm,
+        BLOCK_S=max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS // (block_gm * block_d))),
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_in_kernel:
         _decode_reduce_kernel[(batch * num_q_heads,)](
             part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), num_q_heads, num_splits,
             HEAD_DIM=head_dim, BLOCK_S=min(_REDUCE_BLOCK_S, triton.next_power_of_2(num_splits)),

@@ -138,6 +138,27 @@ def test_decode_loose_bound_max_splits(device, gen):
          tile=cfg[1:])
 
 
+def test_decode_merge_in_second_kernel(device, gen):
+    # the two-pass layout (a separate merge kernel) that tune.py still times against the in-kernel merge
+    from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
+
+    kv = PagedKV([1100, 5, 40, 0], 90, 16, 2, 32, torch.float16, device, gen)
+    query = torch.randn(4, 4, 32, device=device).half()
+    out = paged_decode_attention_splits(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                        4096, 32**-0.5, num_splits=64, block_n=16, merge_in_kernel=False)
+    assert_close(out, decode_oracle(query, kv, 4096), *TOL[torch.float16])
+
+
+def test_decode_split_counters_left_zero(device, gen):
+    # the last split of each (request, KV head) resets its counter: the next launch (or graph replay)
+    # starts from zero; a request of seq_len 0 counts nothing
+    from fastllm.kernels.paged_decode_attention import _split_counters
+
+    for _ in range(2):
+        _run(device, gen, torch.float16, [300, 0, 64, 129, 1], 8, 2, 64, 16, max_seq_len=300, num_splits=5)
+        assert not _split_counters(torch.device(device), 1).any()
+
+
 def test_split_count_is_host_only():
     from fastllm.kernels.paged_decode_attention import choose_num_splits
 
@@ -185,6 +206,29 @@ def test_decode_gpu_table_choice(device, gen, max_seq_len, batch):
     lens[0] = max_seq_len
     _run(device, gen, torch.bfloat16, lens, 32, 8, 128, 16, num_blocks=sum(-(-n // 16) for n in lens) + 8,
          max_seq_len=max_seq_len)
+
+
+@gpu
+def test_decode_gpu_merge_under_graph_replay(device, gen):
+    # many replays of one captured launch with fresh queries: a merge that read a partial before its
+    # writer finished, or a counter left non-zero, would show as a wrong row in some replay
+    kv = PagedKV([int(x) for x in torch.randint(1, 2049, (64,), generator=gen)], 9000, 16, 8, 128,
+                 torch.bfloat16, device, gen)
+    query = torch.randn(64, 32, 128, device=device, dtype=torch.bfloat16)
+    from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
+
+    def run():
+        return paged_decode_attention_splits(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                             2048, 128**-0.5, num_splits=8)
+
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for _ in range(20):
+        query.copy_(torch.randn_like(query))
+        graph.replay()
+        assert_close(out, decode_oracle(query, kv, 2048), *TOL[torch.bfloat16])
 
 
 @gpu
