@@ -28,6 +28,7 @@ MODULES = [  # cheap ones first, so a slow compile at the end cannot hide everyt
     "bench_prefill_attention",
     "bench_fused_add_rms_norm",
     "bench_rotary",
+    "bench_rotary_kv_cache_write",
     "bench_silu_and_mul",
 ]
 
