@@ -49,6 +49,16 @@ def _(positions, query, key, cos_sin_cache, is_neox):
     return None
 
 
+@torch.library.custom_op("fastllm::silu_and_mul", mutates_args=())
+def silu_and_mul(x: Tensor) -> Tensor:
+    return kernels.silu_and_mul(x)
+
+
+@silu_and_mul.register_fake
+def _(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
 @torch.library.custom_op("fastllm::attention", mutates_args=())
 def attention(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, layer_index: int) -> Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] before rotary -> [T, Hq, D]; rotates q and k (out of place)
