@@ -114,13 +114,16 @@ contiguous_kv = kbench.contiguous_kv
 DECODE_CASES = {"B1_ctx32768": (1, 32768), "B1_ctx4096": (1, 4096), "B8_ctx4096": (8, 4096),
                 "B64_ctx4096": (64, 4096), "B256_ctx512": (256, 512),
                 # the engine's large decode batches: short contexts, many programs, one split
-                "B256_ctx256": (256, 256), "B512_ctx192": (512, 192)}
+                "B256_ctx256": (256, 256), "B512_ctx192": (512, 192),
+                # the decode sweep's contexts (128-token prompts + up to 256 new): lengths off the tile grid
+                "B1_ctx330": (1, 330), "B8_ctx200": (8, 200), "B32_ctx200": (32, 200), "B32_ctx330": (32, 330),
+                "B256_ctx200": (256, 200), "B256_ctx330": (256, 330)}
 
 
 def decode_candidates(mod, batch, ctx, sms, explore):
-    """(num_splits, block_n, warps, stages, merge_in_kernel) launches to time for one case."""
-    legacy = tuple(mod.legacy_config(ctx, batch, HKV, D, sms))
-    chosen = tuple(mod.choose_config(ctx, batch, HKV, D, sms))
+    """(num_splits, block_n, warps, stages, merge_in_kernel, min_split_len) launches to time for one case."""
+    legacy = tuple(mod.legacy_config(ctx, batch, HKV, D, sms))[:4]
+    chosen = mod.choose_config(ctx, batch, HKV, D, sms, torch.tensor([], dtype=DTYPE).element_size())
     if explore:
         tiles = [(bn, w, s) for bn in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
         tiles += [(bn, w, s) for bn in (16, 32) for w in (2, 4) for s in (2, 3, 4)] + [(64, 2, 2), (64, 4, 1)]
@@ -130,13 +133,12 @@ def decode_candidates(mod, batch, ctx, sms, explore):
     else:
         tiles = list(mod.TILE_CONFIGS)
         splits = sorted({chosen[0], legacy[0]} | set(mod.split_candidates(ctx, batch, HKV, sms)))
-    cands = [legacy, chosen] + [(s, *t) for s in splits for t in tiles]
-    # The last field: merge the splits in the same kernel. The legacy launch merged them in a second
-    # one; the chosen launch is also timed that way.
-    legacy, chosen = (*legacy, False), (*chosen, True)
-    cands = [legacy, chosen] + [(*c, True) for c in dict.fromkeys(cands)]
+    # The legacy launch merged its splits in a second kernel; the chosen one is also timed that way.
+    legacy = (*legacy, False, 0)
+    chosen = (*chosen[:4], True, chosen.min_split_len)
+    cands = [legacy, chosen] + [(s, *t, True, 0) for s in splits for t in tiles]
     if chosen[0] > 1:
-        cands.append((*chosen[:4], False))
+        cands.append((*chosen[:4], False, chosen[5]))
     return list(dict.fromkeys(cands)), legacy, chosen
 
 
@@ -161,14 +163,16 @@ def run_decode(table: Table, copy_bw: float, explore: bool, sms: int) -> None:
             continue
         cands, legacy, chosen = decode_candidates(mod, batch, ctx, sms, explore)
         for cand in cands:
-            splits, bn, w, s, merge_in_kernel = cand
+            splits, bn, w, s, merge_in_kernel, min_split_len = cand
             tag = ("legacy+chosen" if cand == legacy == chosen else "legacy" if cand == legacy
                    else "chosen" if cand == chosen else "")
-            name = f"splits={splits} BN={bn} w={w} s={s}" + ("" if merge_in_kernel else " two-pass")
+            name = (f"splits={splits} BN={bn} w={w} s={s}" + ("" if merge_in_kernel else " two-pass")
+                    + (f" min={min_split_len}" if min_split_len else ""))
             try:
                 fn = lambda: mod.paged_decode_attention_splits(  # noqa: E731
                     query, key_cache, value_cache, block_tables, seq_lens, ctx, SCALE, splits,
-                    block_n=bn, num_warps=w, num_stages=s, merge_in_kernel=merge_in_kernel)
+                    block_n=bn, num_warps=w, num_stages=s, merge_in_kernel=merge_in_kernel,
+                    min_split_len=min_split_len)
                 err = rel_err(fn(), ref)
                 ms = bench_graph(fn)
                 gbs = mod.bytes_moved(query, key_cache, batch * ctx, splits) / ms / 1e6

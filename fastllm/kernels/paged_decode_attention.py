@@ -17,9 +17,11 @@ layout for comparison: pass 2, grid B x Hq). Splits past the end of a request's 
 return at once and neither count nor write: the merge recomputes from seq_len how many splits hold keys, so
 a loose max_seq_len bound costs only empty programs. With one split the kernel writes `out` directly.
 
-Launch config (split count, BLOCK_N, warps, stages) comes from a host-side table (`choose_config`) that
-depends only on max_seq_len (a host-side bound), batch, Hkv and the SM count, never on device values: no
-host sync, and a CUDA graph replays the same launch for any seq_lens. It is not a triton.autotune: the
+Launch config (split count, BLOCK_N, warps, stages, minimum split length) comes from a host-side table
+(`choose_config`) that depends only on max_seq_len (a host-side bound), batch, Hkv, head_dim, dtype and the
+SM count, never on device values: no host sync, and a CUDA graph replays the same launch for any seq_lens.
+Each request sizes its own splits from its seq_len (at least min_split_len keys each), so a request that
+fits one split writes `out` directly and the rest of its splits return at once. It is not a triton.autotune: the
 engine's warm-up before graph capture runs on all-padding batches (seq_len 0 / 1), where timings mean
 nothing. The table was measured on an H100 with benchmarks/kernels/tune.py (which times every candidate).
 
@@ -48,10 +50,11 @@ _MAX_SPLITS = 64
 _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM (H100, CUDA-graph timings: 24-64 splits at B1, 8 at B8)
 _REDUCE_BLOCK_S = 32
 
-# (block_n, num_warps, num_stages): the tiles the table uses (64 for head_dim <= 128, 32 above) and the runner-up
-# tune.py keeps timing. On an H100 (CUDA-graph timings) BLOCK_N 64 / 4 warps / 2 stages was within 2% of the
-# best of 15 tile configs at every measured shape, and the best at B64 x 4096.
-TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2)]
+# (block_n, num_warps, num_stages) that choose_config picks from (and tune.py times): 64 for fp32 (shared memory),
+# 128 for 16-bit head_dim <= 128, 32 for head_dim > 128, 32 with 2 warps for large batches.
+TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (32, 2, 2)]
+_MANY_PROGRAMS_PER_SM = 8  # B x Hkv beyond this many per SM: the small tile (TILE_CONFIGS[3])
+_MIN_BUSY_SPLIT_TOKENS = 512  # min_split_len once B x Hkv >= the SM count
 
 
 def split_candidates(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
@@ -66,6 +69,7 @@ class DecodeConfig(NamedTuple):
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    min_split_len: int = 0  # a request shorter than num_splits x this uses fewer splits (0: one tile)
 
 
 # The merge's [heads, splits, head_dim] fp32 tile stays within this many elements (64 registers a thread
@@ -84,7 +88,7 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buffers[-1]
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # eager steps' block-table width varies: one variant for all
+@triton.jit(do_not_specialize=["stride_bt", "min_split_len"])  # eager steps' table width varies: one variant
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
     counters_ptr,  # int32 [B * Hkv], all 0 between launches (MERGE_IN_KERNEL)
@@ -92,6 +96,7 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     num_splits,  # runtime int: a new batch size must not recompile
+    min_split_len,  # a multiple of BLOCK_N: shorter requests use fewer splits
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr,  # one split: write out here, no reduce pass
@@ -103,7 +108,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # whole tiles per split
+    part_len = _split_len(seq_len, num_splits, min_split_len, BLOCK_N)
     start = split * part_len
     end = tl.minimum(start + part_len, seq_len)  # start >= end: an empty split
     if not DIRECT_OUT:
@@ -153,7 +158,7 @@ def _decode_split_kernel(
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # seq_len 0: o = 0
     row_mask = g_ok[:, None] & d_ok[None, :]
-    if DIRECT_OUT:
+    if DIRECT_OUT or part_len >= seq_len:  # this request's keys are all in this split: nothing to merge
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
@@ -174,6 +179,13 @@ def _decode_split_kernel(
                 _merge_splits(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
                               (b * tl.num_programs(1) * GROUP + kv_head * GROUP) * num_splits, num_splits,
                               n_active, kv_head * GROUP, GROUP, HEAD_DIM, BLOCK_GM, BLOCK_S, BLOCK_D)
+
+
+@triton.jit
+def _split_len(seq_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
+    """Keys per split for one request: whole tiles, at least min_split_len; splits 0 .. cdiv(seq_len,
+    split_len) - 1 hold keys."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
 
 
 @triton.jit
@@ -211,7 +223,7 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row, n
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, stride_ob, stride_oh, num_heads, num_splits,
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, stride_ob, stride_oh, num_heads, num_splits, min_split_len,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # b * Hq + h
@@ -219,8 +231,9 @@ def _decode_reduce_kernel(
     h = row % num_heads
     seq_len = tl.load(seq_lens_ptr + b)
     # the same split sizes as pass 1: splits 0 .. n_active - 1 hold keys (none when seq_len is 0)
-    part_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    n_active = tl.cdiv(seq_len, tl.maximum(part_len, 1))
+    n_active = tl.cdiv(seq_len, _split_len(seq_len, num_splits, min_split_len, BLOCK_N))
+    if n_active == 1:
+        return  # pass 1 wrote out
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     m = tl.full([1], float("-inf"), tl.float32)
@@ -270,11 +283,26 @@ def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: 
     return max(1, min(want, cap))
 
 
-def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int) -> DecodeConfig:
-    """Split count and tile config for one launch; host-side ints only (CUDA-graph safe)."""
+def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int,
+                  element_size: int = 2) -> DecodeConfig:
+    """Split count, tile and minimum split length for one launch; host-side ints only (CUDA-graph safe).
+
+    On an H100 (tune.py, bf16, D 128, GQA 4, CUDA-graph timings): 128-key tiles were fastest from B1 to B64
+    at contexts 200 to 32768; 32-key tiles with 2 warps won by 5% at B256 (2048+ programs, short contexts).
+    max_seq_len is only a bound (a graph is captured at max_model_len), so the split count is sized for
+    it, and min_split_len keeps short requests from being cut into one-tile splits once B x Hkv alone
+    covers the SMs: at B32, one 330-token split took 28.4 us, two took 30.8.
+    """
     splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
-    block_n, num_warps, num_stages = TILE_CONFIGS[2] if head_dim > 128 else TILE_CONFIGS[0]
-    return DecodeConfig(splits, block_n, num_warps, num_stages)
+    programs = batch * num_kv_heads
+    if head_dim * element_size > 256:  # fp32 or head_dim > 128: the tiles that fit shared memory
+        tile = TILE_CONFIGS[2] if head_dim > 128 else TILE_CONFIGS[0]
+    elif programs >= _MANY_PROGRAMS_PER_SM * num_sms:
+        tile = TILE_CONFIGS[3]
+    else:
+        tile = TILE_CONFIGS[1]
+    min_split_len = _MIN_BUSY_SPLIT_TOKENS if programs >= num_sms else 0
+    return DecodeConfig(splits, *tile, min_split_len)
 
 
 def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: int,
@@ -290,9 +318,12 @@ def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: i
 def paged_decode_attention_splits(
     query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float, num_splits: int,
     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, merge_in_kernel: bool = True,
+    min_split_len: int = 0,
 ) -> torch.Tensor:
     """paged_decode_attention with an explicit launch config (tests and tuning); max_seq_len is unused here.
-    merge_in_kernel=False merges the splits in a second kernel (the layout before the in-kernel merge)."""
+    merge_in_kernel=False merges the splits in a second kernel (the layout before the in-kernel merge).
+    min_split_len: keys a split holds at least (rounded up to whole tiles), so that a short request uses
+    fewer of the num_splits."""
     batch, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
@@ -311,6 +342,7 @@ def paged_decode_attention_splits(
         return out
     block_n = block_n or (32 if head_dim > 128 else 64)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
+    min_split_len = max(1, triton.cdiv(min_split_len, block_n)) * block_n
     block_d = max(16, triton.next_power_of_2(head_dim))
     merge_in_kernel = merge_in_kernel and num_splits > 1
     if num_splits > 1:
@@ -327,7 +359,7 @@ def paged_decode_attention_splits(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
-        num_splits,
+        num_splits, min_split_len,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_G=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DIRECT_OUT=num_splits == 1, MERGE_IN_KERNEL=merge_in_kernel, BLOCK_GM=block_gm,
@@ -338,7 +370,7 @@ def paged_decode_attention_splits(
     )
     if num_splits > 1 and not merge_in_kernel:
         _decode_reduce_kernel[(batch * num_q_heads,)](
-            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), num_q_heads, num_splits,
+            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), num_q_heads, num_splits, min_split_len,
             HEAD_DIM=head_dim, BLOCK_S=min(_REDUCE_BLOCK_S, triton.next_power_of_2(num_splits)),
             BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
         )
@@ -355,8 +387,9 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     num_sms = _num_sms(query.device) if query.is_cuda else 4  # interpreter on CPU: pretend 4 SMs
-    cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2], num_sms)
+    cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2], num_sms,
+                        query.element_size())
     return paged_decode_attention_splits(
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
-        block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,
     )

@@ -33,9 +33,9 @@ def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, num_blocks=None, max_se
     else:
         from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
 
-        block_n, num_warps, num_stages = tile or (None, 4, 2)
+        block_n, num_warps, num_stages, *min_split_len = tile or (None, 4, 2)  # or a DecodeConfig's tail
         out = paged_decode_attention_splits(*args, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
-                                            num_stages=num_stages)
+                                            num_stages=num_stages, min_split_len=min_split_len[0] if min_split_len else 0)
     ref = decode_oracle(query, kv, max_seq_len)
     assert out.dtype == dtype
     assert_close(out, ref, *TOL[dtype], what=f"decode lens={seq_lens}")
@@ -159,6 +159,33 @@ def test_decode_split_counters_left_zero(device, gen):
         assert not _split_counters(torch.device(device), 1).any()
 
 
+@pytest.mark.parametrize("merge_in_kernel", [True, False])
+def test_decode_min_split_len(device, gen, merge_in_kernel):
+    # with a 256-key floor on the split length: 600 keys use 3 of the 8 splits, 100 and 256 one (written
+    # straight to out, no merge), 2000 all 8 (250 rounded up to 256), 0 none
+    from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
+
+    lens = [600, 100, 256, 1, 0, 2000]
+    kv = PagedKV(lens, 240, 16, 2, 32, torch.float16, device, gen)
+    query = torch.randn(len(lens), 4, 32, device=device).half()
+    out = paged_decode_attention_splits(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                        2048, 32**-0.5, num_splits=8, block_n=64, merge_in_kernel=merge_in_kernel,
+                                        min_split_len=256)
+    assert_close(out, decode_oracle(query, kv, 2048), *TOL[torch.float16])
+
+
+def test_decode_table_tiles():
+    from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
+
+    small = choose_config(4096, 1, 8, 128, num_sms=132)
+    assert small[1:4] == TILE_CONFIGS[1] and small.min_split_len == 0  # few programs: split down to one tile
+    busy = choose_config(4096, 32, 8, 128, num_sms=132)
+    assert busy.num_splits == 2 and busy.min_split_len >= 512  # long requests split, short ones do not
+    assert choose_config(4096, 256, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[3]  # many programs: small tile
+    assert choose_config(4096, 8, 8, 128, num_sms=132, element_size=4)[1:4] == TILE_CONFIGS[0]  # fp32
+    assert choose_config(4096, 8, 8, 256, num_sms=132)[1:4] == TILE_CONFIGS[2]  # head_dim 256
+
+
 def test_split_count_is_host_only():
     from fastllm.kernels.paged_decode_attention import choose_num_splits
 
@@ -206,6 +233,15 @@ def test_decode_gpu_table_choice(device, gen, max_seq_len, batch):
     lens[0] = max_seq_len
     _run(device, gen, torch.bfloat16, lens, 32, 8, 128, 16, num_blocks=sum(-(-n // 16) for n in lens) + 8,
          max_seq_len=max_seq_len)
+
+
+@gpu
+@pytest.mark.parametrize("batch", [8, 32, 128, 256])
+def test_decode_gpu_short_requests_loose_bound(device, gen, batch):
+    # the engine's decode graphs: captured with max_model_len as the bound, replayed on short requests
+    lens = torch.randint(1, 513, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    _run(device, gen, torch.bfloat16, lens, 32, 8, 128, 16, num_blocks=sum(-(-n // 16) for n in lens) + 8,
+         max_seq_len=4096)
 
 
 @gpu
