@@ -48,6 +48,8 @@ _MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, part
 # the extra parallelism gains: B1 x 32768 on an H100 took 0.085-0.12 ms at 256 splits, 0.067 at 24-64.
 _MAX_SPLITS = 64
 _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM (H100, CUDA-graph timings: 24-64 splits at B1, 8 at B8)
+# 128-key tiles do twice the work per step: 2 programs per SM (B1 x 32768: 33 splits 0.0662 ms, 50 splits 0.0737)
+_WAVES_LARGE_TILE = 2
 _REDUCE_BLOCK_S = 32
 
 # (block_n, num_warps, num_stages) that choose_config picks from (and tune.py times): 64 for fp32 (shared memory),
@@ -272,13 +274,13 @@ def legacy_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     return DecodeConfig(splits, 32 if head_dim > 128 else 64, 4, 2)
 
 
-def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits so that B x Hkv x splits is ~_WAVES programs per SM, each split >= _MIN_SPLIT_TOKENS tokens.
+def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: int, waves: int = _WAVES) -> int:
+    """Splits so that B x Hkv x splits is ~`waves` programs per SM, each split >= _MIN_SPLIT_TOKENS tokens.
 
     Only host-side ints: the same arguments give the same launch (CUDA-graph safe).
     """
     base = max(1, batch * num_kv_heads)
-    want = triton.cdiv(_WAVES * num_sms, base)
+    want = triton.cdiv(waves * num_sms, base)
     cap = max(1, min(_MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
     return max(1, min(want, cap))
 
@@ -293,7 +295,6 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     it, and min_split_len keeps short requests from being cut into one-tile splits once B x Hkv alone
     covers the SMs: at B32, one 330-token split took 28.4 us, two took 30.8.
     """
-    splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
     programs = batch * num_kv_heads
     if head_dim * element_size > 256:  # fp32 or head_dim > 128: the tiles that fit shared memory
         tile = TILE_CONFIGS[2] if head_dim > 128 else TILE_CONFIGS[0]
@@ -301,6 +302,8 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
         tile = TILE_CONFIGS[3]
     else:
         tile = TILE_CONFIGS[1]
+    waves = _WAVES_LARGE_TILE if tile[0] >= 128 else _WAVES
+    splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms, waves)
     min_split_len = _MIN_BUSY_SPLIT_TOKENS if programs >= num_sms else 0
     return DecodeConfig(splits, *tile, min_split_len)
 
