@@ -48,12 +48,13 @@ _MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, part
 # the extra parallelism gains: B1 x 32768 on an H100 took 0.085-0.12 ms at 256 splits, 0.067 at 24-64.
 _MAX_SPLITS = 64
 _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM (H100, CUDA-graph timings: 24-64 splits at B1, 8 at B8)
-# 128-key tiles do twice the work per step: 2 programs per SM (B1 x 32768: 33 splits 0.0662 ms, 50 splits 0.0737)
-_WAVES_LARGE_TILE = 2
 _REDUCE_BLOCK_S = 32
 
-# (block_n, num_warps, num_stages) that choose_config picks from (and tune.py times): 64 for fp32 (shared memory),
-# 128 for 16-bit head_dim <= 128, 32 for head_dim > 128, 32 with 2 warps for large batches.
+# (block_n, num_warps, num_stages) that tune.py times; choose_config picks 64 for head_dim <= 128, 32 above, and
+# 32 with 2 warps for large batches. (128, 4, 3) was faster at small batches (B1 x 32768: 0.0660 ms against
+# 0.0693 with 33 splits instead of 50; B32 x 330 in one split: 0.0287 against 0.0320) but flipped a greedy
+# token at a 0.12-nat margin in the tiny bf16 Llama-3.1 engine test; it is left out until its rounding is
+# compared with the 64-key tile's.
 TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (32, 2, 2)]
 _MANY_PROGRAMS_PER_SM = 8  # B x Hkv beyond this many per SM: the small tile (TILE_CONFIGS[3])
 _MIN_BUSY_SPLIT_TOKENS = 512  # min_split_len once B x Hkv >= the SM count
@@ -274,13 +275,13 @@ def legacy_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     return DecodeConfig(splits, 32 if head_dim > 128 else 64, 4, 2)
 
 
-def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: int, waves: int = _WAVES) -> int:
-    """Splits so that B x Hkv x splits is ~`waves` programs per SM, each split >= _MIN_SPLIT_TOKENS tokens.
+def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits so that B x Hkv x splits is ~_WAVES programs per SM, each split >= _MIN_SPLIT_TOKENS tokens.
 
     Only host-side ints: the same arguments give the same launch (CUDA-graph safe).
     """
     base = max(1, batch * num_kv_heads)
-    want = triton.cdiv(waves * num_sms, base)
+    want = triton.cdiv(_WAVES * num_sms, base)
     cap = max(1, min(_MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
     return max(1, min(want, cap))
 
@@ -289,21 +290,21 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
                   element_size: int = 2) -> DecodeConfig:
     """Split count, tile and minimum split length for one launch; host-side ints only (CUDA-graph safe).
 
-    On an H100 (tune.py, bf16, D 128, GQA 4, CUDA-graph timings): 128-key tiles were fastest from B1 to B64
-    at contexts 200 to 32768; 32-key tiles with 2 warps won by 5% at B256 (2048+ programs, short contexts).
+    On an H100 (tune.py, bf16, D 128, GQA 4, CUDA-graph timings) 32-key tiles with 2 warps beat the 64-key
+    tile by 5% at B256 (2048+ programs) for contexts of 200 to 512.
     max_seq_len is only a bound (a graph is captured at max_model_len), so the split count is sized for
     it, and min_split_len keeps short requests from being cut into one-tile splits once B x Hkv alone
-    covers the SMs: at B32, one 330-token split took 28.4 us, two took 30.8.
+    covers the SMs (with 64-key tiles B32 x 330 took 31.8 us in one split, 31.0 in two; at B32 x 200 both
+    23.6; with 128-key tiles one split won, 28.4 against 30.8).
     """
     programs = batch * num_kv_heads
-    if head_dim * element_size > 256:  # fp32 or head_dim > 128: the tiles that fit shared memory
-        tile = TILE_CONFIGS[2] if head_dim > 128 else TILE_CONFIGS[0]
-    elif programs >= _MANY_PROGRAMS_PER_SM * num_sms:
+    if head_dim > 128:
+        tile = TILE_CONFIGS[2]
+    elif programs >= _MANY_PROGRAMS_PER_SM * num_sms and element_size <= 2:
         tile = TILE_CONFIGS[3]
     else:
-        tile = TILE_CONFIGS[1]
-    waves = _WAVES_LARGE_TILE if tile[0] >= 128 else _WAVES
-    splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms, waves)
+        tile = TILE_CONFIGS[0]
+    splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
     min_split_len = _MIN_BUSY_SPLIT_TOKENS if programs >= num_sms else 0
     return DecodeConfig(splits, *tile, min_split_len)
 

@@ -179,7 +179,7 @@ def test_decode_table_tiles():
     from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
 
     small = choose_config(4096, 1, 8, 128, num_sms=132)
-    assert small[1:4] == TILE_CONFIGS[1] and small.min_split_len == 0  # few programs: split down to one tile
+    assert small[1:4] == TILE_CONFIGS[0] and small.min_split_len == 0  # few programs: split down to one tile
     busy = choose_config(4096, 32, 8, 128, num_sms=132)
     assert busy.num_splits == 2 and busy.min_split_len >= 512  # long requests split, short ones do not
     assert choose_config(4096, 256, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[3]  # many programs: small tile
