@@ -84,9 +84,16 @@ _counters: dict[torch.device, list[torch.Tensor]] = {}  # device -> split counte
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     """n int32 zeros that the kernel leaves zeroed again. A larger request adds a buffer and keeps the old
-    ones: a captured CUDA graph holds the address it was captured with."""
+    ones: a captured CUDA graph holds the address it was captured with.
+
+    One buffer serves every launch on the device, so launches must not overlap: one stream per device (the
+    engine's). Launches split only while B x Hkv < 3 programs per SM, so 4096 counters cover any GPU."""
     buffers = _counters.setdefault(device, [])
     if not buffers or buffers[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a zero fill recorded into a graph would not have run before the first replay's atomics
+            raise RuntimeError("decode attention's split counters must be allocated before CUDA-graph "
+                               "capture: run the launch once outside the capture first")
         buffers.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
     return buffers[-1]
 

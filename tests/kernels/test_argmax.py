@@ -49,10 +49,25 @@ def test_argmax_strided_rows_and_out(device, gen):
     assert (out[3:] == -7).all(), "wrote past its rows"
 
 
+def test_argmax_ties_within_a_lane(device):
+    """One chunk per row (parts = 1 at this batch), maxima a whole BLOCK apart: the same lane sees them in
+    consecutive steps and must keep the first. Others sit on chunk-step edges (first and last column)."""
+    batch, n = 17, 3 * _BLOCK
+    x = torch.randn(batch, n, device=device)
+    top = x.max() + 1
+    x[0, [5, 5 + _BLOCK, 5 + 2 * _BLOCK]] = top  # lane 5, three steps
+    x[1, [_BLOCK - 1, 2 * _BLOCK - 1]] = top  # the last lane of two steps
+    x[2, [0, n - 1]] = top  # the first and the last column
+    x[3, n - 1] = top  # only the last column
+    got = triton_impl("argmax")(x)
+    assert got[:4].tolist() == [5, _BLOCK - 1, 0, n - 1]
+    assert torch.equal(got.cpu(), x.cpu().argmax(-1))
+
+
 def test_argmax_special_values(device):
     n = 2 * _BLOCK + 100
     x = torch.full((4, n), float("-inf"), device=device)  # row 0: all -inf -> column 0, as torch
-    x[1, 1500] = float("nan")  # row 1: a NaN is the maximum
+    x[1, 1500] = float("nan")  # row 1: a NaN is the maximum (counted as +inf: torch ranks it above +inf)
     x[2, 300], x[2, 1800] = float("inf"), float("inf")  # row 2: the first +inf
     x[3, n - 1] = -1e30  # row 3: the only finite value, in the last chunk
     assert triton_impl("argmax")(x).tolist() == [0, 1500, 300, n - 1]

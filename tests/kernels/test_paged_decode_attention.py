@@ -175,6 +175,33 @@ def test_decode_min_split_len(device, gen, merge_in_kernel):
     assert_close(out, decode_oracle(query, kv, 2048), *TOL[torch.float16])
 
 
+def test_decode_min_split_len_splits_used(device, gen, monkeypatch):
+    # which splits hold keys, read off the partial-lse buffer (NaN-filled here, so unwritten rows show):
+    # 600 keys -> 256-key splits 0-2, 2000 -> all 8 (250 rounded up to 256); 100, 256 and 1 fit one split
+    # and are written straight to out, 0 has no keys
+    from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
+
+    lens = [600, 100, 256, 1, 0, 2000]
+    kv = PagedKV(lens, 240, 16, 2, 32, torch.float16, device, gen)
+    query = torch.randn(len(lens), 4, 32, device=device).half()
+    made, real_empty = [], torch.empty
+
+    def nan_empty(*shape, **kwargs):
+        t = real_empty(*shape, **kwargs)
+        if t.dtype == torch.float32 and t.dim() == 3:  # part_lse [B, Hq, splits]
+            made.append(t.fill_(float("nan")))
+        return t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = paged_decode_attention_splits(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                        2048, 32**-0.5, num_splits=8, block_n=64, min_split_len=256)
+    monkeypatch.undo()
+    [part_lse] = made
+    used = (~torch.isnan(part_lse[:, 0])).sum(-1).tolist()  # splits written, per request (head 0)
+    assert used == [3, 0, 0, 0, 0, 8], used
+    assert_close(out, decode_oracle(query, kv, 2048), *TOL[torch.float16])
+
+
 def test_decode_table_tiles():
     from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
 
@@ -248,7 +275,9 @@ def test_decode_gpu_short_requests_loose_bound(device, gen, batch):
 @gpu
 def test_decode_gpu_merge_under_graph_replay(device, gen):
     # many replays of one captured launch with fresh queries: a merge that read a partial before its
-    # writer finished, or a counter left non-zero, would show as a wrong row in some replay
+    # writer finished, or a counter left non-zero, would show as a wrong row in some replay. (The CPU
+    # tests cannot see the first: the interpreter runs the programs in order, so the last to count
+    # always finds every partial written.)
     kv = PagedKV([int(x) for x in torch.randint(1, 2049, (64,), generator=gen)], 9000, 16, 8, 128,
                  torch.bfloat16, device, gen)
     query = torch.randn(64, 32, 128, device=device, dtype=torch.bfloat16)

@@ -28,7 +28,10 @@ def _check(device, gen, dtype, num_tokens, hq, hkv, d, page, is_neox, return_key
     before = qkv.clone()
     positions = torch.randint(0, max_pos, (total,), generator=gen).to(device)
     positions[0] = max_pos - 1
-    slots = torch.randperm(num_blocks * page, generator=gen)[:num_tokens]
+    # distinct slots, always including the cache's first (a kernel testing slot > 0 would skip it) and last
+    last = num_blocks * page - 1
+    middle = torch.randperm(last - 1, generator=gen)[:max(0, num_tokens - 2)] + 1
+    slots = torch.cat([torch.tensor([0, last])[:num_tokens], middle])
     slot_mapping = torch.cat([slots, torch.full((num_padding,), -1)])[torch.randperm(total, generator=gen)]
     slot_mapping = slot_mapping.to(device=device, dtype=torch.int32 if num_tokens % 2 else torch.int64)
     cos_sin = _cos_sin_cache(max_pos, d, device)
