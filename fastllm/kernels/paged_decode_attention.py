@@ -13,9 +13,10 @@ The merge runs in the same launch: each split, once its partials are stored, cou
 per-(request, KV head) counter (an acq_rel atomic after a block barrier), and the one that counts last
 merges the group's splits and zeroes the counter for the next launch. A second kernel for the merge cost
 ~2.3 us of launch-bound time per layer at small batches on an H100 (merge_in_kernel=False keeps that
-layout for comparison: pass 2, grid B x Hq). Splits past the end of a request's sequence (start >= seq_len)
-return at once and neither count nor write: the merge recomputes from seq_len how many splits hold keys, so
-a loose max_seq_len bound costs only empty programs. With one split the kernel writes `out` directly.
+layout for comparison: the same merge in a second launch, grid B x Hkv). Splits past the end of a
+request's sequence (start >= seq_len) return at once and neither count nor write: the merge recomputes
+from seq_len how many splits hold keys, so a loose max_seq_len bound costs only empty programs. With one
+split the kernel writes `out` directly.
 
 Launch config (split count, BLOCK_N, warps, stages, minimum split length) comes from a host-side table
 (`choose_config`) that depends only on max_seq_len (a host-side bound), batch, Hkv, head_dim, dtype and the
@@ -48,7 +49,6 @@ _MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, part
 # the extra parallelism gains: B1 x 32768 on an H100 took 0.085-0.12 ms at 256 splits, 0.067 at 24-64.
 _MAX_SPLITS = 64
 _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM (H100, CUDA-graph timings: 24-64 splits at B1, 8 at B8)
-_REDUCE_BLOCK_S = 32
 
 # (block_n, num_warps, num_stages) that tune.py times; choose_config picks 64 for head_dim <= 128, 32 above, and
 # 32 with 2 warps for large batches. (128, 4, 3) was faster at small batches (B1 x 32768: 0.0660 ms against
@@ -233,36 +233,21 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row, n
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, stride_ob, stride_oh, num_heads, num_splits, min_split_len,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, stride_ob, stride_oh, num_splits, min_split_len,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # b * Hq + h
-    b = row // num_heads
-    h = row % num_heads
+    """Pass 2 of the two-kernel layout: the same merge as the in-kernel one, one program per (b, KV head)."""
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    # the same split sizes as pass 1: splits 0 .. n_active - 1 hold keys (none when seq_len is 0)
+    # the same split sizes as pass 1: splits 0 .. n_active - 1 hold keys (none when seq_len is 0: out = 0)
     n_active = tl.cdiv(seq_len, _split_len(seq_len, num_splits, min_split_len, BLOCK_N))
     if n_active == 1:
         return  # pass 1 wrote out
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    m = tl.full([1], float("-inf"), tl.float32)
-    den = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, n_active, BLOCK_S):  # online merge, BLOCK_S splits at a time
-        s = s0 + tl.arange(0, BLOCK_S)
-        s_ok = s < n_active
-        lse = tl.load(part_lse_ptr + row * num_splits + s, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
-        m_new = tl.maximum(m, tl.max(lse, axis=0))  # finite: split s0 holds keys
-        w = tl.exp2(lse - m_new)
-        o = tl.load(part_o_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :],
-                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-        alpha = tl.exp2(m - m_new)
-        den = den * alpha + tl.sum(w, axis=0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
-        m = m_new
-    out = acc / tl.where(den > 0.0, den, 1.0)  # no active split (seq_len 0): out = 0
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    _merge_splits(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
+                  (b * tl.num_programs(1) * GROUP + kv_head * GROUP) * num_splits, num_splits,
+                  n_active, kv_head * GROUP, GROUP, HEAD_DIM, BLOCK_GM, BLOCK_S, BLOCK_D)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -364,6 +349,7 @@ def paged_decode_attention_splits(
         part_o = part_lse = out  # unused
     counters = _split_counters(query.device, batch * num_kv_heads) if merge_in_kernel else seq_lens  # unused
     block_gm = triton.next_power_of_2(group)
+    block_s = max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS // (block_gm * block_d)))  # the merge's tile
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_o, part_lse, block_tables, seq_lens, counters,
         scale * _LOG2E,
@@ -373,17 +359,16 @@ def paged_decode_attention_splits(
         num_splits, min_split_len,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_G=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DIRECT_OUT=num_splits == 1, MERGE_IN_KERNEL=merge_in_kernel, BLOCK_GM=block_gm,
-        BLOCK_S=max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS // (block_gm * block_d))),
+        DIRECT_OUT=num_splits == 1, MERGE_IN_KERNEL=merge_in_kernel, BLOCK_GM=block_gm, BLOCK_S=block_s,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not merge_in_kernel:
-        _decode_reduce_kernel[(batch * num_q_heads,)](
-            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), num_q_heads, num_splits, min_split_len,
-            HEAD_DIM=head_dim, BLOCK_S=min(_REDUCE_BLOCK_S, triton.next_power_of_2(num_splits)),
-            BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4,
+        _decode_reduce_kernel[(batch, num_kv_heads)](
+            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), num_splits, min_split_len,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_GM=block_gm, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_N=block_n,
+            num_warps=4,
         )
     return out
 
