@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import functools
 
-import torch
-from kbench import DEVICE, DTYPE, HEAD_DIM, HKV, HQ, compiled, entry_points, row, time_ms, try_row
+from kbench import compiled, entry_points, fused_qkv, rotary_inputs, row, time_ms, try_row
 
 KERNEL = "rotary_embedding"
 CASES = {"T8192": 8192, "T64": 64}
@@ -23,11 +22,8 @@ def measure(case: str):
     from fastllm.kernels.rotary import bytes_moved
 
     num_tokens = CASES[case]
-    qkv = torch.randn(num_tokens, (HQ + 2 * HKV) * HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    query = qkv[:, : HQ * HEAD_DIM].view(num_tokens, HQ, HEAD_DIM)
-    key = qkv[:, HQ * HEAD_DIM : (HQ + HKV) * HEAD_DIM].view(num_tokens, HKV, HEAD_DIM)
-    positions = torch.randint(0, MAX_POS, (num_tokens,), device=DEVICE)
-    cos_sin = torch.randn(MAX_POS, HEAD_DIM, device=DEVICE, dtype=torch.float32)
+    query, key, _ = fused_qkv(num_tokens)
+    positions, cos_sin = rotary_inputs(num_tokens, MAX_POS)
     args = (positions, query, key, cos_sin, True)
     nbytes = bytes_moved(query, key, positions)
     ours = functools.partial(triton_impl("rotary_embedding"), *args)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from kbench import DEVICE, DTYPE, HEAD_DIM, HKV, HQ, compiled, entry_points, row, time_ms, try_row
+from kbench import DEVICE, DTYPE, HEAD_DIM, HKV, compiled, entry_points, fused_qkv, rotary_inputs, row, time_ms, try_row
 
 KERNEL = "rotary_kv_cache_write"
 CASES = {"T8192": 8192, "T256": 256, "T1": 1}
@@ -25,12 +25,8 @@ def measure(case: str):
     from fastllm.kernels.rotary_kv_cache_write import bytes_moved
 
     num_tokens = CASES[case]
-    qkv = torch.randn(num_tokens, (HQ + 2 * HKV) * HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    query = qkv[:, : HQ * HEAD_DIM].view(num_tokens, HQ, HEAD_DIM)
-    key = qkv[:, HQ * HEAD_DIM: (HQ + HKV) * HEAD_DIM].view(num_tokens, HKV, HEAD_DIM)
-    value = qkv[:, (HQ + HKV) * HEAD_DIM:].view(num_tokens, HKV, HEAD_DIM)
-    positions = torch.randint(0, MAX_POS, (num_tokens,), device=DEVICE)
-    cos_sin = torch.randn(MAX_POS, HEAD_DIM, device=DEVICE, dtype=torch.float32)
+    query, key, value = fused_qkv(num_tokens)
+    positions, cos_sin = rotary_inputs(num_tokens, MAX_POS)
     num_blocks = -(-num_tokens // PAGE) + 1
     key_cache = torch.zeros(num_blocks, PAGE, HKV, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     value_cache = torch.zeros_like(key_cache)

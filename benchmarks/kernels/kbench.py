@@ -35,6 +35,20 @@ def paged_kv(batch: int, seq: int, page: int = 16, device=None, dtype=None, num_
     return key_cache, value_cache, block_tables
 
 
+def fused_qkv(num_tokens: int, num_q_heads: int = HQ, num_kv_heads: int = HKV, head_dim: int = HEAD_DIM,
+              device=None, dtype=None):
+    """Random q [T, Hq, D], k and v [T, Hkv, D] as the model has them: views of one qkv projection output."""
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, device=device or DEVICE,
+                      dtype=dtype or DTYPE)
+    return qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+
+
+def rotary_inputs(num_tokens: int, max_pos: int, head_dim: int = HEAD_DIM):
+    """Random positions [T] below max_pos and a random float32 cos/sin table [max_pos, D]."""
+    positions = torch.randint(0, max_pos, (num_tokens,), device=DEVICE)
+    return positions, torch.randn(max_pos, head_dim, device=DEVICE, dtype=torch.float32)
+
+
 def prefill_problem(batch: int, new: int, prefix: int = 0, page: int = 16, device=None, dtype=None,
                     num_q_heads: int = HQ, num_kv_heads: int = HKV, head_dim: int = HEAD_DIM):
     """`batch` requests of `prefix` cached tokens plus `new` tokens computed this step, laid out as the model
@@ -44,8 +58,7 @@ def prefill_problem(batch: int, new: int, prefix: int = 0, page: int = 16, devic
     device, dtype = device or DEVICE, dtype or DTYPE
     seq = prefix + new
     key_cache, value_cache, block_tables = paged_kv(batch, seq, page, device, dtype, num_kv_heads, head_dim)
-    qkv = torch.randn(batch * new, num_q_heads + 2 * num_kv_heads, head_dim, device=device, dtype=dtype)
-    query, key, value = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    query, key, value = fused_qkv(batch * new, num_q_heads, num_kv_heads, head_dim, device, dtype)
     pos = torch.arange(prefix, seq, device=device)
     slots = (block_tables[:, pos // page].long() * page + pos % page).reshape(-1)  # [batch * new]
     key_cache.view(-1, num_kv_heads, head_dim)[slots] = key
