@@ -119,8 +119,10 @@ class KVCacheManager:
         """Register the blocks that are full once num_tokens are computed."""
         if not self.enable_caching:
             return
-        num_full = min(num_tokens, request.num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
         start = self.num_registered[request.request_id]
+        if num_tokens < (start + 1) * self.block_size:
+            return  # no block became full (most decode steps)
+        num_full = min(num_tokens, request.num_tokens, len(request.block_hashes) * self.block_size) // self.block_size
         # Each block is registered under the block that lookup finds before it (which may be an
         # equal block cached earlier, not the request's own copy), so the chain stays reachable.
         parent = self.chain_tail.get(request.request_id)

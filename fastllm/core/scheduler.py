@@ -57,6 +57,7 @@ class Scheduler:
     # requests in and out
 
     def add_request(self, request: Request) -> None:
+        request.max_total_tokens = min(request.max_total_tokens, self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -92,7 +93,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
-        known_blocks = {r.request_id: len(self.kv.req_blocks.get(r.request_id, ())) for r in self.running}
+        known_blocks: dict[str, int] = {}  # blocks the runner already has, for requests scheduled in 1.
         preempted = False
 
         # 1. Running requests: their next chunk or token.
@@ -103,6 +104,7 @@ class Scheduler:
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
             num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            known_blocks[request.request_id] = len(self.kv.req_blocks.get(request.request_id, ()))
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 swap_out += self._preempt(victim)
@@ -157,31 +159,34 @@ class Scheduler:
 
         # Build the records, then advance num_computed_tokens (the runner gets the old values).
         rewritten = self.kv.take_rewritten()
+        req_blocks = self.kv.req_blocks
+        step_requests: dict[str, Request] = {}
         for request in self.running:
             req_id = request.request_id
-            if req_id not in scheduled:
+            num_new = scheduled.get(req_id)
+            if num_new is None:
                 continue
-            blocks = self.kv.req_blocks[req_id]
+            step_requests[req_id] = request
+            blocks = req_blocks[req_id]
+            known = known_blocks.get(req_id, -1)
             if req_id not in self._runner_knows:
                 self._runner_knows.add(req_id)
                 new_reqs.append(NewRequestData(req_id, request.prompt_token_ids, request.sampling_params,
                                                [b.block_id for b in blocks], request.num_computed_tokens,
                                                request.output_token_ids))
-            elif known_blocks.get(req_id, -1) < 0 or req_id in rewritten:
+            elif known < 0 or req_id in rewritten:
                 cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens, [],
                                                      [b.block_id for b in blocks]))
             else:  # the usual case: only the blocks added this step (none for most decodes)
                 cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens,
-                                                     [b.block_id for b in blocks[known_blocks[req_id]:]]))
-        for request in self.running:
-            num_new = scheduled.get(request.request_id, 0)
+                                                     [b.block_id for b in blocks[known:]] if len(blocks) > known else []))
             request.num_computed_tokens += num_new
             if num_new and request.num_computed_tokens == request.num_tokens_with_pending:
                 request.num_pending_tokens += 1  # caught up: this step samples its next token
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
         self._step_id += 1
-        self._scheduled_requests[self._step_id] = {r: self.requests[r] for r in scheduled}
+        self._scheduled_requests[self._step_id] = step_requests
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -268,24 +273,22 @@ class Scheduler:
             updated.append(request)
         return updated
 
-    def _ends_with_pending_token(self, request: Request) -> bool:
+    @staticmethod
+    def _ends_with_pending_token(request: Request) -> bool:
         """Whether the request stops by length once its in-flight token lands (so scheduling it
         again would compute a token nobody reads)."""
-        return request.num_pending_tokens > 0 and self._reaches_length(request, request.num_pending_tokens)
+        return request.num_pending_tokens > 0 and request.num_tokens_with_pending >= request.max_total_tokens
 
-    def _reaches_length(self, request: Request, num_more: int = 0) -> bool:
-        """Whether max_tokens or max_model_len is reached once num_more further tokens are appended."""
-        return (request.num_output_tokens + num_more >= request.max_tokens
-                or request.num_tokens + num_more >= self.max_model_len)
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+    @staticmethod
+    def _check_stop(request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
+        num_tokens = len(request.all_token_ids)
+        if num_tokens - request.num_prompt_tokens >= params.min_tokens:
             if token == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if self._reaches_length(request):
+        if num_tokens >= request.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -20,7 +20,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
     """The per-step difference for a request the runner already holds."""
 

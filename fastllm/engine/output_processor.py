@@ -32,17 +32,20 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.output.finish_reason is not None for s in self.samples.values())
+        for sample in self.samples.values():
+            if sample.output.finish_reason is None:
+                return False
+        return True
 
-    def to_output(self) -> RequestOutput:
-        samples = sorted(self.samples.values(), key=lambda s: s.index)
+    def to_output(self, finished: bool) -> RequestOutput:
+        samples = self.samples.values()  # in index order: add_group inserts them so
         if self.output_kind == RequestOutputKind.DELTA:
             outputs = [_delta(s) for s in samples]
-        elif self.output_kind == RequestOutputKind.FINAL_ONLY and self.finished:
+        elif self.output_kind == RequestOutputKind.FINAL_ONLY and finished:
             outputs = [s.output for s in samples]  # the group is dropped: nothing mutates them again
         else:
             outputs = [_copy(s.output) for s in samples]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, self.finished)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished)
 
 
 def _copy(o: CompletionOutput) -> CompletionOutput:
@@ -111,7 +114,7 @@ class OutputProcessor:
         for group in touched.values():
             finished = group.finished
             if group.output_kind != RequestOutputKind.FINAL_ONLY or finished:
-                outputs.append(group.to_output())
+                outputs.append(group.to_output(finished))
             if finished:
                 self._drop(group)
         return outputs, stopped
@@ -124,7 +127,7 @@ class OutputProcessor:
             if sample.output.finish_reason is None:
                 sample.output.finish_reason = "abort"
         self._drop(group)
-        return group.to_output()
+        return group.to_output(True)
 
     def _drop(self, group: RequestGroup) -> None:
         self.groups.pop(group.request_id, None)

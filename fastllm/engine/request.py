@@ -47,9 +47,12 @@ class Request:
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.max_tokens = max_tokens
+        # The length at which it stops: max_tokens, or max_model_len (the scheduler lowers it to that).
+        self.max_total_tokens = self.num_prompt_tokens + max_tokens
         self.arrival_time = time.monotonic()
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
@@ -66,10 +69,6 @@ class Request:
         self._hash_fn = hash_fn
         self.block_hashes: list[BlockHash] = []
         self._update_hashes()
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +92,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
-        self._update_hashes()
+        if self._hash_fn is not None and len(self.all_token_ids) % self._block_size == 0:
+            self._update_hashes()  # a block just became full
 
     def _update_hashes(self) -> None:
         if self._hash_fn is not None:

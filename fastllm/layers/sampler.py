@@ -50,6 +50,12 @@ class SamplingMetadata:
         return self.all_greedy and self.max_num_logprobs is None and not (self.penalty_rows or self.banned)
 
     @classmethod
+    def argmax_rows(cls) -> "SamplingMetadata":
+        """For a batch whose every row's params are argmax_only (the common benchmark case)."""
+        return cls(temperature=None, greedy=None, top_k=None, top_p=None, min_p=None, all_greedy=True,
+                   generators={}, penalty_rows=[], banned=[], max_num_logprobs=None)
+
+    @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingMetadata":
         params = [r.params for r in rows]
         greedy = [p.greedy for p in params]

@@ -86,7 +86,8 @@ def build_step_inputs(
     static buffers, padded to its replay size."""
     num_reqs = len(states)
     counts = np.asarray(num_scheduled, dtype=np.int64)
-    starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+    start_list = [s.num_computed_tokens for s in states]
+    starts = np.asarray(start_list, dtype=np.int64)
     ends = starts + counts
     max_blocks = max(len(s.block_ids) for s in states)
     # A graph's replay size of rows: the padding rows stay 0, the null block.
@@ -95,16 +96,20 @@ def build_step_inputs(
     input_ids: list[int] = []
     from_device: list[tuple[int, int]] = []  # (flat input row, row of in_flight.sampled)
     sample_rows, sample_states = [], []
-    for i, state in enumerate(states):
-        start, end = int(starts[i]), int(ends[i])
-        known_end = min(end, state.num_tokens)
-        input_ids.extend(state.token_slice(start, known_end))
-        if end > known_end:  # the newest token is still on the device
-            assert end == known_end + 1 and in_flight is not None, "only the last step's token may be unknown"
+    for i, (state, start, count) in enumerate(zip(states, start_list, num_scheduled)):
+        end = start + count
+        num_tokens = state.num_tokens
+        if end <= num_tokens:
+            input_ids.extend(state.token_slice(start, end))
+        else:  # the newest token is still on the device
+            assert end == num_tokens + 1 and in_flight is not None, "only the last step's token may be unknown"
+            if start < num_tokens:
+                input_ids.extend(state.token_slice(start, num_tokens))
             from_device.append((len(input_ids), in_flight.rows[state.req_id]))
             input_ids.append(0)
-        block_tables[i, :len(state.block_ids)] = state.block_table[:len(state.block_ids)]
-        if end == state.num_tokens + state.num_pending:  # caught up: the last row's logits give the next token
+        num_blocks = len(state.block_ids)
+        block_tables[i, :num_blocks] = state.block_table[:num_blocks]
+        if end == num_tokens + state.num_pending:  # caught up: the last row's logits give the next token
             sample_rows.append(i)
             sample_states.append(state)
 
@@ -145,6 +150,8 @@ def build_step_inputs(
 
 
 def _sampling_metadata(sample_states, vocab_size, eos_token_id, device) -> SamplingMetadata | None:
+    if sample_states and all(s.sampling_params.argmax_only for s in sample_states):
+        return SamplingMetadata.argmax_rows()  # no per-row records to build
     rows = [SamplingRow(s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids, eos_token_id,
                         s.num_pending) for s in sample_states]
     return SamplingMetadata.build(rows, vocab_size, device) if rows else None

@@ -133,3 +133,20 @@ def test_min_tokens_and_stop_token_ids():
     late = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, min_tokens=first + 2,
                                                     stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
     assert len(late.token_ids) >= first + 2 and stop_at not in late.token_ids[:first + 2]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0), SamplingParams(temperature=0, ignore_eos=True, stop_token_ids=[3]),
+    SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=0),
+    SamplingParams(temperature=0, min_tokens=2), SamplingParams(temperature=0, repetition_penalty=1.1),
+    SamplingParams(temperature=0, presence_penalty=0.5), SamplingParams(temperature=0, frequency_penalty=-0.5),
+])
+def test_argmax_only_params_take_the_shortcut_build_would(params):
+    """The runner skips SamplingMetadata.build when every row's params are argmax_only; that must be
+    exactly when build itself would find the batch argmax-only, and give the same metadata."""
+    from fastllm.layers.sampler import SamplingMetadata, SamplingRow
+
+    built = SamplingMetadata.build([SamplingRow(params, None, [1, 2], [], 2)] * 3, 32, torch.device("cpu"))
+    assert params.argmax_only == built.argmax_only
+    if params.argmax_only:
+        assert SamplingMetadata.argmax_rows() == built
