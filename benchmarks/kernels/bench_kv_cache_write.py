@@ -1,5 +1,9 @@
 """KV-cache write at Llama-3-8B shapes (8 kv heads, dim 128, bf16, block size 16, 4096 blocks).
 
+Two slot layouts: every token to a random slot (T8192, the worst case: each 2 KiB row lands alone),
+and what a prefill step writes (T8192_blocks: the tokens fill whole blocks, taken in random order
+from the pool, so each block is one contiguous 32 KiB run of K and of V).
+
 Baselines: the reference (boolean-mask index_put) and index_copy_ of the valid rows into the flat
 cache view, the fastest torch built-in for a scatter. Metric: achieved GB/s (bytes_moved: K/V read
 once and written once, plus the slot mapping) vs the copy bandwidth.
@@ -15,7 +19,7 @@ import torch
 from kbench import DEVICE, DTYPE, HEAD_DIM, HKV, entry_points, row, time_ms, try_row
 
 KERNEL = "kv_cache_write"
-CASES = {"T8192": 8192, "T64": 64}
+CASES = {"T8192": 8192, "T8192_blocks": 8192, "T64": 64}
 NUM_BLOCKS, PAGE = 4096, 16
 
 
@@ -28,7 +32,11 @@ def measure(case: str):
     value = torch.randn_like(key)
     key_cache = torch.zeros(NUM_BLOCKS, PAGE, HKV, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     value_cache = torch.zeros_like(key_cache)
-    slots = torch.randperm(NUM_BLOCKS * PAGE, device=DEVICE)[:num_tokens]
+    if case.endswith("_blocks"):
+        blocks = torch.randperm(NUM_BLOCKS, device=DEVICE)[:num_tokens // PAGE]
+        slots = (blocks[:, None] * PAGE + torch.arange(PAGE, device=DEVICE)).reshape(-1)
+    else:
+        slots = torch.randperm(NUM_BLOCKS * PAGE, device=DEVICE)[:num_tokens]
     args = (key, value, key_cache, value_cache, slots)
     nbytes = bytes_moved(key, key_cache, slots, num_tokens)
     ours = functools.partial(triton_impl("kv_cache_write"), *args)
