@@ -35,6 +35,8 @@ class Scheduler:
         num_cpu_blocks: int = 0,
         hash_fn: HashFn = hash_block_tokens,
     ):
+        if scheduler_config.max_num_seqs is None:
+            raise ValueError("max_num_seqs is unset: build the scheduler from EngineConfig.for_device(...)")
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.block_size = cache_config.block_size

@@ -52,6 +52,7 @@ class LLMEngine:
         start = time.perf_counter()
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         self.worker = Worker(config)
+        self.config = config = self.worker.config  # with the device's defaults (max_num_seqs)
         num_blocks, num_cpu_blocks = self.worker.determine_num_blocks()
         capacity = (num_blocks - 1) * config.cache.block_size
         if capacity < config.model.max_model_len:

@@ -112,13 +112,18 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
     if args.profile_batch_size is not None and args.profile_batch_size < 1:
         raise ValueError(f"--profile-batch-size must be >= 1, got {args.profile_batch_size}")
-    too_big = [b for b in args.batch_sizes + [args.profile_batch_size or 1] if b > args.max_num_seqs]
-    if args.mode == "latency" and too_big:
-        raise ValueError(f"batch size {max(too_big)} exceeds --max-num-seqs {args.max_num_seqs}")
+    if args.mode == "latency" and args.max_num_seqs is not None:
+        check_batch_sizes(args, args.max_num_seqs)
     if args.dataset and args.mode != "throughput":
         raise ValueError("--dataset is for `fastllm bench throughput`")
     if args.dataset and args.shared_prefix_len:
         raise ValueError("--dataset and --shared-prefix-len do not combine")
+
+
+def check_batch_sizes(args: argparse.Namespace, max_num_seqs: int) -> None:
+    too_big = [b for b in args.batch_sizes + [args.profile_batch_size or 1] if b > max_num_seqs]
+    if too_big:
+        raise ValueError(f"batch size {max(too_big)} exceeds --max-num-seqs {max_num_seqs}")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -158,6 +163,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
             ceil.save_ceilings(ceilings, args.ceilings_out)
 
     engine = LLMEngine(config)
+    config = engine.config  # max_num_seqs decided for the device
+    if args.mode == "latency":
+        check_batch_sizes(args, config.scheduler.max_num_seqs)
     dtype = str(engine.worker.runner.dtype).replace("torch.", "")
     shape = ModelShape.from_hf_config(config.model.hf_config, dtype)
     actual = sum(p.numel() for p in engine.worker.runner.model.parameters())

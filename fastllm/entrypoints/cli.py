@@ -13,7 +13,7 @@ ENGINE_ARGS = {
     "max_model_len": (int, None, "context length (default: the model's)"),
     "block_size": (int, 16, "tokens per KV block"),
     "gpu_memory_utilization": (float, 0.9, "fraction of GPU memory the engine may use"),
-    "max_num_seqs": (int, 256, "most requests in one step"),
+    "max_num_seqs": (int, None, "most requests in one step (default: 512 on GPUs of 70 GiB or more, else 256)"),
     "max_num_batched_tokens": (int, 8192, "token budget of one step"),
     "num_gpu_blocks": (int, None, "KV blocks (overrides the profiling run)"),
     "preemption_mode": (str, "recompute", "recompute | swap"),

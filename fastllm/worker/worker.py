@@ -29,8 +29,9 @@ def select_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0):
-        self.config, self.rank, self.local_rank = config, rank, local_rank
+        self.rank, self.local_rank = rank, local_rank
         self.device = select_device(config, local_rank)
+        self.config = config = config.for_device(self.device)  # the engine takes this one
         torch.manual_seed(config.model.seed)
         start = time.perf_counter()
         self.runner = ModelRunner(config, self.device)
