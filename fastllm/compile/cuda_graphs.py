@@ -11,7 +11,6 @@ block-table spread). Prefill and mixed steps do not come here.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 
@@ -100,22 +99,6 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_allocated()
-        # torch.cuda.graph runs a full gc.collect() before each capture; torch.compile has just
-        # left millions of live objects, and walking them every time was tens of ms a graph.
-        # Frozen, they are not walked (the engine freezes them for good once it is ready).
-        gc.collect()
-        gc.freeze()
-        try:
-            self._capture_all()
-        finally:
-            gc.unfreeze()
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        self.pool_bytes = torch.cuda.memory_allocated() - before + self.static_bytes  # with the static buffers
-        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
-                    len(self.graphs), self.sizes[0], self.max_bs, self.capture_seconds, self.pool_bytes / 2**30)
-
-    def _capture_all(self) -> None:
         pool = None
         for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
             size_start = time.perf_counter()
@@ -127,6 +110,11 @@ class CUDAGraphRunner:
                 self._run(bs)
             pool = graph.pool()
             self.graphs[bs] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
+        self.pool_bytes = torch.cuda.memory_allocated() - before + self.static_bytes  # with the static buffers
+        logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
+                    len(self.graphs), self.sizes[0], self.max_bs, self.capture_seconds, self.pool_bytes / 2**30)
 
     def fits(self, num_scheduled: list[int], in_flight_tokens: torch.Tensor | None) -> bool:
         """Whether a step of these per-request token counts replays a graph: decode only, not too many,
