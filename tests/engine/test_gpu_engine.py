@@ -125,3 +125,24 @@ def test_dummy_llama_8b_profiled_kv_and_compiled_vs_eager():
             compared += 1
     print(f"compiled vs eager: {compared} tokens equal before any near-tie, {near_ties} sequences parted at a "
           f"near-tie; max relative logprob error {max_rel:.2e} (tolerance {tol})")
+
+
+def test_no_triton_compile_mid_serving():
+    """After one batch, batches of other sizes and prompt lengths (so the staged arrays sit at every
+    offset) compile no new Triton kernel variant. Triton specializes on each pointer's 16-byte
+    alignment; when the packed step inputs left seq_lens or query_start_loc misaligned, steps
+    compiled new prefill-kernel variants mid-serving (~1.5 s each on a cold cache)."""
+    from triton import knobs
+
+    llm = cached_llm(device="cuda", dtype="bfloat16", max_num_seqs=64, **SMALL_POOL)
+    llm.generate(many_prompts(8), SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    compiled = []
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs.get("fn"))
+    try:
+        for n in [2, 3, 5, 7, 13, 24]:
+            prompts = [prompt + " and" * k for k, prompt in enumerate(many_prompts(n))]
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+    assert not compiled, [getattr(fn, "name", fn) for fn in compiled]
