@@ -68,6 +68,7 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
         "tc_frac": flops_per_s / mm_rate if flops_per_s and mm_rate else None,
         "peak_mem_gib": run.peak_mem_gib,
         "preemptions": run.preemptions,
+        "jit_compiles": len(run.jit_compiles),  # Triton variants compiled in the timed window (should be 0)
     }
 
 

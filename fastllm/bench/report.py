@@ -19,7 +19,7 @@ DISPLAY = {
         "floor_ms": ("floor_ms", 1), "host_ms_p50": ("host_ms", 1), "host_frac": ("%host", 100),
         "tok_s_per_seq": ("tok/s/seq", 1), "tok_s_total": ("tok/s", 1),
         "achieved_gb_s": ("GB/s", 1), "bw_frac": ("%bw", 100), "achieved_tflops": ("TFLOP/s", 1),
-        "tc_frac": ("%tc", 100), "peak_mem_gib": ("peak_GiB", 1),
+        "tc_frac": ("%tc", 100), "peak_mem_gib": ("peak_GiB", 1), "jit_compiles": ("jit", 1),
     },
     "throughput": {
         "num_prompts": ("prompts", 1), "input_len_mean": ("in", 1), "output_len": ("out", 1),
@@ -27,7 +27,7 @@ DISPLAY = {
         "input_tok_s": ("in_tok/s", 1), "output_tok_s": ("out_tok/s", 1), "ttft_ms_mean": ("ttft_ms", 1),
         "ttft_ms_p99": ("ttft_p99", 1), "prefix_hit_rate": ("%hit", 100), "peak_mem_gib": ("peak_GiB", 1),
         "steps": ("steps", 1), "prefill_steps": ("pf_steps", 1), "prefill_steps_s": ("pf_steps_s", 1),
-        "decode_steps_s": ("dec_steps_s", 1), "host_s": ("host_s", 1),
+        "decode_steps_s": ("dec_steps_s", 1), "host_s": ("host_s", 1), "jit_compiles": ("jit", 1),
     },
     "startup": {
         "load_s": ("load_s", 1), "compile_s": ("compile_s", 1), "cuda_graph_s": ("graphs_s", 1),
@@ -95,13 +95,17 @@ def row_line(benchmark: str, row: dict) -> str:
     def f(key, spec=".2f", scale=1.0):
         v = row.get(key)
         return "n/a" if v is None else format(v * scale, spec)
+    # Kernels compiled inside the timed window put their JIT time in the numbers: say so on the line.
+    jit = f" [{row['jit_compiles']} Triton compiles in the timed window]" if row.get("jit_compiles") else ""
     if benchmark == "latency":
         return (f"[batch {row['batch_size']}] ttft {f('ttft_ms')} ms, tpot {f('tpot_ms_mean')} ms "
                 f"(p50 {f('tpot_ms_p50')}, p99 {f('tpot_ms_p99')}), floor {f('floor_ms')} ms, "
                 f"{f('tok_s_total', '.1f')} tok/s, {f('achieved_gb_s', '.1f')} GB/s ({f('bw_frac', '.1f', 100)}% bw), "
-                f"{f('achieved_tflops', '.2f')} TFLOP/s ({f('tc_frac', '.1f', 100)}% tc), peak {f('peak_mem_gib')} GiB")
+                f"{f('achieved_tflops', '.2f')} TFLOP/s ({f('tc_frac', '.1f', 100)}% tc), peak {f('peak_mem_gib')} GiB"
+                + jit)
     return (f"[{row['num_prompts']} prompts] {f('total_s')} s, {f('requests_s')} req/s, "
-            f"{f('output_tok_s', '.1f')} out tok/s, ttft {f('ttft_ms_mean')} ms, hit rate {f('prefix_hit_rate', '.1f', 100)}%")
+            f"{f('output_tok_s', '.1f')} out tok/s, ttft {f('ttft_ms_mean')} ms, hit rate {f('prefix_hit_rate', '.1f', 100)}%"
+            + jit)
 
 
 def write_json(result: dict, path: str) -> None:

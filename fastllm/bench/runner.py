@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from fastllm.bench.jit_watch import TritonCompileWatch
 from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
@@ -86,6 +87,7 @@ class RunRecord:
     prefix_queries: int = 0
     prefix_hits: int = 0
     peak_mem_gib: float | None = None
+    jit_compiles: list[tuple[str, float]] = field(default_factory=list)  # Triton compiles in the window
 
 
 def peak_memory_reset(device: torch.device) -> None:
@@ -119,30 +121,32 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
     run = RunRecord(len(prompts), list(prompt_len.values()), output_len)
     peak_memory_reset(device)
     start = time.perf_counter()
-    try:
-        for rid, prompt in zip(ids, token_ids):
-            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-        with tqdm(total=len(prompts) * output_len, desc=desc or tag, unit="tok", file=sys.stderr,
-                  disable=not progress, leave=False, mininterval=0.5) as bar:
-            while engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                outputs = engine.step()
-                t1 = time.perf_counter()
-                first, context = 0, []
-                for out in outputs:
-                    generated[out.request_id] += len(out.outputs[0].token_ids)
-                    k = generated[out.request_id]
-                    if k == 1:
-                        first += 1
-                        run.ttft_s[out.request_id] = t1 - start
-                    elif k > 1:
-                        context.append(prompt_len[out.request_id] + k - 1)
-                run.steps.append(StepRecord(t1 - t0, len(outputs), first, context, engine.last_step_wait_s))
-                bar.update(len(outputs))
-    except BaseException:
-        engine.abort_request(ids)
-        raise
+    with TritonCompileWatch() as watch:
+        try:
+            for rid, prompt in zip(ids, token_ids):
+                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            with tqdm(total=len(prompts) * output_len, desc=desc or tag, unit="tok", file=sys.stderr,
+                      disable=not progress, leave=False, mininterval=0.5) as bar:
+                while engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    outputs = engine.step()
+                    t1 = time.perf_counter()
+                    first, context = 0, []
+                    for out in outputs:
+                        generated[out.request_id] += len(out.outputs[0].token_ids)
+                        k = generated[out.request_id]
+                        if k == 1:
+                            first += 1
+                            run.ttft_s[out.request_id] = t1 - start
+                        elif k > 1:
+                            context.append(prompt_len[out.request_id] + k - 1)
+                    run.steps.append(StepRecord(t1 - t0, len(outputs), first, context, engine.last_step_wait_s))
+                    bar.update(len(outputs))
+        except BaseException:
+            engine.abort_request(ids)
+            raise
     run.total_s = time.perf_counter() - start
+    run.jit_compiles = watch.compiles
     run.preemptions = engine.scheduler.num_preemptions - preemptions
     run.prefix_queries, run.prefix_hits = stats.queries - queries, stats.hits - hits
     run.peak_mem_gib = peak_memory_gib(device)

@@ -77,6 +77,7 @@ def throughput_row(run: RunRecord, shared_prefix_len: int, prefix_caching: bool)
         "host_s": sum(s.seconds - s.wait_s for s in run.steps),
         "peak_mem_gib": run.peak_mem_gib,
         "preemptions": run.preemptions,
+        "jit_compiles": len(run.jit_compiles),  # Triton variants compiled in the timed window (should be 0)
     }
 
 

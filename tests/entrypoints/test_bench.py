@@ -19,12 +19,13 @@ LATENCY_COLUMNS = [
     "batch_size", "input_len", "output_len", "ttft_ms", "prefill_tok_s", "tpot_ms_mean", "tpot_ms_p50",
     "tpot_ms_p90", "tpot_ms_p99", "floor_ms", "floor_mode", "host_ms_p50", "host_frac", "tok_s_per_seq", "tok_s_total", "e2e_s",
     "e2e_output_tok_s", "steps", "decode_steps", "bytes_per_step", "flops_per_step", "achieved_gb_s", "bw_frac",
-    "achieved_tflops", "tc_frac", "peak_mem_gib", "preemptions",
+    "achieved_tflops", "tc_frac", "peak_mem_gib", "preemptions", "jit_compiles",
 ]
 THROUGHPUT_COLUMNS = [
     "num_prompts", "input_len_mean", "output_len", "shared_prefix_len", "prefix_caching", "total_s", "requests_s",
     "input_tok_s", "output_tok_s", "total_tok_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "prefix_hit_rate",
     "steps", "prefill_steps", "prefill_steps_s", "decode_steps_s", "host_s", "peak_mem_gib", "preemptions",
+    "jit_compiles",
 ]
 STARTUP_KEYS = ["load_s", "compile_s", "cuda_graph_s", "kv_profile_s", "kv_alloc_s", "total_s", "other_s"]
 
@@ -194,3 +195,27 @@ def test_gpu_ceilings_floor_and_profile(tmp_path, capsys):
     result, _ = run_json(tmp_path, capsys, ["--batch-sizes", "2", "--input-len", "16", "--output-len", "4",
                                             "--enforce-eager", "--ceilings-from", str(ceilings)])
     assert result["ceilings"]["source"] == str(ceilings) and result["rows"][0]["bw_frac"] is not None
+
+
+def test_triton_compile_watch_counts_and_restores_the_hook():
+    """The benchmarks count Triton compiles in their timed window through Triton's post-compile hook:
+    the watch records each call, hands it on to a hook that was already set, and puts that one back."""
+    knobs = getattr(pytest.importorskip("triton"), "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no jit_post_compile_hook")
+    from fastllm.bench.jit_watch import TritonCompileWatch
+
+    class Fn:
+        name = "_some_kernel"
+
+    seen = []
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: seen.append(kwargs["fn"].name)
+    try:
+        outer = knobs.runtime.jit_post_compile_hook
+        with TritonCompileWatch() as watch:
+            knobs.runtime.jit_post_compile_hook(key="k", fn=Fn())
+        assert [name for name, _ in watch.compiles] == ["_some_kernel"] and seen == ["_some_kernel"]
+        assert knobs.runtime.jit_post_compile_hook is outer
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
