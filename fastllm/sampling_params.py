@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from functools import cached_property
 
 _GREEDY_EPS = 1e-5
 
@@ -88,12 +87,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
-    @cached_property
+    @property
     def argmax_only(self) -> bool:
         """Sampling is the argmax of the logits: greedy, and no penalty, min_tokens mask or
-        logprobs. Read every step for every request, so computed once (params do not change
-        once a request is submitted)."""
-        return self.greedy and not self.has_penalties and self.min_tokens == 0 and self.logprobs is None
+        logprobs. Read every step for every request, so written out flat (no nested properties)."""
+        return (self.temperature < _GREEDY_EPS and self.logprobs is None and self.min_tokens == 0
+                and self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1)
 
     def clone(self, **changes) -> "SamplingParams":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}

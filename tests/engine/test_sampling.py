@@ -150,3 +150,14 @@ def test_argmax_only_params_take_the_shortcut_build_would(params):
     assert params.argmax_only == built.argmax_only
     if params.argmax_only:
         assert SamplingMetadata.argmax_rows() == built
+
+
+def test_argmax_only_follows_a_changed_params_object():
+    """LLMEngine.add_request takes the params object as given; one reused after a change must not
+    keep an earlier answer (a cached value once sent such requests down the greedy shortcut)."""
+    params = SamplingParams(temperature=0, seed=7)
+    assert params.argmax_only
+    params.temperature = 1.0
+    assert not params.argmax_only
+    params.temperature, params.logprobs = 0, 2
+    assert not params.argmax_only
