@@ -112,8 +112,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
     if args.profile_batch_size is not None and args.profile_batch_size < 1:
         raise ValueError(f"--profile-batch-size must be >= 1, got {args.profile_batch_size}")
-    if args.mode == "latency" and args.max_num_seqs is not None:
-        check_batch_sizes(args, args.max_num_seqs)
     if args.dataset and args.mode != "throughput":
         raise ValueError("--dataset is for `fastllm bench throughput`")
     if args.dataset and args.shared_prefix_len:
@@ -150,6 +148,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         dataset = load_dataset(args.dataset, args.num_prompts)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     device = select_device(config, 0)
+    config = config.for_device(device)  # max_num_seqs decided for the device, before anything loads
+    if args.mode == "latency":
+        check_batch_sizes(args, config.scheduler.max_num_seqs)
 
     ceilings = None
     if args.ceilings_from:
@@ -163,9 +164,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             ceil.save_ceilings(ceilings, args.ceilings_out)
 
     engine = LLMEngine(config)
-    config = engine.config  # max_num_seqs decided for the device
-    if args.mode == "latency":
-        check_batch_sizes(args, config.scheduler.max_num_seqs)
     dtype = str(engine.worker.runner.dtype).replace("torch.", "")
     shape = ModelShape.from_hf_config(config.model.hf_config, dtype)
     actual = sum(p.numel() for p in engine.worker.runner.model.parameters())
