@@ -39,16 +39,6 @@ def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
 
 
-@torch.library.custom_op("fastllm::rotary_embedding", mutates_args=("query", "key"))
-def rotary_embedding(positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool) -> None:
-    kernels.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
-
-
-@rotary_embedding.register_fake
-def _(positions, query, key, cos_sin_cache, is_neox):
-    return None
-
-
 @torch.library.custom_op("fastllm::silu_and_mul", mutates_args=())
 def silu_and_mul(x: Tensor) -> Tensor:
     return kernels.silu_and_mul(x)

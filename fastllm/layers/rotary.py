@@ -1,4 +1,5 @@
-"""Rotary position embedding: the cos/sin table (with Llama-3.1 scaling) and the module."""
+"""Rotary position embedding: the cos/sin table (with Llama-3.1 scaling) and the module that holds
+it. The rotation itself runs inside the attention op (rotary_kv_cache_write), fused with the KV write."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import math
 
 import torch
 from torch import nn
-
-from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
 
 
 def rope_parameters(hf_config: dict) -> tuple[float, dict]:
@@ -50,7 +49,3 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.is_neox = is_neox
         self.register_buffer("cos_sin_cache", cos_sin_cache(head_dim, max_positions, theta, scaling), persistent=False)
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
-        """Rotates query [T, Hq, D] and key [T, Hkv, D] in place."""
-        torch.ops.fastllm.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)
