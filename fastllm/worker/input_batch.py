@@ -80,8 +80,8 @@ def build_step_inputs(
     graph=None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one unpadded batch (or, for a graph, padded to its size).
-    in_flight: the last step's output
-    while its tokens are still on the device (rows whose input is such a token read it there).
+    in_flight: the last step's output while its tokens are still on the device (rows whose input is
+    such a token read it there).
     graph: a CUDAGraphRunner that fits this decode step: the inputs are staged straight into its
     static buffers, padded to its replay size."""
     num_reqs = len(states)
