@@ -32,6 +32,7 @@ KERNEL_NAMES = (
     "silu_and_mul",
     "argmax",
     "rotary_kv_cache_write",
+    "rotary_decode_attention",
 )
 _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "kv_cache_write": "kv_cache_write",
@@ -43,6 +44,7 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "silu_and_mul": "silu_and_mul",
     "argmax": "argmax",
     "rotary_kv_cache_write": "rotary_kv_cache_write",
+    "rotary_decode_attention": "paged_decode_attention",
 }
 
 _MODE = os.environ.get("FASTLLM_KERNELS", "auto").strip().lower() or "auto"
@@ -145,4 +147,15 @@ def rotary_kv_cache_write(
 ) -> tuple[Tensor, Tensor | None]:
     return _select("rotary_kv_cache_write", query.device)(
         positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, return_key
+    )
+
+
+def rotary_decode_attention(
+    positions: Tensor, query: Tensor, key: Tensor, value: Tensor, cos_sin_cache: Tensor, is_neox: bool,
+    key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    max_seq_len: int, scale: float,
+) -> Tensor:
+    return _select("rotary_decode_attention", query.device)(
+        positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, block_tables,
+        seq_lens, max_seq_len, scale,
     )

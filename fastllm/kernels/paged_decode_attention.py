@@ -18,6 +18,13 @@ request's sequence (start >= seq_len) return at once and neither count nor write
 from seq_len how many splits hold keys, so a loose max_seq_len bound costs only empty programs. With one
 split the kernel writes `out` directly.
 
+rotary_decode_attention (APPEND) is the engine's decode step in one launch: q and the step's new key are
+rotated in the kernel (rotary.py's math at full width, each element with its pair partner), split 0 of each
+(request, KV head) writes the new k/v into the cache (skipped for slot < 0), and the split holding position
+seq_len - 1 adds the new token to its online softmax from registers, so no program reads that slot back
+and nothing orders the write before the other splits' reads. It replaced a rotary + KV-write launch per
+layer (~2.5 us on an H100 at every batch size, against ~0.3 us more in this kernel).
+
 Launch config (split count, BLOCK_N, warps, stages, minimum split length) comes from a host-side table
 (`choose_config`) that depends only on max_seq_len (a host-side bound), batch, Hkv, head_dim, dtype and the
 SM count, never on device values: no host sync, and a CUDA graph replays the same launch for any seq_lens.
@@ -75,6 +82,16 @@ class DecodeConfig(NamedTuple):
     min_split_len: int = 0  # a request shorter than num_splits x this uses fewer splits (0: one tile)
 
 
+class NewTokens(NamedTuple):
+    """rotary_decode_attention's step: each request's new token before rotary, and where it goes."""
+    positions: torch.Tensor  # [B] int
+    key: torch.Tensor  # [B, Hkv, D] (strided view allowed; not modified)
+    value: torch.Tensor  # [B, Hkv, D]
+    cos_sin_cache: torch.Tensor  # [max_positions, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+    is_neox: bool
+    slot_mapping: torch.Tensor  # [B] int; < 0: padding, writes nothing
+
+
 # The merge's [heads, splits, head_dim] fp32 tile stays within this many elements (64 registers a thread
 # at 4 warps), BLOCK_S splits a step.
 _MERGE_TILE_ELEMENTS = 8192
@@ -102,9 +119,11 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
     counters_ptr,  # int32 [B * Hkv], all 0 between launches (MERGE_IN_KERNEL)
+    pos_ptr, k_new_ptr, v_new_ptr, cos_sin_ptr, slot_ptr,  # APPEND: this step's token of each request
     scale_log2,  # scale * log2(e): softmax runs in base 2
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
     num_splits,  # runtime int: a new batch size must not recompile
     min_split_len,  # a multiple of BLOCK_N: shorter requests use fewer splits
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
@@ -113,6 +132,8 @@ def _decode_split_kernel(
     MERGE_IN_KERNEL: tl.constexpr,  # the group's last split to finish merges them (no pass 2)
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr,  # the merge's tile: query heads x splits (x BLOCK_D)
     PRECISION: tl.constexpr,
+    APPEND: tl.constexpr,  # rotate q and the new k here, write the new k/v, attend to them from registers
+    IS_NEOX: tl.constexpr, HALF: tl.constexpr,  # APPEND's rotary layout
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -136,8 +157,32 @@ def _decode_split_kernel(
     d = tl.arange(0, BLOCK_D)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q = tl.load(q_rows + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+    keys_end = end  # the keys read from the cache: [start, keys_end)
+    if APPEND:
+        # This step's token sits at position seq_len - 1. Every split rotates q; split 0 writes the new
+        # k/v into the cache, and the split that holds position seq_len - 1 takes them from registers
+        # (no split reads that slot from the cache, so nothing waits on the write).
+        cos, sin, pair, sign = _rope_row(cos_sin_ptr + tl.load(pos_ptr + b).to(tl.int64) * stride_cs, d, d_ok,
+                                         HALF, IS_NEOX)
+        q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        q = _rotate(q, q_pair, cos[None, :], sin[None, :], sign[None, :]).to(q_ptr.dtype.element_ty)
+        k_row = k_new_ptr + b * stride_knb + kv_head * stride_knh
+        k_new = _rotate(tl.load(k_row + d, mask=d_ok, other=0.0), tl.load(k_row + pair, mask=d_ok, other=0.0),
+                        cos, sin, sign)
+        # rounded as rotary_kv_cache_write rounds it: to the activations' dtype, then to the cache's
+        k_new = k_new.to(k_new_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + d, mask=d_ok,
+                        other=0.0).to(v_cache_ptr.dtype.element_ty)
+        new_slot = tl.load(slot_ptr + b).to(tl.int64)  # < 0: a padding row, writes nothing
+        if (split == 0) & (new_slot >= 0):
+            page_of, in_page = new_slot // PAGE, new_slot % PAGE
+            tl.store(k_cache_ptr + page_of * stride_kb + in_page * stride_ks + kv_head * stride_kh + d, k_new,
+                     mask=d_ok)
+            tl.store(v_cache_ptr + page_of * stride_vb + in_page * stride_vs + kv_head * stride_vh + d, v_new,
+                     mask=d_ok)
+        keys_end = tl.minimum(end, seq_len - 1)
 
     # m starts finite so that rows with no valid key give p = 0 rather than exp2(-inf + inf) = NaN.
     m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
@@ -146,14 +191,25 @@ def _decode_split_kernel(
     bt_row = block_tables_ptr + b * stride_bt
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions; a tile may span several pages
-        n_ok = n < end
+    col = tl.arange(0, BLOCK_N)
+    # A tile of at least a page starts on a page boundary (splits are whole tiles, both are powers of two),
+    # so each column's slot in its page, and with it the in-page part of its K/V offsets, is the same every
+    # tile: computed once here, a tile then adds one page base per column. Address math was ~half of
+    # the loop's instructions on an H100 (ncu, B32 x 260 keys), and short-context decode is issue-bound.
+    k_in_page = (col % PAGE)[None, :] * stride_ks + d[:, None]  # [BLOCK_D, BLOCK_N]
+    v_in_page = (col % PAGE)[:, None] * stride_vs + d[None, :]  # [BLOCK_N, BLOCK_D]
+    for n0 in range(start, keys_end, BLOCK_N):
+        n = n0 + col  # [BLOCK_N] token positions; a tile may span several pages
+        n_ok = n < keys_end
         page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)  # int64: page * stride > 2^31
-        slot = n % PAGE
-        k_off = page[None, :] * stride_kb + slot[None, :] * stride_ks + d[:, None]
+        if BLOCK_N >= PAGE:
+            k_off = page[None, :] * stride_kb + k_in_page
+            v_off = page[:, None] * stride_vb + v_in_page
+        else:  # a tile inside one page, at any offset in it
+            slot = n % PAGE
+            k_off = page[None, :] * stride_kb + slot[None, :] * stride_ks + d[:, None]
+            v_off = page[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :]
         k = tl.load(k_head + k_off, mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N] = K^T
-        v_off = page[:, None] * stride_vb + slot[:, None] * stride_vs + d[None, :]
         # Masked tokens must load 0, not whatever is in the slot: p = 0 times NaN is still NaN.
         v = tl.load(v_head + v_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
         s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_G, BLOCK_N], unscaled
@@ -163,6 +219,15 @@ def _decode_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    if APPEND:  # the new token, one more online-softmax step in fp32 (-inf where another split holds it)
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2  # [BLOCK_G]
+        s_new = tl.where(keys_end < end, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        p_new = tl.exp2(s_new - m_new)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
         m_i = m_new
 
     has_keys = l_i > 0.0
@@ -189,6 +254,29 @@ def _decode_split_kernel(
                 _merge_splits(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
                               (b * tl.num_programs(1) * GROUP + kv_head * GROUP) * num_splits, num_splits,
                               n_active, kv_head * GROUP, GROUP, HEAD_DIM, BLOCK_GM, BLOCK_S, BLOCK_D)
+
+
+@triton.jit
+def _rope_row(cs_row, d, d_ok, HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """Rotary at full width: y[d] = x[d] cos + sign[d] x[pair[d]] sin, the rotation of rotary.py with each
+    element's pair partner (d +- D/2 for the neox layout, d ^ 1 interleaved). Returns fp32 cos and sin at
+    every d, pair and sign."""
+    if IS_NEOX:
+        low = d < HALF
+        i = tl.where(low, d, d - HALF)
+        pair = tl.where(low, d + HALF, d - HALF)
+    else:
+        low = d % 2 == 0
+        i = d // 2
+        pair = d ^ 1
+    cos = tl.load(cs_row + i, mask=d_ok, other=0.0).to(tl.float32)
+    sin = tl.load(cs_row + HALF + i, mask=d_ok, other=0.0).to(tl.float32)
+    return cos, sin, pair, tl.where(low, -1.0, 1.0)
+
+
+@triton.jit
+def _rotate(x, x_pair, cos, sin, sign):
+    return x.to(tl.float32) * cos + sign * (x_pair.to(tl.float32) * sin)
 
 
 @triton.jit
@@ -314,12 +402,12 @@ def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: i
 def paged_decode_attention_splits(
     query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float, num_splits: int,
     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, merge_in_kernel: bool = True,
-    min_split_len: int = 0,
+    min_split_len: int = 0, append: NewTokens | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention with an explicit launch config (tests and tuning); max_seq_len is unused here.
     merge_in_kernel=False merges the splits in a second kernel (the layout before the in-kernel merge).
     min_split_len: keys a split holds at least (rounded up to whole tiles), so that a short request uses
-    fewer of the num_splits."""
+    fewer of the num_splits. append: rotary_decode_attention's step (query is then before rotary)."""
     batch, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
@@ -348,20 +436,33 @@ def paged_decode_attention_splits(
     else:
         part_o = part_lse = out  # unused
     counters = _split_counters(query.device, batch * num_kv_heads) if merge_in_kernel else seq_lens  # unused
+    if append is not None:
+        new_k, new_v, cos_sin = append.key, append.value, append.cos_sin_cache
+        assert new_k.shape == new_v.shape == (batch, num_kv_heads, head_dim), (new_k.shape, new_v.shape)
+        assert new_k.stride(2) == new_v.stride(2) == 1 and cos_sin.stride(1) == 1
+        assert cos_sin.shape[1] == head_dim and head_dim % 2 == 0
+        assert append.positions.shape == append.slot_mapping.shape == (batch,)
+        assert append.positions.is_contiguous() and append.slot_mapping.is_contiguous()
+        new_args = (append.positions, new_k, new_v, cos_sin, append.slot_mapping)
+        new_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos_sin.stride(0))
+    else:
+        new_args, new_strides = (seq_lens,) * 5, (0,) * 5  # unused
     block_gm = triton.next_power_of_2(group)
     block_s = max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS // (block_gm * block_d)))  # the merge's tile
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, out, part_o, part_lse, block_tables, seq_lens, counters,
+        query, key_cache, value_cache, out, part_o, part_lse, block_tables, seq_lens, counters, *new_args,
         scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        *new_strides,
         num_splits, min_split_len,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
         BLOCK_G=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
         DIRECT_OUT=num_splits == 1, MERGE_IN_KERNEL=merge_in_kernel, BLOCK_GM=block_gm, BLOCK_S=block_s,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        APPEND=append is not None, IS_NEOX=append is None or append.is_neox, HALF=head_dim // 2,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not merge_in_kernel:
@@ -388,4 +489,33 @@ def paged_decode_attention(
     return paged_decode_attention_splits(
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,
+    )
+
+
+def rotary_decode_attention(
+    positions: torch.Tensor,  # [B] int
+    query: torch.Tensor,  # [B, Hq, D] before rotary (strided view allowed; not modified)
+    key: torch.Tensor,  # [B, Hkv, D] before rotary (not modified)
+    value: torch.Tensor,  # [B, Hkv, D]
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [B] int; < 0 means skip (padding)
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,  # [B] int32, >= 1: the new token is at position seq_len - 1
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """A decode step's whole attention in one launch: rotary_kv_cache_write, then paged_decode_attention
+    (see the reference for the exact semantics). Saves a launch-bound kernel per layer (~2.5 us on an
+    H100) and the rotated q's round trip through memory."""
+    num_sms = _num_sms(query.device) if query.is_cuda else 4
+    cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2], num_sms,
+                        query.element_size())
+    append = NewTokens(positions, key, value, cos_sin_cache, is_neox, slot_mapping)
+    return paged_decode_attention_splits(
+        query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
+        block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,
+        append=append,
     )

@@ -166,6 +166,39 @@ def rotary_kv_cache_write(
     return query, (key if return_key else None)
 
 
+def rotary_decode_attention(
+    positions: torch.Tensor,  # [B]
+    query: torch.Tensor,  # [B, Hq, D] before rotary (not modified)
+    key: torch.Tensor,  # [B, Hkv, D] before rotary (not modified)
+    value: torch.Tensor,  # [B, Hkv, D]
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [B]; < 0 means skip (a padding row)
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,  # [B], >= 1: the new token is at position seq_len - 1
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """A decode step's attention: rotary_kv_cache_write, then each request attends over its first
+    seq_len - 1 cached tokens and its new token (rotated key and value, in the cache's dtype). Where
+    slot >= 0 this is exactly paged_decode_attention after the write; a padding row (slot < 0) writes
+    nothing and still attends to its own new token."""
+    query, key = rotary_kv_cache_write(positions, query, key, value, cos_sin_cache, is_neox, key_cache,
+                                       value_cache, slot_mapping, return_key=True)
+    out = torch.empty_like(query)
+    group = query.shape[1] // key_cache.shape[2]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        k = torch.cat([_gather_kv(key_cache, block_tables[i], seq_len - 1), key[i:i + 1].to(key_cache.dtype)])
+        v = torch.cat([_gather_kv(value_cache, block_tables[i], seq_len - 1), value[i:i + 1].to(value_cache.dtype)])
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, s, D]
+        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        probs = torch.softmax(torch.matmul(query[i].float().unsqueeze(1), k.transpose(1, 2)) * scale, dim=-1)
+        out[i] = torch.matmul(probs, v).squeeze(1).to(query.dtype)  # [Hq, D]
+    return out
+
+
 def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] -> int64 [B]: the first index of each row's maximum (NaN counts as the maximum)."""
     return torch.argmax(logits, dim=-1, out=out) if out is not None else torch.argmax(logits, dim=-1)

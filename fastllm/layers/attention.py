@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: the single call site of the attention kernels.
 
-The layer owns the rotary embedding: one kernel rotates q and k and writes k and v into the cache,
-and the attention kernel reads them from there (decode) or from the rotated chunk (prefill)."""
+The layer owns the rotary embedding. A decode step is one kernel: rotary, the cache write of the new
+k and v, and attention over the cache plus the new token. A prefill or mixed step rotates q and k and
+writes the cache in one kernel, then attends over the cached prefix and the rotated chunk."""
 
 from __future__ import annotations
 
@@ -31,20 +32,20 @@ class Attention(nn.Module):
 
     def run(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
             value: torch.Tensor) -> torch.Tensor:
-        """The body of the attention op: rotate q and k and write the new K/V into the cache (one
-        kernel; the inputs stay as they are), then attend."""
+        """The body of the attention op: rotate q and k, write the new K/V into the cache and attend
+        (the inputs stay as they are)."""
         metadata = get_attn_metadata()
         if metadata is None or self.kv_cache is None:
             # Profiling run (no cache yet): the output only needs the right shape.
             return query.clone()
         key_cache, value_cache = self.kv_cache
-        decode = metadata.is_decode_only
-        query, key = ops.rotary_kv_cache_write(positions, query, key, value, self.rotary.cos_sin_cache,
-                                               self.rotary.is_neox, key_cache, value_cache,
-                                               metadata.slot_mapping, return_key=not decode)
-        if decode:  # keys come from the cache
-            return ops.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
-                                              metadata.seq_lens, metadata.max_seq_len, self.scale)
+        cos_sin, is_neox = self.rotary.cos_sin_cache, self.rotary.is_neox
+        if metadata.is_decode_only:  # one kernel: rotary, the cache write and attention
+            return ops.rotary_decode_attention(positions, query, key, value, cos_sin, is_neox, key_cache,
+                                               value_cache, metadata.slot_mapping, metadata.block_tables,
+                                               metadata.seq_lens, metadata.max_seq_len, self.scale)
+        query, key = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox, key_cache,
+                                               value_cache, metadata.slot_mapping, return_key=True)
         return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
                                      metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
                                      self.scale)

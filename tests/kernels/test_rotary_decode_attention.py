@@ -1,0 +1,118 @@
+"""Triton rotary_decode_attention (rotary + KV write + decode attention in one launch) vs its reference.
+
+Every request's new token is at position seq_len - 1. Its cache slot is NaN-poisoned before the call:
+the kernel must take the new token from its inputs (writing it there when slot >= 0) and never read the
+slot back, and a padding row (slot -1) leaves its slot NaN. Checks:
+  * the output against reference.rotary_decode_attention run on float32 copies, with the decode
+    tolerances (test_paged_decode_attention.TOL);
+  * the caches against the reference run in the input dtype: V bit for bit, K within one ulp
+    (rotary's fp32 math, rounded), every other slot untouched (poison included);
+  * the inputs are not modified (the attention op declares no mutation).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastllm.kernels import reference_impl, triton_impl
+from tests.kernels.kernel_testing import BF16, PagedKV, assert_close, gpu
+from tests.kernels.test_paged_decode_attention import CASES, GPU_CASES, TOL, _tile_configs
+from tests.kernels.test_rotary import _cos_sin_cache
+
+
+def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, is_neox=True, padding=(), num_blocks=None,
+         max_seq_len=None, num_splits=None, tile=None):
+    num_blocks = num_blocks or sum(-(-n // page) for n in seq_lens) + 8
+    kv = PagedKV(seq_lens, num_blocks, page, hkv, d, dtype, device, gen)
+    batch = len(seq_lens)
+    # q, k and v as views of one fused qkv buffer, as the model passes them
+    qkv = torch.randn(batch, (hq + 2 * hkv) * d + 8, generator=gen).to(device=device, dtype=dtype)
+    query = qkv[:, : hq * d].view(batch, hq, d)
+    key = qkv[:, hq * d: (hq + hkv) * d].view(batch, hkv, d)
+    value = qkv[:, (hq + hkv) * d: (hq + 2 * hkv) * d].view(batch, hkv, d)
+    before = qkv.clone()
+    lens = torch.tensor(seq_lens)
+    positions = (lens - 1).to(device)
+    table = kv.block_tables.cpu().long()
+    last = table[torch.arange(batch), (lens - 1) // page] * page + (lens - 1) % page  # position seq_len - 1
+    for cache in (kv.key_cache, kv.value_cache):  # the new tokens' slots: never read
+        cache.view(-1, hkv, d)[last.to(device)] = float("nan")
+    slot_mapping = last.clone()
+    slot_mapping[list(padding)] = -1
+    slot_mapping = slot_mapping.to(device)
+    cos_sin = _cos_sin_cache(int(lens.max()) + 1, d, device)
+    max_seq_len = max_seq_len or int(lens.max())
+    scale = d**-0.5
+    ref_kc, ref_vc = kv.key_cache.clone(), kv.value_cache.clone()
+    up_kc, up_vc = kv.key_cache.float(), kv.value_cache.float()
+
+    common = (cos_sin, is_neox)
+    tail = (slot_mapping, kv.block_tables, kv.seq_lens, max_seq_len, scale)
+    if num_splits is None:
+        out = triton_impl("rotary_decode_attention")(positions, query, key, value, *common, kv.key_cache,
+                                                     kv.value_cache, *tail)
+    else:
+        from fastllm.kernels.paged_decode_attention import NewTokens, paged_decode_attention_splits
+
+        block_n, num_warps, num_stages = tile or (None, 4, 2)
+        out = paged_decode_attention_splits(
+            query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, max_seq_len, scale, num_splits,
+            block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+            append=NewTokens(positions, key, value, cos_sin, is_neox, slot_mapping))
+    ref = reference_impl("rotary_decode_attention")
+    up = ref(positions, query.float(), key.float(), value.float(), *common, up_kc, up_vc, *tail)
+    ref(positions, query, key, value, *common, ref_kc, ref_vc, *tail)
+
+    assert torch.equal(qkv, before), "an input was modified"
+    assert out.dtype == dtype
+    assert_close(out, up, *TOL[dtype], what=f"rotary decode lens={seq_lens} padding={padding}")
+    torch.testing.assert_close(kv.value_cache, ref_vc, rtol=0, atol=0, equal_nan=True)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(kv.key_cache, ref_kc, rtol=eps, atol=eps, equal_nan=True)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
+@pytest.mark.parametrize("seq_lens,hq,hkv,d,page", CASES)
+def test_rotary_decode_matches_reference(device, gen, dtype, seq_lens, hq, hkv, d, page):
+    _run(device, gen, dtype, seq_lens, hq, hkv, d, page)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2)])  # GQA ratios 1, 4, 8
+def test_rotary_decode_interleaved_layout(device, gen, hq, hkv):
+    _run(device, gen, torch.float16, [16, 17, 1, 40], hq, hkv, 64, 16, is_neox=False)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+def test_rotary_decode_forced_splits_and_padding(device, gen, num_splits):
+    # the new token in the last split, in a split of its own (seq_len 129 = 2 x 64 + 1), alone (seq_len 1,
+    # as CUDA-graph padding), and padding rows that must attend to their own token without writing it
+    _run(device, gen, torch.float16, [300, 1, 64, 129, 1, 40], 8, 2, 64, 16, padding=(4, 5),
+         max_seq_len=300, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("tile", [pytest.param(t, id="BN{}-w{}-s{}".format(*t)) for t in _tile_configs()])
+def test_rotary_decode_every_tile_config(device, gen, tile):
+    _run(device, gen, torch.float32, [300, 1, 129, 64], 8, 2, 64, 16, max_seq_len=300, num_splits=5, tile=tile)
+
+
+# ---- full matrix on a real GPU ----
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seq_lens", GPU_CASES, ids=lambda v: f"B{len(v)}max{max(v)}")
+@pytest.mark.parametrize("hq,hkv,d,page",
+                         [(32, 8, 128, 16), (32, 32, 128, 32), (16, 2, 64, 16), (28, 4, 128, 128)])
+def test_rotary_decode_gpu(device, gen, dtype, seq_lens, hq, hkv, d, page):
+    num_blocks = 32768 if hkv * page <= 256 else 16384
+    _run(device, gen, dtype, seq_lens, hq, hkv, d, page, padding=(0,), num_blocks=num_blocks, max_seq_len=4096)
+
+
+@gpu
+@pytest.mark.parametrize("tile", [pytest.param(t, id="BN{}-w{}-s{}".format(*t)) for t in _tile_configs()])
+@pytest.mark.parametrize("num_splits", [1, 16, 256])
+@pytest.mark.parametrize("is_neox", [True, False])
+def test_rotary_decode_gpu_every_config(device, gen, tile, num_splits, is_neox):
+    _run(device, gen, torch.bfloat16, [1, 17, 512, 4095, 4096, 2000, 33, 64], 32, 8, 128, 16, is_neox=is_neox,
+         padding=(1,), num_blocks=16384, max_seq_len=4096, num_splits=num_splits, tile=tile)
