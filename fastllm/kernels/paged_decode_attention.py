@@ -58,12 +58,12 @@ _MAX_SPLITS = 64
 _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM (H100, CUDA-graph timings: 24-64 splits at B1, 8 at B8)
 
 # (block_n, num_warps, num_stages) that tune.py times; choose_config picks 64 for head_dim <= 128, 32 above, and
-# 32 with 2 warps for large batches. (128, 4, 3) was faster at small batches (B1 x 32768: 0.0660 ms against
+# 16 with 2 warps for large batches. (128, 4, 3) was faster at small batches (B1 x 32768: 0.0660 ms against
 # 0.0693 with 33 splits instead of 50; B32 x 330 in one split: 0.0287 against 0.0320) but flipped a greedy
 # token at a 0.12-nat margin in the tiny bf16 Llama-3.1 engine test; it is left out until its rounding is
 # compared with the 64-key tile's.
-TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (32, 2, 2)]
-_MANY_PROGRAMS_PER_SM = 8  # B x Hkv beyond this many per SM: the small tile (TILE_CONFIGS[3])
+TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2)]
+_MANY_PROGRAMS_PER_SM = 7  # B x Hkv from this many per SM: the small tile (TILE_CONFIGS[3]), e.g. B128 x 8 heads
 _MIN_BUSY_SPLIT_TOKENS = 512  # min_split_len once B x Hkv >= the SM count
 
 
@@ -370,8 +370,11 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
                   element_size: int = 2) -> DecodeConfig:
     """Split count, tile and minimum split length for one launch; host-side ints only (CUDA-graph safe).
 
-    On an H100 (tune.py, bf16, D 128, GQA 4, CUDA-graph timings) 32-key tiles with 2 warps beat the 64-key
-    tile by 5% at B256 (2048+ programs) for contexts of 200 to 512.
+    Many programs (>= 7 a SM) take 16-key tiles with 2 warps: more of them fit on an SM to hide the loads'
+    latency. On an H100 (rotary_decode_attention, bf16, D 128, GQA 4, bound 4096, CUDA-graph replays; scratch
+    sweep at ed793ac) they took 43.5 / 69.1 / 359.5 us at B128 x 150 / 300 / 2048 against 47.5 / 72.2 / 362.1
+    for 64-key tiles, and 73.6 / 122.5 / 192.1 / 363.2 us at B256 x 150 / 300 / 512 / 1024 against 74.1 /
+    127.1 / 195.3 / 371.4 for the 32-key tiles used before; at B64 (512 programs) 64-key tiles stay ahead.
     max_seq_len is only a bound (a graph is captured at max_model_len), so the split count is sized for
     it, and min_split_len keeps short requests from being cut into one-tile splits once B x Hkv alone
     covers the SMs (with 64-key tiles B32 x 330 took 31.8 us in one split, 31.0 in two; at B32 x 200 both

@@ -210,6 +210,8 @@ def test_decode_table_tiles():
     busy = choose_config(4096, 32, 8, 128, num_sms=132)
     assert busy.num_splits == 2 and busy.min_split_len >= 512  # long requests split, short ones do not
     assert choose_config(4096, 256, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[3]  # many programs: small tile
+    assert choose_config(4096, 128, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[3]  # 1024 programs: 7.8 a SM
+    assert choose_config(4096, 64, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[0]  # 512: the 64-key tile
     assert choose_config(4096, 8, 8, 128, num_sms=132, element_size=4)[1:4] == TILE_CONFIGS[0]  # fp32
     assert choose_config(4096, 8, 8, 256, num_sms=132)[1:4] == TILE_CONFIGS[2]  # head_dim 256
 
