@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels import pdl
+
 _BLOCK = 1024  # columns per step of a chunk scan
 _PROGRAMS_PER_SM = 16
 _NUM_WARPS = 8
@@ -36,8 +38,10 @@ _NUM_WARPS = 8
 @triton.jit(do_not_specialize=["n_cols", "chunk"])
 def _argmax_part_kernel(
     x_ptr, part_val_ptr, part_idx_ptr, out_ptr, stride_xb, n_cols, chunk,
-    BLOCK: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    BLOCK: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # launched with PDL (pdl.py)
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     num_parts = tl.num_programs(1)
@@ -66,7 +70,10 @@ def _argmax_part_kernel(
 
 
 @triton.jit
-def _argmax_merge_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_parts, BLOCK_P: tl.constexpr):
+def _argmax_merge_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_parts, BLOCK_P: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, BLOCK_P)
     ok = p < num_parts
@@ -111,9 +118,10 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
         part_idx = torch.empty(batch, parts, dtype=torch.int32, device=logits.device)
     _argmax_part_kernel[(batch, parts)](
         logits, part_val, part_idx, out, logits.stride(0), n_cols, chunk,
-        BLOCK=_BLOCK, DIRECT_OUT=parts == 1, num_warps=_NUM_WARPS,
+        BLOCK=_BLOCK, DIRECT_OUT=parts == 1, num_warps=_NUM_WARPS, **pdl.launch_options(logits.device),
     )
     if parts > 1:
         _argmax_merge_kernel[(batch,)](part_val, part_idx, out, parts,
-                                       BLOCK_P=triton.next_power_of_2(parts), num_warps=1)
+                                       BLOCK_P=triton.next_power_of_2(parts), num_warps=1,
+                                       **pdl.launch_options(logits.device))
     return out

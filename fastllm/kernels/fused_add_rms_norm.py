@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels import pdl
+
 
 # The row count varies every step: not specializing it (on == 1, % 16) keeps one compiled variant instead
 # of several, each JIT-compiled at its first use, possibly mid-serving.
@@ -29,12 +31,16 @@ def _rms_norm_kernel(
     num_rows, num_heads, n_cols, eps,
     stride_xa, stride_xh, stride_ra, stride_rh,  # x, residual viewed as [A, H, N]; row = a * H + h
     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): the weight loads before the wait
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     a = rows // num_heads
     h = rows % num_heads
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]  # [BLOCK_R, BLOCK_N]
+    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + (a * stride_xa + h * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_off = (a * stride_ra + h * stride_rh)[:, None] + cols[None, :]
@@ -45,7 +51,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)  # [BLOCK_R]
     normed = (xf * inv_rms[:, None]).to(x.dtype)  # HF rounds before the weight multiply
-    w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
     y = w.to(tl.float32)[None, :] * normed.to(tl.float32)
     tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -85,6 +90,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         num_rows, x3.shape[1], n, eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
+        **pdl.launch_options(x.device),
     )
     return out, res_out
 

@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels import pdl
+
 _LOG2E = 1.4426950408889634
 _MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
 _MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, partial write, reduce input)
@@ -134,11 +136,14 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     APPEND: tl.constexpr,  # rotate q and the new k here, write the new k/v, attend to them from registers
     IS_NEOX: tl.constexpr, HALF: tl.constexpr,  # APPEND's rotary layout
+    USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): seq_lens (staged step input) is read before the wait
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     part_len = _split_len(seq_len, num_splits, min_split_len, BLOCK_N)
     start = split * part_len
     end = tl.minimum(start + part_len, seq_len)  # start >= end: an empty split
@@ -466,7 +471,7 @@ def paged_decode_attention_splits(
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         APPEND=append is not None, IS_NEOX=append is None or append.is_neox, HALF=head_dim // 2,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(query.device),
     )
     if num_splits > 1 and not merge_in_kernel:
         _decode_reduce_kernel[(batch, num_kv_heads)](

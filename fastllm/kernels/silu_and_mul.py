@@ -15,14 +15,18 @@ import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels import pdl
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < inter
+    if USE_PDL:  # launched with PDL (pdl.py)
+        tl.extra.cuda.gdc_wait()
     gate = tl.load(x_ptr + t * stride_xt + c, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_xt + inter + c, mask=mask, other=0.0)
     g = gate.to(tl.float32)
@@ -47,6 +51,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, _BLOCK))](
-        x2, out, x2.stride(0), inter, inter, BLOCK=_BLOCK, num_warps=4,
+        x2, out, x2.stride(0), inter, inter, BLOCK=_BLOCK, num_warps=4, **pdl.launch_options(x.device),
     )
     return out
