@@ -1,4 +1,5 @@
-"""Rotary embedding fused with the KV-cache write, at Llama-3-8B shapes (what attention runs first).
+"""Rotary embedding fused with the KV-cache write, at Llama-3-8B shapes (what attention runs first on a
+prefill or mixed step; a decode step does both inside decode attention, rotary_decode_attention).
 
 q, k, v are views of a fused qkv output; slots are a random permutation of a 16-token-page cache.
 Baselines: our two unfused kernels back to back (rotary in place, then kv_cache_write), and

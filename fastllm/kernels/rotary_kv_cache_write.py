@@ -6,12 +6,13 @@ kv_cache_write.py's scatter, for every token t with slot s = slot_mapping[t]:
     key_cache[s // page, s % page] = rope(key[t], p_t),  value_cache[...] = value[t]    (s >= 0 only)
     key_out[t] = rope(key[t], p_t)                                                      (return_key only)
 Out of place: query and key (views of the qkv projection) are left as they are, so the attention op
-that calls this mutates none of its inputs. Decode reads keys back from the cache and needs no key_out;
-prefill's chunk loops read the chunk's keys from key_out's contiguous rows.
+that calls this mutates none of its inputs. Prefill's chunk loops read the chunk's keys from key_out's
+contiguous rows; return_key=False leaves them to the cache. The engine's decode steps no longer come
+here: rotary_decode_attention does this inside decode attention.
 
 Why fused: at decode a step ran a rotary and a KV-write kernel per layer, each a few microseconds
 of launch-bound work for one token's heads (~0.1 ms a step for 32 layers on an H100). One program
-per token now reads q, k, v once and writes each once.
+per token reads q, k, v once and writes each once.
 
 Memory traffic: read q, k, v and one cos/sin row, write q_out, the K/V cache rows (and key_out):
     bytes = T * (2 Hq + (3 + return_key) Hkv) * D * x.element_size() + T * D * 4 + T * (pos + slot)

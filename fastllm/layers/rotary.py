@@ -1,5 +1,6 @@
 """Rotary position embedding: the cos/sin table (with Llama-3.1 scaling) and the module that holds
-it. The rotation itself runs inside the attention op (rotary_kv_cache_write), fused with the KV write."""
+it. The rotation itself runs inside the attention op: fused into decode attention on a decode step
+(rotary_decode_attention), and with the KV write (rotary_kv_cache_write) on prefill and mixed steps."""
 
 from __future__ import annotations
 
