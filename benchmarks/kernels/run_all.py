@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import subprocess
 import sys
 import time
 import traceback
@@ -37,13 +36,10 @@ def _environment() -> dict:
     import torch
     import triton
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
-        commit = ""
+    from fastllm.bench.ceilings import git_commit  # FASTLLM_COMMIT when set, as the engine benchmarks
+
     return {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
-            "commit": commit}
+            "commit": git_commit()}
 
 
 def main() -> int:
