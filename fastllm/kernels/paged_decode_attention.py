@@ -137,6 +137,7 @@ def _decode_split_kernel(
     APPEND: tl.constexpr,  # rotate q and the new k here, write the new k/v, attend to them from registers
     IS_NEOX: tl.constexpr, HALF: tl.constexpr,  # APPEND's rotary layout
     USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): seq_lens (staged step input) is read before the wait
+    OFFSET_64: tl.constexpr,  # a cache of 2^31 elements or more: page offsets in int64, else int32
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -200,13 +201,16 @@ def _decode_split_kernel(
     # A tile of at least a page starts on a page boundary (splits are whole tiles, both are powers of two),
     # so each column's slot in its page, and with it the in-page part of its K/V offsets, is the same every
     # tile: computed once here, a tile then adds one page base per column. Address math was ~half of
-    # the loop's instructions on an H100 (ncu, B32 x 260 keys), and short-context decode is issue-bound.
+    # the loop's instructions on an H100 (ncu, B32 x 260 keys), and short-context decode is issue-bound:
+    # for the same reason page offsets stay int32 unless the cache is too large for them (OFFSET_64).
     k_in_page = (col % PAGE)[None, :] * stride_ks + d[:, None]  # [BLOCK_D, BLOCK_N]
     v_in_page = (col % PAGE)[:, None] * stride_vs + d[None, :]  # [BLOCK_N, BLOCK_D]
     for n0 in range(start, keys_end, BLOCK_N):
         n = n0 + col  # [BLOCK_N] token positions; a tile may span several pages
         n_ok = n < keys_end
-        page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)  # int64: page * stride > 2^31
+        page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
+        if OFFSET_64:
+            page = page.to(tl.int64)
         if BLOCK_N >= PAGE:
             k_off = page[None, :] * stride_kb + k_in_page
             v_off = page[:, None] * stride_vb + v_in_page
@@ -410,12 +414,13 @@ def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: i
 def paged_decode_attention_splits(
     query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float, num_splits: int,
     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, merge_in_kernel: bool = True,
-    min_split_len: int = 0, append: NewTokens | None = None,
+    min_split_len: int = 0, append: NewTokens | None = None, offset_64: bool | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention with an explicit launch config (tests and tuning); max_seq_len is unused here.
     merge_in_kernel=False merges the splits in a second kernel (the layout before the in-kernel merge).
     min_split_len: keys a split holds at least (rounded up to whole tiles), so that a short request uses
-    fewer of the num_splits. append: rotary_decode_attention's step (query is then before rotary)."""
+    fewer of the num_splits. append: rotary_decode_attention's step (query is then before rotary).
+    offset_64: int64 page offsets; None decides from the cache size (tests force True on small caches)."""
     batch, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
@@ -471,6 +476,7 @@ def paged_decode_attention_splits(
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         APPEND=append is not None, IS_NEOX=append is None or append.is_neox, HALF=head_dim // 2,
+        OFFSET_64=offset_64 if offset_64 is not None else max(key_cache.numel(), value_cache.numel()) >= 2**31,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(query.device),
     )
     if num_splits > 1 and not merge_in_kernel:

@@ -19,7 +19,7 @@ DTYPES = [torch.float32, torch.float16, BF16]
 
 
 def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, num_blocks=None, max_seq_len=None, num_splits=None,
-         strided_query=False, tile=None):
+         strided_query=False, tile=None, offset_64=None, return_kv=False):
     num_blocks = num_blocks or sum(-(-n // page) for n in seq_lens) + 8
     kv = PagedKV(seq_lens, num_blocks, page, hkv, d, dtype, device, gen)
     max_seq_len = max_seq_len or max(max(seq_lens), 1)
@@ -35,11 +35,12 @@ def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, num_blocks=None, max_se
 
         block_n, num_warps, num_stages, *min_split_len = tile or (None, 4, 2)  # or a DecodeConfig's tail
         out = paged_decode_attention_splits(*args, num_splits=num_splits, block_n=block_n, num_warps=num_warps,
-                                            num_stages=num_stages, min_split_len=min_split_len[0] if min_split_len else 0)
+                                            num_stages=num_stages, min_split_len=min_split_len[0] if min_split_len else 0,
+                                            offset_64=offset_64)
     ref = decode_oracle(query, kv, max_seq_len)
     assert out.dtype == dtype
     assert_close(out, ref, *TOL[dtype], what=f"decode lens={seq_lens}")
-    return out
+    return (out, kv) if return_kv else out
 
 
 def _tile_configs():
@@ -106,6 +107,13 @@ def test_decode_padding_rows(device, gen, num_splits):
     assert (out[0] == 0).all()
     ref = decode_oracle(query, kv, 128)
     assert_close(out, ref, *TOL[torch.float16])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_int64_offsets(device, gen, num_splits):
+    # the int64 page-offset path, forced on a small cache (a real one needs 2^31 elements: GPU test below)
+    _run(device, gen, torch.float16, [300, 1, 64, 129], 8, 2, 64, 16, max_seq_len=300, num_splits=num_splits,
+         offset_64=True)
 
 
 def test_decode_strided_query(device, gen):
@@ -272,6 +280,17 @@ def test_decode_gpu_short_requests_loose_bound(device, gen, batch):
     lens = torch.randint(1, 513, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
     _run(device, gen, torch.bfloat16, lens, 32, 8, 128, 16, num_blocks=sum(-(-n // 16) for n in lens) + 8,
          max_seq_len=4096)
+
+
+@gpu
+def test_decode_gpu_cache_past_int32_offsets(device, gen):
+    # 140000 blocks of 16 x 8 x 128: 2.29e9 elements per cache, so block ids above 131071 sit past int32
+    # element offsets; the launcher must pick int64 ones (OFFSET_64) for them
+    lens = [4096, 1, 3000, 17, 2048, 777, 4095, 64]
+    _, kv = _run(device, gen, torch.bfloat16, lens, 32, 8, 128, 16, num_blocks=140000, max_seq_len=4096,
+                 return_kv=True)
+    high = int(kv.block_tables.max()) * kv.key_cache.stride(0)
+    assert high >= 2**31, f"no block past int32 offsets ({high}): the test would not test them"
 
 
 @gpu

@@ -22,7 +22,7 @@ from tests.kernels.test_rotary import _cos_sin_cache
 
 
 def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, is_neox=True, padding=(), num_blocks=None,
-         max_seq_len=None, num_splits=None, tile=None):
+         max_seq_len=None, num_splits=None, tile=None, offset_64=None):
     num_blocks = num_blocks or sum(-(-n // page) for n in seq_lens) + 8
     kv = PagedKV(seq_lens, num_blocks, page, hkv, d, dtype, device, gen)
     batch = len(seq_lens)
@@ -58,7 +58,7 @@ def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, is_neox=True, padding=(
         block_n, num_warps, num_stages = tile or (None, 4, 2)
         out = paged_decode_attention_splits(
             query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, max_seq_len, scale, num_splits,
-            block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+            block_n=block_n, num_warps=num_warps, num_stages=num_stages, offset_64=offset_64,
             append=NewTokens(positions, key, value, cos_sin, is_neox, slot_mapping))
     ref = reference_impl("rotary_decode_attention")
     up = ref(positions, query.float(), key.float(), value.float(), *common, up_kc, up_vc, *tail)
@@ -95,6 +95,12 @@ def test_rotary_decode_forced_splits_and_padding(device, gen, num_splits):
 @pytest.mark.parametrize("tile", [pytest.param(t, id="BN{}-w{}-s{}".format(*t)) for t in _tile_configs()])
 def test_rotary_decode_every_tile_config(device, gen, tile):
     _run(device, gen, torch.float32, [300, 1, 129, 64], 8, 2, 64, 16, max_seq_len=300, num_splits=5, tile=tile)
+
+
+def test_rotary_decode_int64_offsets(device, gen):
+    # the int64 page-offset path, forced on a small cache
+    _run(device, gen, torch.float16, [300, 1, 129, 64], 8, 2, 64, 16, max_seq_len=300, num_splits=3,
+         offset_64=True)
 
 
 # ---- full matrix on a real GPU ----
