@@ -65,7 +65,8 @@ _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM (H100, CUDA-graph timings: 24
 # token at a 0.12-nat margin in the tiny bf16 Llama-3.1 engine test; it is left out until its rounding is
 # compared with the 64-key tile's.
 TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2)]
-_MANY_PROGRAMS_PER_SM = 7  # B x Hkv from this many per SM: the small tile (TILE_CONFIGS[3]), e.g. B128 x 8 heads
+# B x Hkv from this many per SM: the small tile (TILE_CONFIGS[3]); e.g. B128 at 8 KV heads on 132 SMs
+_MANY_PROGRAMS_PER_SM = 7
 _MIN_BUSY_SPLIT_TOKENS = 512  # min_split_len once B x Hkv >= the SM count
 
 
@@ -449,6 +450,8 @@ def paged_decode_attention_splits(
     else:
         part_o = part_lse = out  # unused
     counters = _split_counters(query.device, batch * num_kv_heads) if merge_in_kernel else seq_lens  # unused
+    if offset_64 is None:
+        offset_64 = max(key_cache.numel(), value_cache.numel()) >= 2**31
     if append is not None:
         new_k, new_v, cos_sin = append.key, append.value, append.cos_sin_cache
         assert new_k.shape == new_v.shape == (batch, num_kv_heads, head_dim), (new_k.shape, new_v.shape)
@@ -476,7 +479,7 @@ def paged_decode_attention_splits(
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         APPEND=append is not None, IS_NEOX=append is None or append.is_neox, HALF=head_dim // 2,
-        OFFSET_64=offset_64 if offset_64 is not None else max(key_cache.numel(), value_cache.numel()) >= 2**31,
+        OFFSET_64=offset_64,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(query.device),
     )
     if num_splits > 1 and not merge_in_kernel:

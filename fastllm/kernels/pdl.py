@@ -33,7 +33,8 @@ def _enabled(device_index: int) -> bool:
     else:
         major, minor = torch.cuda.get_device_capability(device_index)
         why, on = f"sm_{major}{minor}", major >= 9
-    logger.info("programmatic dependent launch %s for the decode-step kernels (%s)", "on" if on else "off", why)
+    logger.info("programmatic dependent launch %s for the decode-step kernels (%s)",
+                "on" if on else "off", why)
     return on
 
 

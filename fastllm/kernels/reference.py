@@ -190,8 +190,10 @@ def rotary_decode_attention(
     out = torch.empty_like(query)
     group = query.shape[1] // key_cache.shape[2]
     for i, seq_len in enumerate(seq_lens.tolist()):
-        k = torch.cat([_gather_kv(key_cache, block_tables[i], seq_len - 1), key[i:i + 1].to(key_cache.dtype)])
-        v = torch.cat([_gather_kv(value_cache, block_tables[i], seq_len - 1), value[i:i + 1].to(value_cache.dtype)])
+        cached = seq_len - 1
+        k = torch.cat([_gather_kv(key_cache, block_tables[i], cached), key[i:i + 1].to(key_cache.dtype)])
+        v = torch.cat([_gather_kv(value_cache, block_tables[i], cached),
+                       value[i:i + 1].to(value_cache.dtype)])
         k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, s, D]
         v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
         probs = torch.softmax(torch.matmul(query[i].float().unsqueeze(1), k.transpose(1, 2)) * scale, dim=-1)
