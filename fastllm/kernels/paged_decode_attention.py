@@ -500,12 +500,19 @@ def paged_decode_attention(
     max_seq_len: int,  # host-side bound on seq_lens; sizes the KV split
     scale: float,
 ) -> torch.Tensor:
+    return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale)
+
+
+def _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float,
+                   append: NewTokens | None = None) -> torch.Tensor:
+    """paged_decode_attention_splits with the host table's launch config (choose_config)."""
     num_sms = _num_sms(query.device) if query.is_cuda else 4  # interpreter on CPU: pretend 4 SMs
     cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2], num_sms,
                         query.element_size())
     return paged_decode_attention_splits(
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,
+        append=append,
     )
 
 
@@ -527,12 +534,5 @@ def rotary_decode_attention(
     """A decode step's whole attention in one launch: rotary_kv_cache_write, then paged_decode_attention
     (see the reference for the exact semantics). Saves a launch-bound kernel per layer (~2.5 us on an
     H100) and the rotated q's round trip through memory."""
-    num_sms = _num_sms(query.device) if query.is_cuda else 4
-    cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2], num_sms,
-                        query.element_size())
     append = NewTokens(positions, key, value, cos_sin_cache, is_neox, slot_mapping)
-    return paged_decode_attention_splits(
-        query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
-        block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,
-        append=append,
-    )
+    return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, append)

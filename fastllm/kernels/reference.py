@@ -56,26 +56,31 @@ def paged_attention(
     covers decode (q_len = 1), prefill (q_len = seq_len) and chunked prefill.
     """
     out = torch.empty_like(query)
-    num_q_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
-    group = num_q_heads // num_kv_heads
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i, seq_len in enumerate(lens):
         start, end = qsl[i], qsl[i + 1]
         q_len = end - start
         if q_len == 0:
             continue
-        q = query[start:end].float().transpose(0, 1)  # [Hq, q, D]
-        k = _gather_kv(key_cache, block_tables[i], seq_len).float()
-        v = _gather_kv(value_cache, block_tables[i], seq_len).float()
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, s, D]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, q, s]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=scores.device).unsqueeze(0)
-        scores.masked_fill_(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.matmul(probs, v).transpose(0, 1).to(query.dtype)
+        k = _gather_kv(key_cache, block_tables[i], seq_len)
+        v = _gather_kv(value_cache, block_tables[i], seq_len)
+        out[start:end] = _attend(query[start:end], k, v, scale)
     return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [q_len, Hq, D], the last q_len positions of k/v [s, Hkv, D]: causal attention in float32,
+    returned in q's dtype."""
+    q_len, seq_len, group, dtype = q.shape[0], k.shape[0], q.shape[1] // k.shape[1], q.dtype
+    q = q.float().transpose(0, 1)  # [Hq, q, D]
+    k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, s, D]
+    v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, q, s]
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=scores.device).unsqueeze(0)
+    scores.masked_fill_(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).transpose(0, 1).to(dtype)
 
 
 def paged_decode_attention(
@@ -188,16 +193,12 @@ def rotary_decode_attention(
     query, key = rotary_kv_cache_write(positions, query, key, value, cos_sin_cache, is_neox, key_cache,
                                        value_cache, slot_mapping, return_key=True)
     out = torch.empty_like(query)
-    group = query.shape[1] // key_cache.shape[2]
     for i, seq_len in enumerate(seq_lens.tolist()):
         cached = seq_len - 1
         k = torch.cat([_gather_kv(key_cache, block_tables[i], cached), key[i:i + 1].to(key_cache.dtype)])
         v = torch.cat([_gather_kv(value_cache, block_tables[i], cached),
                        value[i:i + 1].to(value_cache.dtype)])
-        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, s, D]
-        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
-        probs = torch.softmax(torch.matmul(query[i].float().unsqueeze(1), k.transpose(1, 2)) * scale, dim=-1)
-        out[i] = torch.matmul(probs, v).squeeze(1).to(query.dtype)  # [Hq, D]
+        out[i:i + 1] = _attend(query[i:i + 1], k, v, scale)
     return out
 
 
