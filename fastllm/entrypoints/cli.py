@@ -51,6 +51,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from fastllm.entrypoints.openai.server import run_server
+
+    run_server(engine_kwargs(args), args.model, args.host, args.port, args.served_model_name, args.chat_template)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastllm", description="fastllm: an LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -67,6 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=cmd_generate)
     from fastllm.entrypoints.bench import add_bench_parser
     add_bench_parser(sub)
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
+                       "model directory's name)")
+    serve.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one "
+                       "(default: the tokenizer's)")
+    serve.add_argument("-v", "--verbose", action="store_true")
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,

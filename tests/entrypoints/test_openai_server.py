@@ -1,0 +1,257 @@
+"""`fastllm serve`'s app under uvicorn on the CPU (stories260K), driven by the official `openai` client:
+greedy completions equal LLM.generate's, streams add up to the whole, chat goes through the chat
+template, bad input is HTTP 400 with OpenAI's error body, a client that leaves frees its KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from fastllm import SamplingParams
+from fastllm.engine.async_llm_engine import AsyncLLMEngine
+from fastllm.entrypoints.openai.server import build_app
+from tests.conftest import PROMPTS, cached_llm
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %} {% endif %}{% endfor %}"
+MODEL = "stories260K"
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=256)
+    app = build_app(engine, MODEL, chat_template=TEMPLATE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    for _ in range(200):
+        if uv.started:
+            break
+        time.sleep(0.05)
+    assert uv.started, "uvicorn did not start"
+    yield f"http://127.0.0.1:{port}", engine
+    uv.should_exit = True
+    thread.join(timeout=10)
+    engine.shutdown()
+
+
+@pytest.fixture
+def client(server):
+    url, engine = server
+    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    wait_idle(engine)
+
+
+def wait_idle(engine):
+    for _ in range(500):
+        if not engine.engine.has_unfinished_requests() and engine._commands.empty():
+            break
+        time.sleep(0.01)
+    engine.engine.check_kv_pool_whole()
+
+
+def offline(prompts, **params):
+    llm = cached_llm(device="cpu", dtype="float32")
+    return [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(**params), use_tqdm=False)]
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server[0] + "/health").status_code == 200
+
+
+def test_greedy_completions_equal_offline(client):
+    want = offline(PROMPTS[:3], temperature=0, max_tokens=24)
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[:3], temperature=0, max_tokens=24)
+    assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == want
+    assert all(c.finish_reason in ("length", "stop") for c in out.choices)
+    llm = cached_llm(device="cpu", dtype="float32")
+    runs = llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert out.usage.completion_tokens == sum(len(r.outputs[0].token_ids) for r in runs)
+    assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in runs)
+    tok = llm.get_tokenizer()
+    ids = tok(PROMPTS[0])["input_ids"]
+    by_ids = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=24)
+    assert by_ids.choices[0].text == want[0]
+
+
+def test_stream_adds_up_to_the_whole(client):
+    want = offline(PROMPTS[:2], temperature=0, max_tokens=32)
+    texts, usage, finish = {}, None, {}
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[:2], temperature=0, max_tokens=32, stream=True,
+                                       stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+    assert [texts[0], texts[1]] == want and set(finish) == {0, 1}
+    assert usage is not None and usage.completion_tokens > 0 and usage.prompt_tokens > 0
+
+
+def test_n_logprobs_and_stop(client):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], n=3, temperature=1.0, seed=7, max_tokens=16,
+                                    logprobs=2)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    for c in out.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) >= 1
+        assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) >= 2 for t in lp.top_logprobs)
+    full = offline([PROMPTS[0]], temperature=0, max_tokens=40)[0]
+    cut = full.split()[3]
+    stopped = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=40, stop=[cut])
+    choice = stopped.choices[0]
+    assert choice.finish_reason == "stop" and cut not in choice.text and full.startswith(choice.text)
+
+
+def test_chat_through_the_template(client):
+    messages = [{"role": "system", "content": "Once upon a time"}, {"role": "user", "content": "there was"}]
+    want = offline(["Once upon a time there was"], temperature=0, max_tokens=20)[0]
+    out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20,
+                                         logprobs=True, top_logprobs=2)
+    msg = out.choices[0].message
+    assert msg.role == "assistant" and msg.content == want
+    assert all(len(t.top_logprobs) == 2 for t in out.choices[0].logprobs.content)
+    text, roles = "", []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=20,
+                                                stream=True):
+        for c in chunk.choices:
+            roles += [c.delta.role] if c.delta.role else []
+            text += c.delta.content or ""
+    assert roles == ["assistant"] and text == want
+
+
+@pytest.mark.parametrize("body,status,match", [
+    (dict(prompt="Hi", temperature=-1), 400, "temperature"),
+    (dict(prompt="Hi", max_tokens=10**6), 400, "max_model_len"),
+    (dict(prompt=""), 400, "empty"),
+    (dict(prompt="Hi", top_p=0), 400, "top_p"),
+    (dict(prompt="Hi", n=0), 400, "n"),
+    (dict(prompt="Hi", echo=True), 400, "echo"),
+    (dict(prompt="Hi", unknown_field=1), 400, "unknown_field"),
+    (dict(temperature=0), 400, "prompt"),
+    (dict(prompt="Hi", model="gpt-4"), 404, "gpt-4"),
+])
+def test_bad_completion_requests(server, body, status, match):
+    url, engine = server
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, **body} if "model" not in body else body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert match in error["message"] and error["code"] == status and error["type"]
+    wait_idle(engine)
+
+
+def test_bad_request_through_the_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=["fine", ""], max_tokens=4)  # the second is empty
+    assert "empty" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "x"}])
+    assert client.completions.create(model=MODEL, prompt="Still", max_tokens=4).choices[0].text is not None
+
+
+def test_client_that_leaves_frees_its_blocks(server):
+    url, engine = server
+
+    async def leave_early():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as aclient:
+            stream = await aclient.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=400,
+                                                      temperature=0, stream=True, extra_body={"ignore_eos": True})
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 3:
+                    break
+            await stream.close()
+    aborted = aborted_count(url)
+    with count_steps(engine) as steps:
+        asyncio.run(leave_early())
+        left_at = steps[0]
+        wait_idle(engine)  # no request holds blocks
+    assert steps[0] - left_at < 100, "the engine kept generating after the client left (400 tokens asked)"
+    assert aborted_count(url) == aborted + 1
+
+
+@contextlib.contextmanager
+def count_steps(engine):
+    """steps[0]: the engine steps taken so far (the engine thread calls the wrapper)."""
+    steps, step = [0], engine.engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+    engine.engine.step = counted
+    try:
+        yield steps
+    finally:
+        del engine.engine.step
+
+
+def aborted_count(url: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith('fastllm_requests_total{finish_reason="abort"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_concurrent_requests(server):
+    url, engine = server
+    want = offline(PROMPTS, temperature=0, max_tokens=16)
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as aclient:
+            outs = await asyncio.gather(*(aclient.completions.create(model=MODEL, prompt=p, temperature=0,
+                                                                      max_tokens=16) for p in PROMPTS))
+        return [o.choices[0].text for o in outs]
+    assert asyncio.run(all_at_once()) == want
+    wait_idle(engine)
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt="Once", max_tokens=4)
+    text = httpx.get(server[0] + "/metrics").text
+    for name in ("fastllm_requests_total", "fastllm_generation_tokens_total", "fastllm_e2e_request_latency_seconds",
+                 "fastllm_kv_cache_usage_perc", "fastllm_num_requests_running"):
+        assert name in text, name
+
+
+def test_engine_failure_is_500_and_unhealthy():
+    from fastapi.testclient import TestClient
+
+    engine = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=64)
+
+    def broken():
+        raise RuntimeError("device lost")
+    engine.engine.step = broken
+    try:
+        with TestClient(build_app(engine, MODEL), raise_server_exceptions=False) as http:
+            r = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+            assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+            assert http.get("/health").status_code == 503
+            r = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+            assert r.status_code == 500 and "stopped after an error" in r.json()["error"]["message"]
+    finally:
+        engine.shutdown()
+
+
+def test_serve_command_parses():
+    from fastllm.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
