@@ -36,6 +36,12 @@ DISPLAY = {
     },
 }
 DISPLAY["prefix"] = DISPLAY["throughput"]
+DISPLAY["serving"] = {
+    "request_rate": ("rate", 1), "num_prompts": ("prompts", 1), "completed": ("done", 1), "failed": ("failed", 1),
+    "req_s": ("req/s", 1), "output_tok_s": ("out_tok/s", 1), "ttft_ms_mean": ("ttft_ms", 1),
+    "ttft_ms_p99": ("ttft_p99", 1), "tpot_ms_mean": ("tpot_ms", 1), "tpot_ms_p99": ("tpot_p99", 1),
+    "itl_ms_p50": ("itl_p50", 1), "itl_ms_p99": ("itl_p99", 1), "e2e_ms_mean": ("e2e_ms", 1),
+}
 STAMP = ("device", "torch", "triton", "commit")
 
 
@@ -60,7 +66,7 @@ def header(result: dict) -> str:
     if c:
         lines.append(f"ceilings: copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s (read+write), bf16 matmul "
                      f"{c['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s ({c.get('source', 'measured')})")
-    else:
+    elif result["benchmark"] != "serving":  # the server process owns the device
         lines.append("ceilings: n/a (CPU run or --no-ceilings): %bw and %tc are n/a")
     s = result.get("startup")
     if s:
@@ -103,6 +109,10 @@ def row_line(benchmark: str, row: dict) -> str:
                 f"{f('tok_s_total', '.1f')} tok/s, {f('achieved_gb_s', '.1f')} GB/s ({f('bw_frac', '.1f', 100)}% bw), "
                 f"{f('achieved_tflops', '.2f')} TFLOP/s ({f('tc_frac', '.1f', 100)}% tc), peak {f('peak_mem_gib')} GiB"
                 + jit)
+    if benchmark == "serving":
+        return (f"[rate {row['request_rate']}/s, {row['completed']}/{row['num_prompts']} done] {f('req_s')} req/s, "
+                f"{f('output_tok_s', '.1f')} out tok/s, ttft {f('ttft_ms_mean')} ms (p99 {f('ttft_ms_p99')}), "
+                f"tpot {f('tpot_ms_mean')} ms (p99 {f('tpot_ms_p99')}), itl p99 {f('itl_ms_p99')} ms")
     return (f"[{row['num_prompts']} prompts] {f('total_s')} s, {f('requests_s')} req/s, "
             f"{f('output_tok_s', '.1f')} out tok/s, ttft {f('ttft_ms_mean')} ms, hit rate {f('prefix_hit_rate', '.1f', 100)}%"
             + jit)

@@ -1,10 +1,11 @@
-"""`fastllm bench [latency|throughput|prefix|startup]`: argument parsing and the run; the
-measurements live in fastllm/bench/ (latency.py, throughput.py, profile.py, roofline.py, ...).
+"""`fastllm bench [latency|throughput|prefix|startup|serving]`: argument parsing and the run; the
+measurements live in fastllm/bench/ (latency.py, throughput.py, serving.py, profile.py, roofline.py, ...).
 
   fastllm bench --batch-sizes 1,8,32 --input-len 128 --output-len 256     decode latency sweep
   fastllm bench throughput --num-prompts 256 --input-len 512 --output-len 256
   fastllm bench prefix --num-prompts 64 --shared-prefix-len 1024 --input-len 128
   fastllm bench startup
+  fastllm bench serving --num-prompts 200 --request-rates 4,16,inf    requests at a rate to `fastllm serve`
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from fastllm.entrypoints.cli import add_engine_args, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
-MODES = ("latency", "throughput", "prefix", "startup")
+MODES = ("latency", "throughput", "prefix", "startup", "serving")
 # mode -> (input_len, output_len, shared_prefix_len)
-DEFAULTS = {"latency": (128, 256, 0), "throughput": (512, 256, 0), "prefix": (128, 128, 1024), "startup": (0, 0, 0)}
+DEFAULTS = {"latency": (128, 256, 0), "throughput": (512, 256, 0), "prefix": (128, 128, 1024), "startup": (0, 0, 0),
+            "serving": (128, 128, 0)}
 
 
 def add_bench_parser(subparsers) -> None:
@@ -37,6 +39,12 @@ def add_bench_parser(subparsers) -> None:
     w.add_argument("--dataset", default=None, help='throughput: JSONL of {"prompt": ...} or {"prompt_token_ids": [...]}')
     w.add_argument("--shared-prefix-len", type=int, default=None,
                    help="throughput/prefix: tokens every prompt shares before its own input-len (prefix: 1024)")
+    w.add_argument("--request-rates", default="inf", help="serving: comma-separated requests/s (Poisson arrivals); "
+                   "inf sends all at once")
+    w.add_argument("--max-concurrency", type=int, default=None, help="serving: most requests in flight")
+    w.add_argument("--url", default=None, help="serving: a running `fastllm serve` (default: start one with the "
+                   "engine arguments below)")
+    w.add_argument("--served-model-name", default=None, help="serving: the model name that server answers to")
     w.add_argument("--cuda-graph-sizes", default=None,
                    help="decode batch sizes to capture, comma-separated (default: the engine's, 1..max-num-seqs); "
                         "the sweep's batch sizes are enough for a latency run and capture faster")
@@ -147,6 +155,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         dataset = load_dataset(args.dataset, args.num_prompts)
     progress = sys.stderr.isatty() if args.progress is None else args.progress
+    if args.mode == "serving":
+        return cmd_serving(args, config)
     device = select_device(config, 0)
     config = config.for_device(device)  # max_num_seqs decided for the device, before anything loads
     if args.mode == "latency":
@@ -229,4 +239,81 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                      layers=args.nvtx_layers))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return 0
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--request-rates must be comma-separated numbers > 0 (or inf), got {text!r}")
+    return rates
+
+
+def serve_args(args: argparse.Namespace) -> list[str]:
+    """The `fastllm serve` flags that give the server this run's engine arguments."""
+    from fastllm.entrypoints.cli import ENGINE_ARGS
+
+    out = ["--model", args.model] if args.model else []
+    for name, (_, default, _) in ENGINE_ARGS.items():
+        value = getattr(args, name)
+        if value is not None and value != default:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    out += ["--no-prefix-caching"] if args.no_prefix_caching else []
+    out += ["--enforce-eager"] if args.enforce_eager else []
+    return out
+
+
+def cmd_serving(args: argparse.Namespace, config) -> int:
+    """Requests at each rate to a `fastllm serve` (started here unless --url), one row per rate."""
+    import asyncio
+    import socket
+
+    from fastllm.bench import ceilings as ceil
+    from fastllm.bench import report
+    from fastllm.bench.serving import ServerProcess, random_prompts, run_load, summarize
+    from fastllm.entrypoints.openai.server import served_name
+    from fastllm.worker.worker import select_device
+
+    rates = parse_rates(args.request_rates)
+    if args.cuda_graph_sizes:
+        logger.warning("--cuda-graph-sizes is not passed to the server: it captures its default sizes")
+    model_name = args.served_model_name or served_name(args.model)
+    vocab = config.model.hf_config["vocab_size"]
+    meta = {**ceil.environment(select_device(config, 0)), "model": model_name, "model_path": config.model.model,
+            "dtype": config.model.dtype, "load_format": config.model.load_format, "mode": "serving",
+            "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
+            "request_rates": rates, "url": args.url, "engine_args": serve_args(args),
+            "execution": "fastllm serve, streamed /v1/completions"}
+    result = {"benchmark": "serving", "meta": meta, "ceilings": None, "startup": None, "rows": []}
+
+    def run(url: str) -> None:
+        print(report.header(result), flush=True)
+        warm = random_prompts(2, min(args.input_len, 16), vocab, seed=1)
+        asyncio.run(run_load(url, model_name, warm, 4, float("inf")))  # first-use compiles, connections
+        for i, rate in enumerate(rates):
+            prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=config.model.seed + i)
+            records, wall = asyncio.run(run_load(url, model_name, prompts, args.output_len, rate,
+                                                 seed=config.model.seed + i, max_concurrency=args.max_concurrency))
+            row = summarize(records, wall, rate, args.input_len, args.output_len)
+            result["rows"].append(row)
+            print(report.row_line("serving", row), flush=True)
+            if args.output_json:
+                report.write_json(result, args.output_json)
+
+    if args.url:
+        run(args.url.rstrip("/"))
+    else:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        with ServerProcess(serve_args(args), port) as server:
+            run(server.url)
+    print(report.table(result), flush=True)
+    if args.output_json:
+        report.write_json(result, args.output_json)
+    if args.output_csv:
+        report.write_csv(result, args.output_csv)
     return 0

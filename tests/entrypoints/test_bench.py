@@ -126,6 +126,8 @@ def test_dataset(tmp_path, capsys):
     ["--batch-sizes", "300"],  # > --max-num-seqs
     ["--cuda-graph-sizes", "8,-1"],
     ["throughput", "--dataset", "/no/such/file.jsonl"],
+    ["serving", "--request-rates", "0"],
+    ["serving", "--request-rates", "fast"],
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     try:
@@ -135,6 +137,24 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert len(err.splitlines()) == 1 and err.startswith("fastllm bench: error:"), err
+
+
+def test_serving_against_a_started_server(tmp_path, capsys):
+    """`fastllm bench serving` starts `fastllm serve` in a child process and streams requests to it at two
+    rates: every request completes, with its tokens counted and its latencies measured."""
+    out = tmp_path / "serving.json"
+    argv = ["bench", "serving", "--num-prompts", "6", "--request-rates", "40,inf", "--input-len", "8",
+            "--output-len", "6", "--device", "cpu", "--output-json", str(out), "--output-csv", str(tmp_path / "s.csv"),
+            *SMALL]
+    assert main(argv) == 0
+    result = json.loads(out.read_text())
+    assert [row["request_rate"] for row in result["rows"]] == [40.0, "inf"]
+    for row in result["rows"]:
+        assert row["completed"] == 6 and row["failed"] == 0, row["first_error"]
+        assert row["output_tok_s"] == pytest.approx(6 * 6 / row["wall_s"])
+        assert 0 < row["ttft_ms_p50"] <= row["e2e_ms_p99"] and row["tpot_ms_mean"] > 0
+    assert len(pd.read_csv(tmp_path / "s.csv")) == 2
+    assert "fastllm bench serving" in capsys.readouterr().out
 
 
 def test_roofline_math_by_hand():
