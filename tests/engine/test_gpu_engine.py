@@ -77,6 +77,33 @@ def test_graph_replay_and_compiled_only_agree():
         assert tokens(llm, many_prompts(n)) == compiled_only, f"batch {n}"
 
 
+def test_async_engine_streams_the_graph_tokens(cpu_reference):
+    """AsyncLLMEngine steps the CUDA-graph engine from its own thread (which sets its CUDA device):
+    concurrent streams give the CPU's greedy tokens."""
+    import asyncio
+
+    from fastllm.engine.async_llm_engine import AsyncLLMEngine
+    from fastllm.sampling_params import RequestOutputKind
+
+    llm = cached_llm(device="cuda", dtype="float32", max_num_seqs=64, **SMALL_POOL)
+    engine = AsyncLLMEngine(llm.engine)
+    params = SamplingParams(temperature=0, max_tokens=64, output_kind=RequestOutputKind.DELTA)
+
+    async def stream(i, prompt):
+        ids = []
+        async for out in engine.generate(prompt, params, f"a{i}"):
+            ids += out.outputs[0].token_ids
+        return ids
+
+    async def main():
+        return await asyncio.gather(*(stream(i, p) for i, p in enumerate(many_prompts(8))))
+    try:
+        assert asyncio.run(main()) == cpu_reference[8]
+    finally:
+        engine.shutdown()
+    llm.engine.check_kv_pool_whole()
+
+
 def test_one_token_prefill_chunks_in_graph_steps(cpu_reference):
     """A 13-token budget for 13 requests: once 12 decode, the last prompt is prefilled one token a
     step, so graph-replayed steps hold a row that must not sample. The tokens stay the CPU's."""

@@ -11,13 +11,16 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
-import uvicorn
 
 from fastllm import SamplingParams
 from fastllm.engine.async_llm_engine import AsyncLLMEngine
-from fastllm.entrypoints.openai.server import build_app
+
+# The server's extra ("serve": fastapi, uvicorn) and the test client: CI installs both; a machine
+# without them (the GPU box) skips this module.
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+build_app = pytest.importorskip("fastllm.entrypoints.openai.server").build_app
 from tests.conftest import PROMPTS, cached_llm
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %} {% endif %}{% endfor %}"
