@@ -40,8 +40,7 @@ def _argmax_part_kernel(
     x_ptr, part_val_ptr, part_idx_ptr, out_ptr, stride_xb, n_cols, chunk,
     BLOCK: tl.constexpr, DIRECT_OUT: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    if USE_PDL:  # launched with PDL (pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(USE_PDL)  # launched with PDL (pdl.py)
     b = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     num_parts = tl.num_programs(1)
@@ -72,8 +71,7 @@ def _argmax_part_kernel(
 @triton.jit
 def _argmax_merge_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_parts, BLOCK_P: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     p = tl.arange(0, BLOCK_P)
     ok = p < num_parts

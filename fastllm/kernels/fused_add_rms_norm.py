@@ -39,8 +39,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]  # [BLOCK_R, BLOCK_N]
     w = tl.load(w_ptr + cols, mask=cols < n_cols, other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(USE_PDL)
     x = tl.load(x_ptr + (a * stride_xa + h * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_off = (a * stride_ra + h * stride_rh)[:, None] + cols[None, :]

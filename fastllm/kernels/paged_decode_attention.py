@@ -144,8 +144,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(USE_PDL)
     part_len = _split_len(seq_len, num_splits, min_split_len, BLOCK_N)
     start = split * part_len
     end = tl.minimum(start + part_len, seq_len)  # start >= end: an empty split

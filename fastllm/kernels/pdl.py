@@ -10,7 +10,8 @@ inputs) may come before it.
 
 On a decode step every one of our kernels follows a cuBLAS GEMM or another of ours: the norms, SiLU,
 attention and the argmax are ~130 launch-bound kernels a step for an 8B model.
-`FASTLLM_PDL=0` turns it off (the launches and results are otherwise the same).
+`FASTLLM_PDL=0` turns it off (the launches and results are otherwise the same). `FASTLLM_PDL=trigger` also
+has each kernel let the next one launch as soon as it starts (see `wait`), an experiment not yet measured.
 """
 
 from __future__ import annotations
@@ -20,30 +21,48 @@ import logging
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 logger = logging.getLogger("fastllm.kernels")
 
 
 @functools.lru_cache(maxsize=None)
-def _enabled(device_index: int) -> bool:
+def _mode(device_index: int) -> int:
+    """0: off; 1: PDL launch, each kernel waits; 2: also trigger (FASTLLM_PDL=trigger)."""
+    setting = os.environ.get("FASTLLM_PDL", "1").strip()
     if os.environ.get("TRITON_INTERPRET") == "1":
-        why, on = "the Triton interpreter", False
-    elif os.environ.get("FASTLLM_PDL", "1").strip() == "0":
-        why, on = "FASTLLM_PDL=0", False
+        why, mode = "the Triton interpreter", 0
+    elif setting == "0":
+        why, mode = "FASTLLM_PDL=0", 0
     else:
         major, minor = torch.cuda.get_device_capability(device_index)
-        why, on = f"sm_{major}{minor}", major >= 9
+        why, mode = f"sm_{major}{minor}", (2 if setting == "trigger" else 1) if major >= 9 else 0
     logger.info("programmatic dependent launch %s for the decode-step kernels (%s)",
-                "on" if on else "off", why)
-    return on
+                ("off", "on", "on, with early triggers")[mode], why)
+    return mode
 
 
 def enabled(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
-    return _enabled(device.index if device.index is not None else torch.cuda.current_device())
+    return _mode(device.index if device.index is not None else torch.cuda.current_device()) > 0
 
 
 def launch_options(device: torch.device) -> dict:
-    """Keyword arguments for a Triton launch plus the USE_PDL constexpr: {} when PDL is off."""
-    return {"launch_pdl": True, "USE_PDL": True} if enabled(device) else {"USE_PDL": False}
+    """Keyword arguments for a Triton launch plus the USE_PDL constexpr (0 when PDL is off; see wait)."""
+    if not enabled(device):
+        return {"USE_PDL": 0}
+    return {"launch_pdl": True, "USE_PDL": _mode(device.index if device.index is not None
+                                                  else torch.cuda.current_device())}
+
+
+@triton.jit
+def wait(USE_PDL: tl.constexpr):
+    """A PDL kernel's wait for the kernel before it (nothing when USE_PDL is 0). At USE_PDL 2 it first lets
+    the next kernel launch: that one's programs may then start (e.g. prefetch weights) while this one
+    runs, and its own wait still holds it until this kernel's writes are visible."""
+    if USE_PDL == 2:
+        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()

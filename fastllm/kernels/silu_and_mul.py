@@ -25,8 +25,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_xt, stride_ot, inter, BLOCK: tl.
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < inter
-    if USE_PDL:  # launched with PDL (pdl.py)
-        tl.extra.cuda.gdc_wait()
+    pdl.wait(USE_PDL)  # launched with PDL (pdl.py)
     gate = tl.load(x_ptr + t * stride_xt + c, mask=mask, other=0.0)
     up = tl.load(x_ptr + t * stride_xt + inter + c, mask=mask, other=0.0)
     g = gate.to(tl.float32)
