@@ -49,6 +49,16 @@ def _(x):
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
+@torch.library.custom_op("fastllm::linear", mutates_args=())
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return kernels.linear(x, weight, bias)
+
+
+@linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 @torch.library.custom_op("fastllm::attention", mutates_args=())
 def attention(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, layer_index: int) -> Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] before rotary -> [T, Hq, D]; rotates q and k (out of place)

@@ -33,6 +33,7 @@ KERNEL_NAMES = (
     "argmax",
     "rotary_kv_cache_write",
     "rotary_decode_attention",
+    "linear",
 )
 _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "kv_cache_write": "kv_cache_write",
@@ -45,6 +46,7 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "argmax": "argmax",
     "rotary_kv_cache_write": "rotary_kv_cache_write",
     "rotary_decode_attention": "paged_decode_attention",
+    "linear": "skinny_linear",
 }
 
 _MODE = os.environ.get("FASTLLM_KERNELS", "auto").strip().lower() or "auto"
@@ -159,3 +161,7 @@ def rotary_decode_attention(
         positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, block_tables,
         seq_lens, max_seq_len, scale,
     )
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
+    return _select("linear", x.device)(x, weight, bias, out)

@@ -211,3 +211,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] laid out as [gate | up]; returns silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K] @ weight [N, K]^T (+ bias) -> [rows, N] (into `out` when given): F.linear."""
+    if out is None:
+        return F.linear(x, weight, bias)
+    return out.copy_(F.linear(x, weight, bias))

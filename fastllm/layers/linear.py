@@ -8,8 +8,9 @@ Tensor parallelism will split these along the output (column) or input (row) dim
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
 
 
 class Linear(nn.Module):
@@ -19,7 +20,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        """Our few-row kernel at decode batch sizes, cuBLAS otherwise (fastllm/kernels/skinny_linear.py)."""
+        return torch.ops.fastllm.linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):

@@ -50,21 +50,37 @@ def _cases():
     def mk(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
 
+    w_out = torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def linear(a, b):  # skinny_linear after the GEMM that writes its input
+        return triton_impl("linear")(a @ b, w_out, None)
+
     return {"fused_add_rms_norm": (norm, (mk(64, 4096), mk(4096, hidden), mk(64, hidden))),
+            "linear": (linear, (mk(8, 4096), mk(4096, hidden))),
             "silu_and_mul": (silu, (mk(64, 4096), mk(4096, 2 * inter))),
             "argmax": (argmax, (mk(32, 4096), mk(4096, vocab)))}
 
 
 @gpu
-@pytest.mark.parametrize("name", ["fused_add_rms_norm", "silu_and_mul", "argmax"])
-def test_pdl_kernels_equal_plain_launch(device, name, monkeypatch):
+@pytest.mark.parametrize("name", ["fused_add_rms_norm", "silu_and_mul", "argmax", "linear"])
+@pytest.mark.parametrize("setting", ["1", "trigger"])
+def test_pdl_kernels_equal_plain_launch(device, name, setting, monkeypatch):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs Hopper or newer")
-    assert pdl.enabled(torch.device("cuda")), "PDL should be on for this GPU"
+    monkeypatch.setenv("FASTLLM_PDL", setting)
+    pdl._mode.cache_clear()
+    assert pdl.launch_options(torch.device("cuda"))["USE_PDL"] == (2 if setting == "trigger" else 1)
     fn, inputs = _cases()[name]
     with_pdl = _graph_outputs(fn, inputs)
-    monkeypatch.setattr(pdl, "enabled", lambda device: False)
+    monkeypatch.setenv("FASTLLM_PDL", "0")
+    pdl._mode.cache_clear()
     plain = _graph_outputs(fn, inputs)
     for a, b in zip(with_pdl, plain):
         for x, y in zip(a, b):
             assert torch.equal(x, y), name
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mode():
+    yield
+    pdl._mode.cache_clear()  # the next test reads FASTLLM_PDL as it is then

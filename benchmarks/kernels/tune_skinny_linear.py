@@ -1,0 +1,160 @@
+"""Time skinny_linear's launch configs against cuBLAS at Llama-3.1-8B projection shapes (GPU only).
+
+    python benchmarks/kernels/tune_skinny_linear.py shapes [--rows 1,8]   # per projection, every config
+    python benchmarks/kernels/tune_skinny_linear.py chain  [--rows 1,8]   # a decode step's projections
+
+Results go to $OUT/skinny_<phase>.jsonl (or /tmp), one JSON line each, as they are measured.
+
+shapes: per shape (qkv, o, gate_up, down, lm_head) and row count, cuBLAS F.linear and every config of the
+  kernel, timed as a CUDA-graph replay over enough weight copies (>= 400 MB) that no weight stays in L2,
+  divided by the number of copies. fastllm/kernels/skinny_linear.py holds the results and the table.
+chain: the 32 layers' projections of one decode step with their norms and SiLU (attention left out) and
+  the final norm + lm_head, as one CUDA graph: our norm / SiLU kernels with cuBLAS against the same with
+  skinny_linear (configs from --table, a shapes run's jsonl, else choose_config), with and without PDL
+  early triggers (FASTLLM_PDL=trigger: all our kernels) and the L2 weight prefetch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fastllm.kernels import pdl  # noqa: E402
+from fastllm.kernels import skinny_linear as S  # noqa: E402
+from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm  # noqa: E402
+from fastllm.kernels.silu_and_mul import silu_and_mul  # noqa: E402
+
+DT = torch.bfloat16
+HIDDEN, INTER, VOCAB, LAYERS = 4096, 14336, 128256, 32
+SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
+          "lm_head": (VOCAB, HIDDEN)}
+EPS = 1e-5
+
+
+def graph_us(fn, per_replay: int) -> float:
+    """Median of 7 replays of a CUDA graph of fn, in us per `per_replay`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(), fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / per_replay)
+    return sorted(times)[3]
+
+
+def configs(rows: int) -> list[S.Config]:
+    dot = [S.Config(bn, bk, w, st, True) for bn, bk, w, st in
+           itertools.product([16, 32, 64, 128], [128, 256, 512], [4, 8], [3, 4, 5]) if bn * bk <= 32768]
+    fma = [S.Config(bn, bk, w, st, False) for bn, bk, w, st in
+           itertools.product([8, 16, 32], [512, 1024], [4, 8], [2, 3]) if bn * bk * rows <= 16384]
+    return dot + (fma if rows <= 2 else [])
+
+
+def emit(out, row: dict) -> None:
+    print(json.dumps(row), flush=True)
+    out.write(json.dumps(row) + "\n")
+    out.flush()
+
+
+def run_shapes(rows_list: list[int], out) -> None:
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, (400 << 20) // (n * k * 2))
+        weights = [torch.randn(n, k, device="cuda", dtype=DT) * k ** -0.5 for _ in range(copies)]
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=DT)
+            row = {"shape": name, "rows": rows, "cublas_us": graph_us(lambda: [F.linear(x, w) for w in weights], copies)}
+            timed = []
+            for cfg in configs(rows):
+                try:
+                    timed.append((graph_us(lambda: [S.launch(x, w, config=cfg) for w in weights], copies), cfg))
+                except Exception as e:  # out of shared memory / registers: skip the config
+                    print(f"skip {name} {rows} {cfg}: {type(e).__name__}", file=sys.stderr)
+            timed.sort(key=lambda t: t[0])
+            row["best_us"], row["best_cfg"] = timed[0][0], list(timed[0][1])
+            row["top5"] = [(round(t, 2), list(c)) for t, c in timed[:5]]
+            emit(out, row)
+        weights = None  # free before the next shape
+        torch.cuda.empty_cache()
+
+
+def run_chain(rows_list: list[int], table: dict, out) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=DT, generator=g) * 0.02  # noqa: E731
+    layers = [{name: rand(*SHAPES[name]) for name in ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS)]
+    lm_head, nw = rand(VOCAB, HIDDEN), torch.ones(HIDDEN, device="cuda", dtype=DT)
+    for rows in rows_list:
+        hidden = rand(rows, HIDDEN)
+
+        def step(proj):
+            h, res = hidden, hidden
+            for layer in layers:
+                a, res = fused_add_rms_norm(h, res, nw, EPS)
+                qkv = proj("qkv", a, layer["qkv"])
+                h = proj("o", qkv[:, :HIDDEN].contiguous(), layer["o"])
+                a, res = fused_add_rms_norm(h, res, nw, EPS)
+                h = proj("down", silu_and_mul(proj("gate_up", a, layer["gate_up"])), layer["down"])
+            a, _ = fused_add_rms_norm(h, res, nw, EPS)
+            proj("lm_head", a, lm_head)
+
+        set_pdl("1")
+        row = {"rows": rows, "cublas_ms": graph_us(lambda: step(lambda name, a, w: F.linear(a, w)), 1) / 1e3}
+        for trigger, prefetch in ((False, 0), (True, 0), (True, 512), (True, 2048)):
+            set_pdl("trigger" if trigger else "1")  # every one of our kernels lets the next launch early
+
+            def proj(name, a, w):
+                cfg = table.get((name, rows)) or S.choose_config(rows, *w.shape)
+                cfg = cfg._replace(early_trigger=trigger, prefetch_k=prefetch)
+                return S.launch(a, w, config=cfg)
+            row[f"skinny_trigger{int(trigger)}_prefetch{prefetch}_ms"] = graph_us(lambda: step(proj), 1) / 1e3
+        set_pdl("1")
+        emit(out, row)
+
+
+def set_pdl(setting: str) -> None:
+    os.environ["FASTLLM_PDL"] = setting
+    pdl._mode.cache_clear()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("phase", choices=["shapes", "chain"])
+    parser.add_argument("--rows", default="1,8,16,32")
+    parser.add_argument("--table", help="a shapes run's jsonl: the best config per (shape, rows) for chain")
+    args = parser.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    table = {}
+    if args.table:
+        for line in open(args.table):
+            r = json.loads(line)
+            table[(r["shape"], r["rows"])] = S.Config(*r["best_cfg"])
+    path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}.jsonl"
+    with open(path, "w") as out:
+        if args.phase == "shapes":
+            run_shapes(rows_list, out)
+        else:
+            run_chain(rows_list, table, out)
+
+
+if __name__ == "__main__":
+    main()

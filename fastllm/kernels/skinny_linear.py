@@ -1,0 +1,176 @@
+"""Projections of a decode batch (a few rows): y = x @ W^T (+ bias) as a weight-streaming kernel.
+
+At decode batch sizes a projection is a matrix-vector product: its time is the read of W [N, K]. Each
+program streams BLOCK_N rows of W over the whole K (no split-K, so no reduction pass) while the few rows
+of x stay in L2. One row takes an FMA path (per-lane partial sums over the loop, one cross-lane reduction
+at the end); more rows tl.dot, padded to 16 rows. Up to MAX_ROWS rows; larger batches are GEMMs, which
+cuBLAS does better, and the public `linear` hands them to it.
+
+On an H100 (tune_skinny_linear.py shapes: CUDA-graph replays over weight copies larger than L2, bf16) it
+beat cuBLAS on every projection of Llama-3.1-8B at 1 / 8 / 16 / 32 rows, in us:
+    qkv 6144x4096       19.6 / 20.5 / 20.6 / 21.1   cuBLAS 21.2 / 21.7 / 22.2 / 22.6
+    o 4096x4096         14.0 / 14.4 / 14.6 / 14.6          17.1 / 16.9 / 17.0 / 15.3
+    gate_up 28672x4096  80.0 / 82.0 / 83.9 / 85.4          88.4 / 85.2 / 89.5 / 89.0
+    down 4096x14336     42.8 / 43.4 / 43.5 / 44.6          45.6 / 46.1 / 46.2 / 47.1
+    lm_head 128256x4096 336 / 343 / 348 / 356              379 / 383 / 379 / 382
+Tried and dropped: building the preceding RMSNorm or SiLU-and-mul inside this kernel. Every program
+recomputes it over all of K (for 16 padded rows under tl.dot), while the standalone kernel costs only
+~1-1.6 us beside its GEMM with PDL: fused qkv took 22.4 us against the pair's 24.1 at one row, but
+61.9 against 24.0 at eight.
+
+Math: fp32 accumulation, one rounding to the output dtype (fp32 inputs: IEEE fp32 products).
+Memory traffic: N * K * elt of W, once; N * rows * elt written.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fastllm.kernels import pdl
+
+logger = logging.getLogger("fastllm.kernels")
+
+MAX_ROWS = 32
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _skinny_linear_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, n_out, k_in, stride_xm,  # W and out contiguous
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,  # PDL: let the next kernel launch (and prefetch its weights) now
+    PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,  # PDL: W lines (of LINE elements) per row to prefetch
+):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < num_rows
+    col_ok = cols < n_out
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * k_in  # [BLOCK_N, 1]
+    x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
+    if USE_PDL:  # launched with PDL (pdl.py): nothing before the wait reads what an earlier kernel wrote
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH_LINES > 0:  # the weights are no kernel's output: fetch the first lines into L2 meanwhile
+            lines = tl.arange(0, PREFETCH_LINES) * LINE
+            _prefetch_l2(w_rows + tl.where(lines[None, :] < k_in, lines[None, :], 0))
+    pdl.wait(USE_PDL)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            k_ok = tl.full([BLOCK_K], 1, tl.int1)
+        else:
+            k_ok = ks < k_in
+        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:  # BLOCK_M == 1
+            acc_lanes += x.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
+    if not USE_DOT:
+        acc = tl.sum(acc_lanes, axis=1)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rows[:, None] * n_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+class Config(NamedTuple):
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    use_dot: bool = True  # False: the one-row FMA path
+    early_trigger: bool = False
+    prefetch_k: int = 0  # columns of each W row prefetched into L2 before the PDL wait
+
+
+# Launch configs from an H100 sweep (benchmarks/kernels/tune_skinny_linear.py shapes, bf16): per row
+# bucket a default, which was the best or within ~2% of it on most of Llama-3.1-8B's projections, and the
+# measured best where it differed. One row takes the FMA path; more rows tl.dot (rows padded to 16).
+_DEFAULT = {1: Config(16, 1024, 4, 3, False), 8: Config(32, 512, 4, 5), 16: Config(32, 512, 4, 5),
+            32: Config(32, 512, 4, 4)}
+_TUNED = {  # (row bucket, N, K)
+    (1, 6144, 4096): Config(8, 512, 4, 3, False), (8, 6144, 4096): Config(64, 128, 4, 5),
+    (16, 6144, 4096): Config(32, 128, 4, 5), (32, 6144, 4096): Config(16, 256, 4, 3),
+    (32, 4096, 4096): Config(32, 256, 4, 5), (16, 28672, 4096): Config(128, 128, 4, 5),
+    (32, 28672, 4096): Config(128, 128, 8, 4), (16, 4096, 14336): Config(32, 256, 4, 5),
+    (32, 128256, 4096): Config(128, 128, 4, 4),
+}
+
+
+def choose_config(num_rows: int, n_out: int, k_in: int, element_size: int = 2) -> Config:
+    bucket = 1 if num_rows == 1 else 8 if num_rows <= 8 else 16 if num_rows <= 16 else 32
+    cfg = _TUNED.get((bucket, n_out, k_in), _DEFAULT[bucket])
+    if element_size > 2:  # fp32 (test models): the same tile bytes, so the pipeline still fits in shared memory
+        cfg = cfg._replace(block_k=cfg.block_k * 2 // element_size)
+    return cfg
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: Config | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows), weight [N, K] contiguous."""
+    num_rows = x.shape[0]
+    n_out, k_in = weight.shape
+    assert x.dim() == 2 and x.shape[1] == k_in and x.stride(1) == 1 and weight.is_contiguous(), \
+        (x.shape, x.stride(), weight.shape)
+    assert 0 < num_rows <= MAX_ROWS and x.dtype == weight.dtype, (num_rows, x.dtype, weight.dtype)
+    if out is None:
+        out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
+    assert out.shape == (num_rows, n_out) and out.is_contiguous() and out.dtype == x.dtype
+    cfg = config or choose_config(num_rows, n_out, k_in, x.element_size())
+    use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
+    line = 128 // x.element_size()  # elements per 128-byte cache line
+    _skinny_linear_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+        x, weight, bias if bias is not None else weight, out, num_rows, n_out, k_in, x.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
+        EARLY_TRIGGER=cfg.early_trigger,
+        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(cfg.prefetch_k, line)) if cfg.prefetch_k else 0,
+        LINE=line, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
+    )
+    return out
+
+
+_logged: set[str] = set()
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this projection takes the kernel here, else cuBLAS (logged once per reason)."""
+    why = None
+    if x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
+        why = "inputs that are not [rows, K] with contiguous rows"
+    elif x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        why = f"dtypes {x.dtype} x {weight.dtype}"
+    elif not 0 < x.shape[0] <= MAX_ROWS:
+        why = f"batches of more than {MAX_ROWS} rows"
+    if why is None:
+        return True
+    if why not in _logged:
+        _logged.add(why)
+        logger.info("linear: cuBLAS for %s", why)
+    return False
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, K] @ weight [N, K]^T (+ bias) -> [rows, N] (into `out` when given)."""
+    if _skinny(x, weight):
+        return launch(x, weight, bias, out=out)
+    if out is None:
+        return F.linear(x, weight, bias)
+    return torch.addmm(bias, x, weight.t(), out=out) if bias is not None else torch.mm(x, weight.t(), out=out)

@@ -1,0 +1,73 @@
+"""Triton skinny_linear (decode-batch projections) against float32 math.
+
+Tolerances (||out - ref|| / ||ref||, ref = F.linear in float32 on the same inputs):
+    float32  2e-6   (accumulation order)
+    float16  2e-3   (the output rounded once to fp16)
+    bfloat16 8e-3   (the same in bf16, 8x coarser; measured 1.7e-3 on the H100); GPU only
+Outputs start as NaN, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastllm.kernels import skinny_linear as S
+from fastllm.kernels import triton_impl
+from tests.kernels.kernel_testing import gpu, rel_err
+
+TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+
+def _check(device, dtype, rows, n_out, k_in, cfg=None, bias=False):
+    x = torch.randn(rows, k_in, device=device).to(dtype)
+    w = (torch.randn(n_out, k_in, device=device) / k_in ** 0.5).to(dtype)
+    b = torch.randn(n_out, device=device).to(dtype) if bias else None
+    out = torch.full((rows, n_out), float("nan"), device=device, dtype=dtype)
+    y = S.launch(x, w, b, config=cfg, out=out)
+    assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all()
+    ref = F.linear(x.float(), w.float(), b.float() if bias else None)
+    assert rel_err(y, ref) <= TOL[dtype], (cfg, rel_err(y, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 64), (1, 100, 200), (3, 64, 96), (16, 33, 128), (32, 70, 256)])
+@pytest.mark.parametrize("cfg", [S.Config(32, 64, 4, 2, True), S.Config(16, 64, 4, 2, False), None],
+                         ids=["dot", "fma-one-row", "chosen"])
+def test_matches_float32(device, dtype, rows, n_out, k_in, cfg):
+    _check(device, dtype, rows, n_out, k_in, cfg, bias=rows % 2 == 1)
+
+
+def test_linear_entry_point(device):
+    """linear(): the kernel up to MAX_ROWS rows, cuBLAS beyond (same results), into `out` too."""
+    w = torch.randn(48, 80, device=device).half()
+    b = torch.randn(48, device=device).half()
+    for rows in (1, S.MAX_ROWS, S.MAX_ROWS + 1):
+        x = torch.randn(rows, 80, device=device).half()
+        out = torch.full((rows, 48), float("nan"), device=device).half()
+        assert triton_impl("linear")(x, w, b, out).data_ptr() == out.data_ptr()
+        assert rel_err(out, F.linear(x.float(), w.float(), b.float())) <= TOL[torch.float16]
+        assert rel_err(triton_impl("linear")(x, w, None), F.linear(x.float(), w.float())) <= TOL[torch.float16]
+
+
+def test_fp32_configs_fit_shared_memory():
+    """fp32 halves BLOCK_K: the same tile bytes as the bf16 config the sweep chose."""
+    assert S.choose_config(8, 4096, 14336, 4).block_k * 4 == S.choose_config(8, 4096, 14336, 2).block_k * 2
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 16, 32])
+@pytest.mark.parametrize("n_out,k_in", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
+                                        (1000, 1000)])
+def test_llama_shapes_gpu(dtype, rows, n_out, k_in):
+    _check("cuda", dtype, rows, n_out, k_in)  # the chosen config
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [S.Config(32, 256, 4, 4, True, early_trigger=True, prefetch_k=512),
+                                 S.Config(16, 1024, 4, 3, False, early_trigger=True, prefetch_k=2048)])
+def test_pdl_options_gpu(cfg):
+    for rows in (1, 8):
+        _check("cuda", torch.bfloat16, rows, 4096, 4096, cfg, bias=True)
