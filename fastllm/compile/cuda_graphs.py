@@ -2,6 +2,9 @@
 
 Every captured graph reads its inputs from the same static buffers and writes the logits and their
 argmax (greedy sampling) to the same static outputs; temporaries live in one shared memory pool.
+A decode step whose every request samples without a seed, penalties, min_tokens or logprobs replays a
+second graph of its size that also draws the tokens (temperature, top-k, top-p, min-p): captured at
+the first such step of that size, so startup does not pay for sizes no sampled request reaches.
 A batch of B requests replays the smallest captured size >= B; the padding rows carry slot -1
 (their K/V writes are skipped) and attend over one token of the null block (block 0, never handed
 out), so they touch no real KV slot. The step's inputs are staged straight into the static buffers
@@ -17,6 +20,7 @@ import time
 import torch
 
 from fastllm.kernels import dispatch as kernels
+from fastllm.layers.sampler import SamplingMetadata, exponential_noise, filtered_probs
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
@@ -30,6 +34,8 @@ MAX_DEFAULT_CAPTURE_SIZE = 512
 # static_i64: input_ids, positions, slot_mapping and token_src, max_bs rows each, then room for the
 # rows that sample (when some row is a one-token prefill chunk rather than a decode).
 STATIC_I64_ROWS = 5
+# static_i32 after seq_lens: the sampling params, float32 bits, this many rows of max_bs.
+SAMPLING_ROWS = 4
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -60,11 +66,16 @@ class CUDAGraphRunner:
         # reads it from `argmax` (where the previous step's tokens are).
         self.max_blocks_per_seq = max_blocks_per_seq
         self.static_i64 = torch.zeros(STATIC_I64_ROWS * n, dtype=torch.int64, device=device)
-        self.static_i32 = torch.zeros(n + n * max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.static_i32 = torch.zeros(n + SAMPLING_ROWS * n + n * max_blocks_per_seq, dtype=torch.int32,
+                                      device=device)
         self.input_ids, self.positions, self.slot_mapping, self.token_src = self.static_i64[:4 * n].view(4, n)
         self.slot_mapping.fill_(-1)
         self.token_src.fill_(-1)
         self.seq_lens = self.static_i32[:n]
+        # float32 [temperature, top_k, top_p, min_p] per row, for the graphs that also sample (their bits
+        # ride in the int32 copy); temperature 0 is a greedy row, as are the padding rows.
+        self.sampling_params = self.static_i32[n:(1 + SAMPLING_ROWS) * n].view(torch.float32).view(SAMPLING_ROWS, n)
+        self.tables_offset = (1 + SAMPLING_ROWS) * n  # where a sampling step stages its block tables
         self._staged_tables = self.static_i32[n:]
         # What the graphs read, at the full width (a long max_model_len makes it thousands of blocks
         # wide): a step stages only its own width, and take_block_tables spreads it into these rows.
@@ -77,6 +88,9 @@ class CUDAGraphRunner:
         self.argmax = torch.zeros(n, dtype=torch.int64, device=device)
         self.static_bytes = (torch.cuda.memory_allocated(device) - start_bytes) if device.type == "cuda" else 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The same step followed by the sampler (sampling_params), captured at a size's first such step.
+        self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # False runs the same padded step through the compiled forward without the graph: the
@@ -95,6 +109,31 @@ class CUDAGraphRunner:
         self.compute_logits(hidden, out=self.logits[:bs])
         kernels.argmax(self.logits[:bs], out=self.argmax[:bs])
 
+    def _sample(self, bs: int) -> None:
+        """Replace the non-greedy rows' argmax with a draw under their temperature, top-k, top-p and
+        min-p: the sampler's math on the static logits, with the default generator (capture-safe)."""
+        temperature, top_k, top_p, min_p = self.sampling_params[:, :bs]
+        greedy = temperature == 0
+        metadata = SamplingMetadata(
+            temperature=torch.where(greedy, 1.0, temperature), greedy=greedy, top_k=top_k.long(), top_p=top_p,
+            min_p=min_p, all_greedy=False, generators={}, penalty_rows=[], banned=[], max_num_logprobs=None)
+        probs = filtered_probs(self.logits[:bs].float(), metadata)
+        drawn = (probs / exponential_noise(probs, {})).argmax(dim=-1)
+        self.argmax[:bs].copy_(torch.where(greedy, self.argmax[:bs], drawn))
+
+    def _capture_sampling(self, bs: int) -> torch.cuda.CUDAGraph:
+        start = time.perf_counter()
+        saved = self.argmax.clone()  # the previous step's tokens, which this step's inputs may read
+        self._sample(bs)  # warm up the sampler's ops on this size, eagerly
+        self.argmax.copy_(saved)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self._run(bs)
+            self._sample(bs)
+        self.sampling_graphs[bs] = graph
+        logger.info("captured the sampling graph of batch %d in %.0f ms", bs, (time.perf_counter() - start) * 1e3)
+        return graph
+
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
@@ -108,7 +147,7 @@ class CUDAGraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self._run(bs)
-            pool = graph.pool()
+            pool = self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
@@ -122,11 +161,12 @@ class CUDAGraphRunner:
         return bool(self.graphs) and len(num_scheduled) <= self.max_bs and all(n == 1 for n in num_scheduled) \
             and (in_flight_tokens is None or in_flight_tokens.shape[0] <= self.max_bs)
 
-    def take_block_tables(self, rows: int, width: int) -> None:
-        """Copy the staged [rows, width] block tables into the first rows and columns of the graphs'
-        table. Columns past a row's width keep older block ids: the kernels read a row only up to
-        its seq_len, which the width covers."""
-        self.block_tables[:rows, :width].copy_(self._staged_tables[:rows * width].view(rows, width))
+    def take_block_tables(self, rows: int, width: int, sampling: bool = False) -> None:
+        """Copy the staged [rows, width] block tables (after the sampling params when `sampling`) into
+        the first rows and columns of the graphs' table. Columns past a row's width keep older block
+        ids: the kernels read a row only up to its seq_len, which the width covers."""
+        start = self.tables_offset - self.max_bs if sampling else 0
+        self.block_tables[:rows, :width].copy_(self._staged_tables[start:start + rows * width].view(rows, width))
 
     def take_in_flight_tokens(self, tokens: torch.Tensor) -> None:
         """Make `argmax` hold the previous step's sampled tokens (there already after a greedy replay)."""
@@ -136,17 +176,22 @@ class CUDAGraphRunner:
     def padded_size(self, num_reqs: int) -> int:
         return next(s for s in self.sizes if s >= num_reqs)
 
-    def replay_staged(self, num: int, sample_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay_staged(self, num: int, sample_rows: torch.Tensor | None = None,
+                      sampling: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for a batch of `num` one-token requests whose inputs (padding rows included, up to
         padded_size(num)) are already in the static buffers. Returns (logits [S, vocab], their argmax
         [S]) of the rows that sample: sample_rows, or all num rows when None (views of buffers the
-        next replay overwrites, in that case)."""
+        next replay overwrites, in that case). sampling: the sampling params are staged too, and the
+        second tensor is the sampled tokens."""
         bs = self.padded_size(num)
         if self.replay:
-            self.graphs[bs].replay()
+            graph = self.graphs[bs] if not sampling else (self.sampling_graphs.get(bs) or self._capture_sampling(bs))
+            graph.replay()
         else:
             with torch.inference_mode():
                 self._run(bs)
+                if sampling:
+                    self._sample(bs)
         if sample_rows is None:
             return self.logits[:num], self.argmax[:num]
         return self.logits[sample_rows], self.argmax[sample_rows]

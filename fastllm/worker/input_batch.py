@@ -70,8 +70,9 @@ class StepInputs:
     attn_metadata: AttentionMetadata | None
     logits_indices: torch.Tensor | None  # [S] rows of the hidden states (graph: of the batch) that sample; None: all
     sample_states: list[CachedRequestState]  # the S requests that get a token this step
-    sampling_metadata: SamplingMetadata | None
+    sampling_metadata: SamplingMetadata | None  # None: nothing samples, or the graph draws (sampled_in_graph)
     staged_for_graph: bool = False  # inputs are in the CUDA graph runner's static buffers
+    sampled_in_graph: bool = False  # and so are the sampling params: the replay draws the tokens
 
 
 def build_step_inputs(
@@ -177,10 +178,30 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
     static_lens = np.ones(n, dtype=np.int32)
     static_lens[:num_reqs] = seq_lens
     int64_arrays = [static] if sample_rows is None else [static, sample_rows]
-    stager.send_into(int64_arrays, [static_lens, block_tables], (graph.static_i64, graph.static_i32))
-    graph.take_block_tables(*block_tables.shape)
+    # The graph draws the tokens when every row that samples allows it and not all are plain argmax; the
+    # sampler's metadata (device tensors) is then not needed.
+    params = [s.sampling_params for s in sample_states]
+    sampling = bool(params) and not all(p.argmax_only for p in params) and all(p.samples_in_graph for p in params)
+    metadata = None if sampling else _sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device)
+    int32_arrays = [static_lens, block_tables]
+    if sampling:
+        int32_arrays.insert(1, _graph_sampling_params(sample_states, sample_rows, n, vocab_size).view(np.int32))
+    stager.send_into(int64_arrays, int32_arrays, (graph.static_i64, graph.static_i32))
+    graph.take_block_tables(*block_tables.shape, sampling=sampling)
     logits_d = None if sample_rows is None else graph.static_i64[4 * n:4 * n + len(sample_rows)]
     return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=logits_d,
-                      sample_states=sample_states,
-                      sampling_metadata=_sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device),
-                      staged_for_graph=True)
+                      sample_states=sample_states, sampling_metadata=metadata, staged_for_graph=True,
+                      sampled_in_graph=sampling)
+
+
+def _graph_sampling_params(sample_states, sample_rows, n: int, vocab_size: int) -> np.ndarray:
+    """float32 [temperature, top_k, top_p, min_p] x n rows for CUDAGraphRunner.sampling_params: greedy
+    (temperature 0) where a row does not sample, as the sampler's metadata sets them where it does."""
+    params = np.zeros((4, n), dtype=np.float32)
+    params[1], params[2] = vocab_size, 1.0
+    rows = range(len(sample_states)) if sample_rows is None else sample_rows
+    for row, state in zip(rows, sample_states):
+        p = state.sampling_params
+        if not p.greedy:
+            params[:, row] = (p.temperature, p.top_k if p.top_k > 0 else vocab_size, p.top_p, p.min_p)
+    return params

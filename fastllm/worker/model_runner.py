@@ -138,7 +138,8 @@ class ModelRunner:
         logits = greedy = None
         if inputs.staged_for_graph:
             with nvtx_range("forward_graph"):
-                logits, greedy = self.graphs.replay_staged(len(states), inputs.logits_indices)
+                logits, greedy = self.graphs.replay_staged(len(states), inputs.logits_indices,
+                                                           sampling=inputs.sampled_in_graph)
         else:
             with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
                 hidden = self.forward(inputs.input_ids, inputs.positions)
@@ -147,7 +148,7 @@ class ModelRunner:
         if not inputs.sample_states:
             return AsyncRunnerOutput(req_ids, [])
         with nvtx_range("sample"):
-            if greedy is not None and inputs.sampling_metadata.argmax_only:
+            if greedy is not None and (inputs.sampled_in_graph or inputs.sampling_metadata.argmax_only):
                 out = SamplerOutput(greedy)  # sampled inside the graph
             else:
                 if logits is None:

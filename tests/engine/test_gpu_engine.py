@@ -104,6 +104,22 @@ def test_async_engine_streams_the_graph_tokens(cpu_reference):
     llm.engine.check_kv_pool_whole()
 
 
+def test_graphs_sample_unseeded_requests(cpu_reference):
+    """Unseeded temperature / top-k / top-p requests draw their tokens inside a sampling graph of their
+    size. With top-k 1 the draw is the argmax: the greedy tokens, padding included. With real filters the
+    text differs from greedy, and the KV pool is whole afterwards."""
+    llm = cached_llm(device="cuda", dtype="float32", max_num_seqs=64, **SMALL_POOL)
+    graphs = llm.engine.worker.runner.graphs
+    for n in PADDED_BATCHES:
+        top1 = SamplingParams(temperature=0.8, top_k=1, max_tokens=64)
+        assert tokens(llm, many_prompts(n), top1) == cpu_reference[n], f"batch {n}"
+        assert graphs.padded_size(n) in graphs.sampling_graphs
+    sampled = tokens(llm, many_prompts(8), SamplingParams(temperature=1.0, top_p=0.9, min_p=0.01, max_tokens=64,
+                                                          ignore_eos=True))
+    assert all(len(t) == 64 for t in sampled) and sampled != cpu_reference[8]
+    llm.engine.check_kv_pool_whole()
+
+
 def test_one_token_prefill_chunks_in_graph_steps(cpu_reference):
     """A 13-token budget for 13 requests: once 12 decode, the last prompt is prefilled one token a
     step, so graph-replayed steps hold a row that must not sample. The tokens stay the CPU's."""

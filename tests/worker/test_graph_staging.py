@@ -130,3 +130,62 @@ def test_a_narrower_step_keeps_the_graph_tables_right():
     runner.replay_staged(3)
     assert seen["tables"][:3, 0].tolist() == [20, 21, 22] and seen["tables"][3, 0].item() == 0
     assert seen["slots"].tolist() == [20 * BLOCK + 1, 21 * BLOCK + 1, 22 * BLOCK + 1, -1]
+
+
+def _sampling_step(dev, params, num=4, sample_seed=0):
+    """A decode step of `num` requests with these params (one per row, cycled) through the graph runner."""
+    states = decoding_requests(np.random.default_rng(3), num, 0)
+    for i, state in enumerate(states):
+        state.sampling_params = params[i % len(params)]
+    args = (states, [1] * num, BLOCK, VOCAB, None)
+    plain = build_step_inputs(*args, StepInputStager(dev))
+    runner, seen = graph_runner(dev)
+    staged = build_step_inputs(*args, StepInputStager(dev), graph=runner)
+    torch.manual_seed(sample_seed)
+    _, tokens = runner.replay_staged(num, staged.logits_indices, sampling=staged.sampled_in_graph)
+    return runner, seen, plain, staged, tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_draws_the_tokens_of_unseeded_sampling(device):
+    """Temperature / top-k / top-p / min-p rows sample in the graph (their params staged beside the inputs,
+    the block tables after them); greedy rows in the same step keep their argmax. With top-k 1, a tiny
+    top-p or a min-p of 1 every draw is the argmax, whatever the noise."""
+    dev = torch.device(device)
+    params = [SamplingParams(temperature=0.9, top_k=1), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.5, top_p=1e-6), SamplingParams(temperature=0.7, min_p=1.0)]
+    for seed in range(5):
+        runner, seen, plain, staged, tokens = _sampling_step(dev, params, sample_seed=seed)
+        assert staged.sampled_in_graph and staged.sampling_metadata is None  # no sampler tensors built
+        torch.testing.assert_close(tokens, plain.input_ids, rtol=0, atol=0)  # the one-hot logits' argmax
+        md = plain.attn_metadata
+        torch.testing.assert_close(seen["tables"][:4, :md.block_tables.shape[1]], md.block_tables, rtol=0, atol=0)
+        temperature, top_k, top_p, min_p = runner.sampling_params[:, :4].tolist()
+        assert temperature == [pytest.approx(0.9), 0.0, 1.5, pytest.approx(0.7)]
+        assert top_k == [1, VOCAB, VOCAB, VOCAB] and top_p[2] == pytest.approx(1e-6) and min_p[3] == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_sampling_draws_from_the_distribution(device):
+    """Unfiltered temperature-1 rows draw every token: on one-hot logits (e vs 1 for the other 49 tokens)
+    the hot token comes up ~5% of the time, never all the time."""
+    dev = torch.device(device)
+    hits, draws = 0, 0
+    for seed in range(25):
+        _, _, plain, staged, tokens = _sampling_step(dev, [SamplingParams(temperature=1.0)], num=8, sample_seed=seed)
+        hits += (tokens == plain.input_ids).sum().item()
+        draws += tokens.numel()
+        assert ((0 <= tokens) & (tokens < VOCAB)).all()
+    assert 0.01 < hits / draws < 0.15, hits / draws  # p = e / (e + 49) = 0.053
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, logprobs=2),
+                                    SamplingParams(temperature=0.8, presence_penalty=0.5),
+                                    SamplingParams(temperature=0.8, min_tokens=3)])
+def test_graph_leaves_other_sampling_to_the_sampler(params):
+    """A seeded row (its own generator), logprobs, penalties or min_tokens: the graph only computes the
+    logits (no params staged), and the sampler draws outside it."""
+    _, seen, plain, staged, _ = _sampling_step(torch.device("cpu"), [SamplingParams(temperature=0.5), params])
+    assert not staged.sampled_in_graph and not staged.sampling_metadata.argmax_only
+    md = plain.attn_metadata
+    torch.testing.assert_close(seen["tables"][:4, :md.block_tables.shape[1]], md.block_tables, rtol=0, atol=0)
