@@ -1,9 +1,9 @@
 """Triton skinny_linear (decode-batch projections) against float32 math.
 
-Tolerances (||out - ref|| / ||ref||, ref = F.linear in float32 on the same inputs):
-    float32  2e-6   (accumulation order)
-    float16  2e-3   (the output rounded once to fp16)
-    bfloat16 8e-3   (the same in bf16, 8x coarser; measured 1.7e-3 on the H100); GPU only
+Tolerances (||out - ref|| / ||ref||, ref = F.linear in float64 on the same inputs):
+    float32  2 * sqrt(K) * 2^-24   (fp32 accumulation: rounding errors of random sign grow as sqrt(K))
+    float16  2e-3                  (the output rounded once to fp16)
+    bfloat16 8e-3                  (the same in bf16, 8x coarser; measured 1.7e-3 on the H100); GPU only
 Outputs start as NaN, so an unwritten element fails.
 """
 
@@ -17,7 +17,11 @@ from fastllm.kernels import skinny_linear as S
 from fastllm.kernels import triton_impl
 from tests.kernels.kernel_testing import gpu, rel_err
 
-TOL = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 8e-3}
+TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
+
+
+def tolerance(dtype: torch.dtype, k_in: int) -> float:
+    return 2 * k_in ** 0.5 * 2.0 ** -24 if dtype == torch.float32 else TOL[dtype]
 
 
 def _check(device, dtype, rows, n_out, k_in, cfg=None, bias=False):
@@ -27,8 +31,8 @@ def _check(device, dtype, rows, n_out, k_in, cfg=None, bias=False):
     out = torch.full((rows, n_out), float("nan"), device=device, dtype=dtype)
     y = S.launch(x, w, b, config=cfg, out=out)
     assert y.data_ptr() == out.data_ptr() and torch.isfinite(y).all()
-    ref = F.linear(x.float(), w.float(), b.float() if bias else None)
-    assert rel_err(y, ref) <= TOL[dtype], (cfg, rel_err(y, ref))
+    ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+    assert rel_err(y, ref) <= tolerance(dtype, k_in), (cfg, rel_err(y, ref))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
