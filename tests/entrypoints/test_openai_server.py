@@ -205,6 +205,20 @@ def count_steps(engine):
         del engine.engine.step
 
 
+def test_non_streaming_client_that_leaves_frees_its_blocks(server):
+    """A client that gives up on a whole (non-streamed) response: the server notices within its poll
+    interval and aborts the request instead of generating the rest."""
+    url, engine = server
+    aborted = aborted_count(url)
+    with count_steps(engine) as steps:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 450,
+                                                       "temperature": 0, "ignore_eos": True}, timeout=0.3)
+        wait_idle(engine)
+    assert aborted_count(url) == aborted + 1
+    assert steps[0] < 400, "the engine generated (nearly) all 450 tokens for a client that had left"
+
+
 def aborted_count(url: str) -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
         if line.startswith('fastllm_requests_total{finish_reason="abort"}'):

@@ -34,6 +34,9 @@ from fastllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, kind: str = "BadRequestError"):
         super().__init__(message)
@@ -79,12 +82,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
                                             "owned_by": "fastllm", "max_model_len": server.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await server.complete(body)
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.complete(body, request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await server.chat(body)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.chat(body, request)
 
     return app
 
@@ -100,17 +103,18 @@ class _Server:
 
     # the two endpoints
 
-    async def complete(self, body: CompletionRequest):
+    async def complete(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
         if body.echo or body.suffix is not None or body.best_of not in (None, body.n):
             raise APIError(400, "echo, suffix and best_of (other than n) are not supported")
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        return await self._respond("cmpl", "text_completion", body.prompts(), params, body, chat=False)
+        return await self._respond("cmpl", "text_completion", body.prompts(), params, body, request, chat=False)
 
-    async def chat(self, body: ChatCompletionRequest):
+    async def chat(self, body: ChatCompletionRequest, request: Request):
         self._check_model(body.model)
         params = body.sampling_params(body.token_limit(), body.num_logprobs())
-        return await self._respond("chatcmpl", "chat.completion", [self._chat_prompt(body)], params, body, chat=True)
+        return await self._respond("chatcmpl", "chat.completion", [self._chat_prompt(body)], params, body, request,
+                                   chat=True)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -129,7 +133,8 @@ class _Server:
 
     # requests and responses
 
-    async def _respond(self, prefix: str, kind: str, prompts: list, params: SamplingParams, body, chat: bool):
+    async def _respond(self, prefix: str, kind: str, prompts: list, params: SamplingParams, body, request: Request,
+                       chat: bool):
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         arrival = time.perf_counter()
         streams = await self._add_all(response_id, prompts, params)
@@ -137,8 +142,16 @@ class _Server:
         if body.stream:
             return StreamingResponse(self._stream(streams, shape, arrival, body.include_usage),
                                      media_type="text/event-stream")
-        finals = await asyncio.gather(*(self._final(s, arrival) for s in streams))
-        return shape.full(finals)
+        finals = asyncio.ensure_future(asyncio.gather(*(self._final(s, arrival) for s in streams)))
+        # A whole response is written at the end: meanwhile, watch for a client that has gone.
+        while not (await asyncio.wait({finals}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                finals.cancel()  # closes the streams, which aborts their requests
+                with contextlib.suppress(asyncio.CancelledError):
+                    await finals
+                self.metrics.requests.labels(finish_reason="abort").inc(params.n * len(streams))
+                return Response(status_code=499)  # nobody reads it
+        return shape.full(finals.result())
 
     async def _add_all(self, response_id: str, prompts: list, params: SamplingParams) -> list:
         """Every prompt's engine request, taken; on a refused one, abort those already in."""
