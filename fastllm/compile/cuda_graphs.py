@@ -3,8 +3,9 @@
 Every captured graph reads its inputs from the same static buffers and writes the logits and their
 argmax (greedy sampling) to the same static outputs; temporaries live in one shared memory pool.
 A decode step whose every request samples without a seed, penalties, min_tokens or logprobs replays a
-second graph of its size that also draws the tokens (temperature, top-k, top-p, min-p): captured at
-the first such step of that size, so startup does not pay for sizes no sampled request reaches.
+second graph of its size that also draws the tokens (temperature, top-k, top-p, min-p), up to
+MAX_SAMPLING_GRAPH_SIZE rows: captured at the first such step of that size, so startup does not pay
+for sizes no sampled request reaches.
 A batch of B requests replays the smallest captured size >= B; the padding rows carry slot -1
 (their K/V writes are skipped) and attend over one token of the null block (block 0, never handed
 out), so they touch no real KV slot. The step's inputs are staged straight into the static buffers
@@ -29,6 +30,13 @@ logger = logging.getLogger(__name__)
 # Larger decode batches run compiled without a graph: at 512 rows the GPU work of a step (~15 ms
 # for an 8B model) dwarfs its launches, and every captured size costs startup time.
 MAX_DEFAULT_CAPTURE_SIZE = 512
+
+# Sampling graphs only up to this batch size. Their temporaries stay in the graphs' memory pool, which
+# the KV-cache sizing did not see: by count of the sampler's live tensors (float32 logits and
+# probabilities, sort values and int64 indices) some 30 bytes per row per vocabulary entry, ~0.25 GiB
+# at 64 rows of a 128k vocabulary but ~2 GiB at 512 (an estimate, not measured). Larger batches sample
+# outside the graph, where their launches are a small part of a long step.
+MAX_SAMPLING_GRAPH_SIZE = 64
 
 
 # static_i64: input_ids, positions, slot_mapping and token_src, max_bs rows each, then room for the
@@ -175,6 +183,10 @@ class CUDAGraphRunner:
 
     def padded_size(self, num_reqs: int) -> int:
         return next(s for s in self.sizes if s >= num_reqs)
+
+    def samples(self, num_reqs: int) -> bool:
+        """Whether a step of num_reqs requests may draw its tokens in a sampling graph."""
+        return self.padded_size(num_reqs) <= MAX_SAMPLING_GRAPH_SIZE
 
     def replay_staged(self, num: int, sample_rows: torch.Tensor | None = None,
                       sampling: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -178,10 +178,12 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
     static_lens = np.ones(n, dtype=np.int32)
     static_lens[:num_reqs] = seq_lens
     int64_arrays = [static] if sample_rows is None else [static, sample_rows]
-    # The graph draws the tokens when every row that samples allows it and not all are plain argmax; the
-    # sampler's metadata (device tensors) is then not needed.
+    # The graph draws the tokens when every row that samples allows it, not all are plain argmax and the
+    # batch is small enough (cuda_graphs.MAX_SAMPLING_GRAPH_SIZE); the sampler's metadata (device tensors)
+    # is then not needed.
     params = [s.sampling_params for s in sample_states]
-    sampling = bool(params) and not all(p.argmax_only for p in params) and all(p.samples_in_graph for p in params)
+    sampling = bool(params) and not all(p.argmax_only for p in params) and all(p.samples_in_graph for p in params) \
+        and graph.samples(num_reqs)
     metadata = None if sampling else _sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device)
     int32_arrays = [static_lens, block_tables]
     if sampling:

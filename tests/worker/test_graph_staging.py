@@ -179,6 +179,20 @@ def test_graph_sampling_draws_from_the_distribution(device):
     assert 0.01 < hits / draws < 0.15, hits / draws  # p = e / (e + 49) = 0.053
 
 
+def test_large_batches_sample_outside_the_graph(monkeypatch):
+    """Above MAX_SAMPLING_GRAPH_SIZE the graph only computes the logits: sampling graphs' temporaries stay
+    in the pool, which the KV sizing did not see."""
+    import fastllm.compile.cuda_graphs as cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "MAX_SAMPLING_GRAPH_SIZE", 2)
+    params = [SamplingParams(temperature=0.7)]
+    assert _sampling_step(torch.device("cpu"), params, num=2)[3].sampled_in_graph
+    _, seen, plain, staged, _ = _sampling_step(torch.device("cpu"), params, num=3)  # padded to 4
+    assert not staged.sampled_in_graph and staged.sampling_metadata is not None
+    md = plain.attn_metadata
+    torch.testing.assert_close(seen["tables"][:3, :md.block_tables.shape[1]], md.block_tables, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, logprobs=2),
                                     SamplingParams(temperature=0.8, presence_penalty=0.5),
                                     SamplingParams(temperature=0.8, min_tokens=3)])
