@@ -15,8 +15,8 @@ beat cuBLAS on every projection of Llama-3.1-8B at 1 / 8 / 16 / 32 rows, in us:
     lm_head 128256x4096 336 / 343 / 348 / 356              379 / 383 / 379 / 382
 Tried and dropped: building the preceding RMSNorm or SiLU-and-mul inside this kernel. Every program
 recomputes it over all of K (for 16 padded rows under tl.dot), while the standalone kernel costs only
-~1-1.6 us beside its GEMM with PDL: fused qkv took 22.4 us against the pair's 24.1 at one row, but
-61.9 against 24.0 at eight.
+0-4 us beside its GEMM with PDL (the pair's time minus cuBLAS's alone): fused qkv took 22.4 us against
+the pair's 24.1 at one row, but 61.9 against 24.0 at eight.
 
 Math: fp32 accumulation, one rounding to the output dtype (fp32 inputs: IEEE fp32 products).
 Memory traffic: N * K * elt of W, once; N * rows * elt written.
