@@ -5,7 +5,7 @@
         ...   # one RequestOutput per step that changed the request (params.output_kind decides its form)
 
 add_request() separates the two halves: it returns once the engine has taken the request (or raises its
-ValueError), with the iterator of its outputs, so a server can refuse bad input before it streams.
+ValueError), with the RequestStream of its outputs, so a server can refuse bad input before it streams.
 
 Only the engine thread touches the LLMEngine, which is not thread-safe. Callers queue commands (add,
 abort); the thread applies them between steps, steps while any request is unfinished, and hands each
@@ -86,10 +86,9 @@ class AsyncLLMEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    async def add_request(self, request_id: str, prompt: PromptType,
-                          params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Queue the request; once the engine has taken it, return the iterator of its outputs (until
-        the last, finished=True). Raises the request's ValueError if the engine refused it."""
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> "RequestStream":
+        """Queue the request; once the engine has taken it, return the stream of its outputs (until the
+        last, finished=True). Raises the request's ValueError if the engine refused it."""
         if self.errored is not None:
             raise RuntimeError(f"the engine stopped after an error: {self.errored!r}")
         loop = asyncio.get_running_loop()
@@ -101,7 +100,7 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:  # cancelled while queued: the request may be in by now
             self.abort(request_id)
             raise
-        return self._outputs(request_id, stream)
+        return RequestStream(self, request_id, stream.queue)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """add_request and iterate: vLLM's AsyncLLMEngine.generate."""
@@ -109,22 +108,6 @@ class AsyncLLMEngine:
         async with contextlib.aclosing(outputs):
             async for output in outputs:
                 yield output
-
-    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if item is _ABORTED or isinstance(item, BaseException):
-                    finished = True  # the engine has dropped the request already
-                    if item is _ABORTED:
-                        return
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:  # the consumer left early: free the request's blocks
-                self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request: its stream ends without a final output, its blocks are freed; unknown ids are
@@ -206,6 +189,43 @@ class AsyncLLMEngine:
 
 
 _ABORTED = object()  # a stream's end without a final output
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. Closing it before the last output, being
+    cancelled while waiting for one, or being dropped unfinished aborts the request (frees its blocks)."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, outputs: asyncio.Queue):
+        self.engine, self.request_id, self._outputs = engine, request_id, outputs
+        self.finished = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._outputs.get()
+        except asyncio.CancelledError:
+            await self.aclose()
+            raise
+        if item is _ABORTED or isinstance(item, BaseException):
+            self.finished = True  # the engine has dropped the request already
+            if item is _ABORTED:
+                raise StopAsyncIteration
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    def __del__(self):
+        if not self.finished:
+            self.engine.abort(self.request_id)  # a thread-safe queue put
 
 
 def _resolve(command: _Add, error: BaseException | None) -> bool:

@@ -98,6 +98,34 @@ def test_closed_stream_and_abort_free_the_blocks(engine):
     wait_idle(engine)
 
 
+def test_unread_stream_closed_or_dropped_aborts(engine):
+    """A request taken but never read (a server whose next prompt was refused) is aborted when its
+    stream is closed, or dropped, without a single output read."""
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    steps, step = [0], engine.engine.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+    engine.engine.step = counted
+
+    async def main():
+        closed = await engine.add_request("closed", PROMPTS[3], long)
+        await closed.aclose()
+        dropped = await engine.add_request("dropped", PROMPTS[4], long)
+        del dropped
+        for _ in range(500):
+            if not engine.engine.has_unfinished_requests() and engine._commands.empty():
+                return
+            await asyncio.sleep(0.01)
+    try:
+        asyncio.run(main())
+    finally:
+        del engine.engine.step
+    assert steps[0] < 100, "unread requests ran on"
+    wait_idle(engine)
+
+
 def test_bad_request_fails_alone(engine):
     async def main():
         good = asyncio.create_task(collect(engine, PROMPTS[0], greedy(), "good"))

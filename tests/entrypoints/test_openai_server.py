@@ -205,6 +205,18 @@ def count_steps(engine):
         del engine.engine.step
 
 
+def test_refused_prompt_aborts_the_ones_taken_before_it(server):
+    """Several prompts in one request, the last one bad: HTTP 400, and the engine requests already made
+    for the others are aborted, not run to their max_tokens."""
+    url, engine = server
+    with count_steps(engine) as steps:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [PROMPTS[0], PROMPTS[1], ""],
+                                                       "max_tokens": 400, "ignore_eos": True})
+        wait_idle(engine)
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+    assert steps[0] < 100, "the accepted prompts ran on after the request was refused"
+
+
 def test_non_streaming_client_that_leaves_frees_its_blocks(server):
     """A client that gives up on a whole (non-streamed) response: the server notices within its poll
     interval and aborts the request instead of generating the rest."""
