@@ -12,6 +12,7 @@ from fastllm import SamplingParams
 from fastllm.engine.async_llm_engine import AsyncLLMEngine
 from fastllm.sampling_params import RequestOutputKind
 from tests.conftest import PROMPTS, cached_llm
+from tests.engine.engine_testing import count_steps, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +29,6 @@ def greedy(kind=RequestOutputKind.CUMULATIVE, max_tokens=32):
 
 async def collect(engine, prompt, params, request_id):
     return [out async for out in engine.generate(prompt, params, request_id)]
-
-
-def wait_idle(engine):
-    async def idle():
-        for _ in range(500):
-            if not engine.engine.has_unfinished_requests() and engine._commands.empty():
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("the engine did not go idle")
-    asyncio.run(idle())
-    engine.engine.check_kv_pool_whole()
 
 
 def test_streams_equal_offline_outputs(engine):
@@ -61,14 +51,8 @@ def test_streams_equal_offline_outputs(engine):
 
 def test_closed_stream_and_abort_free_the_blocks(engine):
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    steps, step = [0], engine.engine.step
 
-    def counted():
-        steps[0] += 1
-        return step()
-    engine.engine.step = counted
-
-    async def main():
+    async def main(steps):
         stream = engine.generate(PROMPTS[1], long, "early")
         first = await anext(stream)
         await stream.aclose()  # the consumer leaves after one output
@@ -88,42 +72,28 @@ def test_closed_stream_and_abort_free_the_blocks(engine):
         await consume()
         return first, aborted
 
-    try:
-        first, aborted = asyncio.run(main())
-    finally:
-        del engine.engine.step
+    with count_steps(engine) as steps:
+        first, aborted = asyncio.run(main(steps))
+        wait_idle(engine)
     # ended without a last output; outputs already on their way when abort() was called may still arrive
     assert not first.finished and 2 <= len(aborted) < 20 and not aborted[-1].finished
     assert steps[0] < 200, "aborted requests ran on"
-    wait_idle(engine)
 
 
 def test_unread_stream_closed_or_dropped_aborts(engine):
     """A request taken but never read (a server whose next prompt was refused) is aborted when its
     stream is closed, or dropped, without a single output read."""
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
-    steps, step = [0], engine.engine.step
-
-    def counted():
-        steps[0] += 1
-        return step()
-    engine.engine.step = counted
 
     async def main():
         closed = await engine.add_request("closed", PROMPTS[3], long)
         await closed.aclose()
         dropped = await engine.add_request("dropped", PROMPTS[4], long)
         del dropped
-        for _ in range(500):
-            if not engine.engine.has_unfinished_requests() and engine._commands.empty():
-                return
-            await asyncio.sleep(0.01)
-    try:
+    with count_steps(engine) as steps:
         asyncio.run(main())
-    finally:
-        del engine.engine.step
+        wait_idle(engine)
     assert steps[0] < 100, "unread requests ran on"
-    wait_idle(engine)
 
 
 def test_bad_request_fails_alone(engine):

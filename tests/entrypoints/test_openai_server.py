@@ -5,7 +5,6 @@ template, bad input is HTTP 400 with OpenAI's error body, a client that leaves f
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import threading
 import time
@@ -22,6 +21,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 build_app = pytest.importorskip("fastllm.entrypoints.openai.server").build_app
 from tests.conftest import PROMPTS, cached_llm
+from tests.engine.engine_testing import count_steps, wait_idle
 
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %} {% endif %}{% endfor %}"
 MODEL = "stories260K"
@@ -54,14 +54,6 @@ def client(server):
     url, engine = server
     yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
     wait_idle(engine)
-
-
-def wait_idle(engine):
-    for _ in range(500):
-        if not engine.engine.has_unfinished_requests() and engine._commands.empty():
-            break
-        time.sleep(0.01)
-    engine.engine.check_kv_pool_whole()
 
 
 def offline(prompts, **params):
@@ -188,21 +180,6 @@ def test_client_that_leaves_frees_its_blocks(server):
         wait_idle(engine)  # no request holds blocks
     assert steps[0] - left_at < 100, "the engine kept generating after the client left (400 tokens asked)"
     assert aborted_count(url) == aborted + 1
-
-
-@contextlib.contextmanager
-def count_steps(engine):
-    """steps[0]: the engine steps taken so far (the engine thread calls the wrapper)."""
-    steps, step = [0], engine.engine.step
-
-    def counted():
-        steps[0] += 1
-        return step()
-    engine.engine.step = counted
-    try:
-        yield steps
-    finally:
-        del engine.engine.step
 
 
 def test_refused_prompt_aborts_the_ones_taken_before_it(server):
