@@ -5,6 +5,7 @@ template, bad input is HTTP 400 with OpenAI's error body, a client that leaves f
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -246,10 +247,15 @@ def test_engine_failure_is_500_and_unhealthy():
     engine.engine.step = broken
     try:
         with TestClient(build_app(engine, MODEL), raise_server_exceptions=False) as http:
-            r = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
-            assert r.status_code == 500 and "device lost" in r.json()["error"]["message"]
+            with http.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 4, "stream": True}) as r:
+                events = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert r.status_code == 200  # the engine took the request: the failure comes as an event
+            assert "device lost" in json.loads(events[-2][len("data: "):])["error"]["message"]
+            assert events[-1] == "data: [DONE]"
             assert http.get("/health").status_code == 503
             r = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+            assert r.status_code == 500 and "stopped after an error" in r.json()["error"]["message"]
+            r = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4, "stream": True})
             assert r.status_code == 500 and "stopped after an error" in r.json()["error"]["message"]
     finally:
         engine.shutdown()

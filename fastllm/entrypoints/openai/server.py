@@ -177,7 +177,7 @@ class _Server:
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream):
-            first_token, last, usage = None, None, [0, 0]
+            first_token, last, usage, ended_by = None, None, [0, 0], "abort"  # unless it finishes or fails
             try:
                 async with contextlib.aclosing(stream):
                     async for out in stream:
@@ -186,17 +186,21 @@ class _Server:
                         usage[1] += sum(len(o.token_ids) for o in out.outputs)
                         last = out
                         await merged.put((index, out))
+            except Exception as e:  # the engine failed mid-stream: the client gets an error event
+                logger.error("stream failed: %r", e)
+                ended_by = "error"
+                await merged.put((index, e))
             finally:
                 if last is not None and last.finished:
                     self._record_stream(last, usage, arrival, first_token)
-                else:  # the client left first: the request was aborted
-                    self.metrics.requests.labels(finish_reason="abort").inc(shape.n)
+                else:  # the client left first (the request was aborted), or the engine failed
+                    self.metrics.requests.labels(finish_reason=ended_by).inc(shape.n)
                 await merged.put((index, usage))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         try:
             if shape.chat:
-                yield _sse(shape.chunk(0, [_ChoiceDelta(i, role="assistant") for i in range(shape.n)]))
+                yield _sse(shape.chunk([_ChoiceDelta(i, role="assistant") for i in range(shape.n)]))
             open_streams, prompt_tokens, completion_tokens = len(tasks), 0, 0
             while open_streams:
                 index, item = await merged.get()
@@ -204,7 +208,10 @@ class _Server:
                     open_streams -= 1
                     prompt_tokens, completion_tokens = prompt_tokens + item[0], completion_tokens + item[1]
                     continue
-                yield _sse(shape.chunk(index, [shape.delta(index, o) for o in item.outputs]))
+                if isinstance(item, Exception):
+                    yield _sse(error_body(500, f"internal error: {item}", "InternalServerError"))
+                    break
+                yield _sse(shape.chunk([shape.delta(index, o) for o in item.outputs]))
             if include_usage:
                 yield _sse(shape.usage_chunk(prompt_tokens, completion_tokens))
             yield "data: [DONE]\n\n"
@@ -273,7 +280,7 @@ class _Shape:
         self._text_offsets[index] = offset + len(o.text)
         return _ChoiceDelta(index, output=o, text_offset=offset)
 
-    def chunk(self, prompt_index: int, deltas: list[_ChoiceDelta]) -> dict:
+    def chunk(self, deltas: list[_ChoiceDelta]) -> dict:
         choices = []
         for d in deltas:
             o = d.output
