@@ -113,6 +113,28 @@ def test_n_logprobs_and_stop(client):
     assert choice.finish_reason == "stop" and cut not in choice.text and full.startswith(choice.text)
 
 
+def test_streamed_choices_of_several_prompts_and_samples(client):
+    """Two prompts x n=2, streamed: choice i*2+j carries prompt i's sample j, whole and in order, and each
+    ends with a finish reason; chat with n=2 opens each choice with the assistant role."""
+    params = dict(model=MODEL, temperature=0.9, seed=3, max_tokens=12)
+    whole = client.completions.create(prompt=PROMPTS[:2], n=2, **params)
+    want = {c.index: c.text for c in whole.choices}
+    texts, finish = {}, {}
+    for chunk in client.completions.create(prompt=PROMPTS[:2], n=2, stream=True, **params):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            finish[c.index] = finish.get(c.index) or c.finish_reason
+    assert texts == want and sorted(want) == [0, 1, 2, 3] and all(finish.values())
+    roles, contents = {}, {}
+    for chunk in client.chat.completions.create(messages=[{"role": "user", "content": "Once"}], n=2, stream=True,
+                                                **params):
+        for c in chunk.choices:
+            if c.delta.role:
+                roles[c.index] = c.delta.role
+            contents[c.index] = contents.get(c.index, "") + (c.delta.content or "")
+    assert roles == {0: "assistant", 1: "assistant"} and set(contents) == {0, 1}
+
+
 def test_chat_through_the_template(client):
     messages = [{"role": "system", "content": "Once upon a time"}, {"role": "user", "content": "there was"}]
     want = offline(["Once upon a time there was"], temperature=0, max_tokens=20)[0]
