@@ -156,8 +156,10 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
         why = "inputs that are not [rows, K] with contiguous rows"
     elif x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         why = f"dtypes {x.dtype} x {weight.dtype}"
-    elif not 0 < x.shape[0] <= MAX_ROWS:
+    elif x.shape[0] > MAX_ROWS:
         why = f"batches of more than {MAX_ROWS} rows"
+    elif x.shape[0] == 0:
+        why = "empty batches"
     if why is None:
         return True
     if why not in _logged:
