@@ -124,7 +124,7 @@ def run_chain(rows_list: list[int], table: dict, out) -> None:
 
             def proj(name, a, w):
                 cfg = table.get((name, rows)) or S.choose_config(rows, *w.shape)
-                cfg = cfg._replace(early_trigger=trigger, prefetch_k=prefetch)
+                cfg = cfg._replace(prefetch_k=prefetch)
                 return S.launch(a, w, config=cfg)
             row[f"skinny_trigger{int(trigger)}_prefetch{prefetch}_ms"] = graph_us(lambda: step(proj), 1) / 1e3
         set_pdl("1")

@@ -2,7 +2,7 @@
 
 A kernel launched with PDL (Hopper and newer) may start while the kernel before it in the stream is
 still finishing, so its launch overlaps that kernel's tail; inside a CUDA graph the launch attribute
-becomes a programmatic edge. Such a kernel calls `tl.extra.cuda.gdc_wait()` (when its USE_PDL is set)
+becomes a programmatic edge. Such a kernel calls `wait(USE_PDL)` (below; `tl.extra.cuda.gdc_wait()`)
 before it reads anything the previous kernel may have written and before its first write (its output
 may reuse memory the previous kernel still reads); gdc_wait returns once that kernel has completed and
 its writes are visible. Reads of data no earlier kernel of the step writes (weights, the step's staged
@@ -43,18 +43,20 @@ def _mode(device_index: int) -> int:
     return mode
 
 
-def enabled(device: torch.device) -> bool:
+def _device_mode(device: torch.device) -> int:
     if device.type != "cuda":
-        return False
-    return _mode(device.index if device.index is not None else torch.cuda.current_device()) > 0
+        return 0
+    return _mode(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def enabled(device: torch.device) -> bool:
+    return _device_mode(device) > 0
 
 
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a Triton launch plus the USE_PDL constexpr (0 when PDL is off; see wait)."""
-    if not enabled(device):
-        return {"USE_PDL": 0}
-    return {"launch_pdl": True, "USE_PDL": _mode(device.index if device.index is not None
-                                                  else torch.cuda.current_device())}
+    mode = _device_mode(device)
+    return {"launch_pdl": True, "USE_PDL": mode} if mode else {"USE_PDL": 0}
 
 
 @triton.jit

@@ -50,7 +50,6 @@ def _skinny_linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, n_out, k_in, stride_xm,  # W and out contiguous
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,  # PDL: let the next kernel launch (and prefetch its weights) now
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,  # PDL: W lines (of LINE elements) per row to prefetch
 ):
     pid = tl.program_id(0)
@@ -62,13 +61,10 @@ def _skinny_linear_kernel(
     x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
-    if USE_PDL:  # launched with PDL (pdl.py): nothing before the wait reads what an earlier kernel wrote
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH_LINES > 0:  # the weights are no kernel's output: fetch the first lines into L2 meanwhile
-            lines = tl.arange(0, PREFETCH_LINES) * LINE
-            _prefetch_l2(w_rows + tl.where(lines[None, :] < k_in, lines[None, :], 0))
-    pdl.wait(USE_PDL)
+    if USE_PDL and PREFETCH_LINES > 0:  # the weights are no kernel's output: into L2 before the PDL wait
+        lines = tl.arange(0, PREFETCH_LINES) * LINE
+        _prefetch_l2(w_rows + tl.where(lines[None, :] < k_in, lines[None, :], 0))
+    pdl.wait(USE_PDL)  # launched with PDL (pdl.py): nothing before it reads what an earlier kernel wrote
     for k0 in range(0, k_in, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -95,7 +91,6 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     use_dot: bool = True  # False: the one-row FMA path
-    early_trigger: bool = False
     prefetch_k: int = 0  # columns of each W row prefetched into L2 before the PDL wait
 
 
@@ -139,7 +134,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x, weight, bias if bias is not None else weight, out, num_rows, n_out, k_in, x.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
-        EARLY_TRIGGER=cfg.early_trigger,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(cfg.prefetch_k, line)) if cfg.prefetch_k else 0,
         LINE=line, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )

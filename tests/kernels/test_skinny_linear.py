@@ -70,8 +70,8 @@ def test_llama_shapes_gpu(dtype, rows, n_out, k_in):
 
 
 @gpu
-@pytest.mark.parametrize("cfg", [S.Config(32, 256, 4, 4, True, early_trigger=True, prefetch_k=512),
-                                 S.Config(16, 1024, 4, 3, False, early_trigger=True, prefetch_k=2048)])
+@pytest.mark.parametrize("cfg", [S.Config(32, 256, 4, 4, True, prefetch_k=512),
+                                 S.Config(16, 1024, 4, 3, False, prefetch_k=2048)])
 def test_pdl_options_gpu(cfg):
     for rows in (1, 8):
         _check("cuda", torch.bfloat16, rows, 4096, 4096, cfg, bias=True)
