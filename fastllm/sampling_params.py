@@ -98,8 +98,7 @@ class SamplingParams:
     def samples_in_graph(self) -> bool:
         """A decode CUDA graph can draw this request's tokens: no seed (its own generator), penalty,
         min_tokens mask or logprobs."""
-        return (self.seed is None and self.logprobs is None and self.min_tokens == 0 and self.presence_penalty == 0
-                and self.frequency_penalty == 0 and self.repetition_penalty == 1)
+        return self.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.has_penalties
 
     def clone(self, **changes) -> "SamplingParams":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}

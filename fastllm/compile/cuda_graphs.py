@@ -83,7 +83,6 @@ class CUDAGraphRunner:
         # float32 [temperature, top_k, top_p, min_p] per row, for the graphs that also sample (their bits
         # ride in the int32 copy); temperature 0 is a greedy row, as are the padding rows.
         self.sampling_params = self.static_i32[n:(1 + SAMPLING_ROWS) * n].view(torch.float32).view(SAMPLING_ROWS, n)
-        self.tables_offset = (1 + SAMPLING_ROWS) * n  # where a sampling step stages its block tables
         self._staged_tables = self.static_i32[n:]
         # What the graphs read, at the full width (a long max_model_len makes it thousands of blocks
         # wide): a step stages only its own width, and take_block_tables spreads it into these rows.
@@ -173,7 +172,7 @@ class CUDAGraphRunner:
         """Copy the staged [rows, width] block tables (after the sampling params when `sampling`) into
         the first rows and columns of the graphs' table. Columns past a row's width keep older block
         ids: the kernels read a row only up to its seq_len, which the width covers."""
-        start = self.tables_offset - self.max_bs if sampling else 0
+        start = self.sampling_params.numel() if sampling else 0
         self.block_tables[:rows, :width].copy_(self._staged_tables[start:start + rows * width].view(rows, width))
 
     def take_in_flight_tokens(self, tokens: torch.Tensor) -> None:

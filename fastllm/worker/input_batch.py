@@ -187,7 +187,7 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
     metadata = None if sampling else _sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device)
     int32_arrays = [static_lens, block_tables]
     if sampling:
-        int32_arrays.insert(1, _graph_sampling_params(sample_states, sample_rows, n, vocab_size).view(np.int32))
+        int32_arrays.insert(1, _graph_sampling_params(graph, sample_states, sample_rows, vocab_size).view(np.int32))
     stager.send_into(int64_arrays, int32_arrays, (graph.static_i64, graph.static_i32))
     graph.take_block_tables(*block_tables.shape, sampling=sampling)
     logits_d = None if sample_rows is None else graph.static_i64[4 * n:4 * n + len(sample_rows)]
@@ -196,10 +196,10 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
                       sampled_in_graph=sampling)
 
 
-def _graph_sampling_params(sample_states, sample_rows, n: int, vocab_size: int) -> np.ndarray:
-    """float32 [temperature, top_k, top_p, min_p] x n rows for CUDAGraphRunner.sampling_params: greedy
+def _graph_sampling_params(graph, sample_states, sample_rows, vocab_size: int) -> np.ndarray:
+    """float32 [temperature, top_k, top_p, min_p] x max_bs rows for graph.sampling_params: greedy
     (temperature 0) where a row does not sample, as the sampler's metadata sets them where it does."""
-    params = np.zeros((4, n), dtype=np.float32)
+    params = np.zeros(tuple(graph.sampling_params.shape), dtype=np.float32)
     params[1], params[2] = vocab_size, 1.0
     rows = range(len(sample_states)) if sample_rows is None else sample_rows
     for row, state in zip(rows, sample_states):
