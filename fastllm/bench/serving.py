@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
+from fastllm.bench.runner import percentile
+
 
 @dataclass
 class RequestRecord:
@@ -88,7 +90,7 @@ async def run_load(url: str, model: str, prompts: list[list[int]], output_len: i
 def summarize(records: list[RequestRecord], wall: float, request_rate: float, input_len: int,
               output_len: int) -> dict:
     done = [r for r in records if r.error is None and r.end is not None and r.first_token is not None]
-    ms = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else None  # noqa: E731
+    ms = lambda xs, q: percentile(xs, q) * 1e3 if xs else None  # noqa: E731
     mean = lambda xs: float(np.mean(xs)) * 1e3 if xs else None  # noqa: E731
     ttft = [r.first_token - r.arrival for r in done]
     tpot = [(r.end - r.first_token) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
@@ -106,12 +108,6 @@ def summarize(records: list[RequestRecord], wall: float, request_rate: float, in
         "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99),
         "e2e_ms_mean": mean(e2e), "e2e_ms_p99": ms(e2e, 99),
     }
-
-
-def random_prompts(num: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    # clear of the lowest ids, where the special tokens usually sit
-    return rng.integers(min(100, vocab_size // 2), vocab_size, (num, input_len)).tolist()
 
 
 class ServerProcess:

@@ -273,7 +273,10 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
 
     from fastllm.bench import ceilings as ceil
     from fastllm.bench import report
-    from fastllm.bench.serving import ServerProcess, random_prompts, run_load, summarize
+    import numpy as np
+
+    from fastllm.bench.runner import random_prompts
+    from fastllm.bench.serving import ServerProcess, run_load, summarize
     from fastllm.entrypoints.openai.server import served_name
     from fastllm.worker.worker import select_device
 
@@ -291,10 +294,11 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
 
     def run(url: str) -> None:
         print(report.header(result), flush=True)
-        warm = random_prompts(2, min(args.input_len, 16), vocab, seed=1)
+        warm = random_prompts(np.random.default_rng(1), 2, min(args.input_len, 16), vocab)
         asyncio.run(run_load(url, model_name, warm, 4, float("inf")))  # first-use compiles, connections
         for i, rate in enumerate(rates):
-            prompts = random_prompts(args.num_prompts, args.input_len, vocab, seed=config.model.seed + i)
+            prompts = random_prompts(np.random.default_rng(config.model.seed + i), args.num_prompts, args.input_len,
+                                     vocab)
             records, wall = asyncio.run(run_load(url, model_name, prompts, args.output_len, rate,
                                                  seed=config.model.seed + i, max_concurrency=args.max_concurrency))
             row = summarize(records, wall, rate, args.input_len, args.output_len)
