@@ -28,17 +28,19 @@ def _check(cond: bool, name: str, message: str) -> None:
 
 
 def resolve_model_path(model: str | None) -> str:
-    """A directory path, or the name of an embedded config (e.g. 'llama-3.1-8b', any case)."""
+    """A directory path, or the name of an embedded model or config (e.g. 'llama2xs-279K',
+    'llama-3.1-8b', any case)."""
     if model is None:
         return DEFAULT_MODEL
     if os.path.isdir(model):
         return model
-    for candidate in (ASSETS / "configs").iterdir():
+    if model.lower() == "default":
+        return DEFAULT_MODEL
+    embedded = [*(ASSETS / "configs").iterdir(), *(p for p in ASSETS.iterdir() if (p / "config.json").is_file())]
+    for candidate in embedded:
         if candidate.name.lower() == model.lower():
             return str(candidate)
-    if model.lower() in ("stories260k", "default"):
-        return DEFAULT_MODEL
-    known = sorted(p.name for p in (ASSETS / "configs").iterdir())
+    known = sorted(p.name for p in embedded)
     raise ValueError(
         f"model {model!r} is not a directory and not an embedded config (embedded: {', '.join(known)})"
     )
@@ -157,6 +159,33 @@ class CompileConfig:
                "cuda_graph_sizes", f"must be positive integers, got {sizes!r}")
 
 
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Draft-model speculative decoding: the draft proposes num_speculative_tokens tokens a step and
+    the target verifies them in one forward. Off while speculative_model is None."""
+
+    speculative_model: str | None = None  # a model directory or embedded config sharing the target's vocabulary
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self):
+        if self.speculative_model is None:
+            _check(self.num_speculative_tokens == 0, "num_speculative_tokens",
+                   f"needs speculative_model, got {self.num_speculative_tokens}")
+            return
+        object.__setattr__(self, "speculative_model", resolve_model_path(self.speculative_model))
+        if self.num_speculative_tokens == 0:
+            object.__setattr__(self, "num_speculative_tokens", 4)
+        _check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+               "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_model is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -164,6 +193,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     compile: CompileConfig = CompileConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
     device: str = "auto"  # "auto" picks cuda when present
 
     def __post_init__(self):
@@ -186,7 +216,7 @@ class EngineConfig:
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
         """Build from flat keyword arguments (LLM(...), the CLI); unknown names are an error."""
         parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "parallel": ParallelConfig, "compile": CompileConfig}
+                 "parallel": ParallelConfig, "compile": CompileConfig, "speculative": SpeculativeConfig}
         values: dict[str, dict[str, Any]] = {name: {} for name in parts}
         top: dict[str, Any] = {}
         for key, value in kwargs.items():

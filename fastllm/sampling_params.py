@@ -100,6 +100,13 @@ class SamplingParams:
         min_tokens mask or logprobs."""
         return self.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.has_penalties
 
+    @property
+    def speculates(self) -> bool:
+        """Draft tokens may be verified for this request: the rejection sampler models temperature,
+        top-k, top-p and min-p, not a seed (its own generator), penalties, a min_tokens mask or
+        logprobs; the rule of samples_in_graph."""
+        return self.samples_in_graph
+
     def clone(self, **changes) -> "SamplingParams":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
         values.update(changes)

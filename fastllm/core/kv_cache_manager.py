@@ -74,15 +74,17 @@ class KVCacheManager:
     # allocation
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Make room for num_new_tokens more tokens after request.num_computed_tokens (plus any
-        prefix-cache hits in computed_blocks, which a new request takes first). Returns False,
-        changing nothing, when the free blocks do not suffice."""
+        prefix-cache hits in computed_blocks, which a new request takes first), and for up to
+        num_lookahead_tokens slots after them that a draft model writes (never past the request's
+        max_total_tokens). Returns False, changing nothing, when the free blocks do not suffice."""
         if not computed_blocks:
             blocks = self.req_blocks.get(request.request_id)
             end = request.num_computed_tokens + num_new_tokens
-            last = (end - 1) // self.block_size
+            last = (self._slots_end(request, end, num_lookahead_tokens) - 1) // self.block_size
             if num_new_tokens > 0 and blocks and last < len(blocks) and request.num_computed_tokens // self.block_size == last \
                     and blocks[last].ref_cnt == 1:
                 # The common decode step: it writes into one block it already holds alone.
@@ -93,10 +95,11 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         held = len(blocks) + len(computed_blocks)
         end = num_computed + num_new_tokens
+        slots_end = self._slots_end(request, end, num_lookahead_tokens)
         # Blocks we already hold that this step writes into and others share: copy on write.
-        cow = [i for i in range(num_computed // self.block_size, min(held, cdiv(end, self.block_size)))
+        cow = [i for i in range(num_computed // self.block_size, min(held, cdiv(slots_end, self.block_size)))
                if i < len(blocks) and blocks[i].ref_cnt > 1]
-        num_needed = max(0, cdiv(end, self.block_size) - held) + len(cow)
+        num_needed = max(0, cdiv(slots_end, self.block_size) - held) + len(cow)
         num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_needed + num_evictable_hits > self.pool.num_free_blocks:
             if not blocks:
@@ -111,9 +114,15 @@ class KVCacheManager:
             self.rewritten.add(request.request_id)
             self.pool.free([blocks[i]])
             blocks[i] = copy
-        blocks.extend(self.pool.allocate(max(0, cdiv(end, self.block_size) - len(blocks))))
+        blocks.extend(self.pool.allocate(max(0, cdiv(slots_end, self.block_size) - len(blocks))))
         self._cache_full_blocks(request, blocks, end)
         return True
+
+    @staticmethod
+    def _slots_end(request: Request, end: int, num_lookahead_tokens: int) -> int:
+        """The end of the slots a step needs: its tokens' and the lookahead's, which stops at the
+        request's last token."""
+        return max(end, min(end + num_lookahead_tokens, request.max_total_tokens))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVCacheBlock], num_tokens: int) -> None:
         """Register the blocks that are full once num_tokens are computed."""

@@ -9,6 +9,11 @@ preempted: its blocks are freed and it is recomputed later (default), or moved t
 With async scheduling the engine schedules step N+1 before step N's tokens are known: a request
 that will sample counts its in-flight token as pending (num_tokens_with_pending), so it is
 scheduled for that token's KV at once; the runner reads the token itself from the device.
+
+With speculative decoding a decode request is also scheduled for its draft tokens (spec_token_ids),
+which the target verifies in the same forward, and holds num_lookahead_tokens more slots for the
+draft model's own KV writes. The KV of rejected draft tokens is given back by lowering
+num_computed_tokens when the step's output comes back.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.kv_cache_manager import KVCacheManager
 from fastllm.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from fastllm.engine.request import Request, RequestStatus
+from fastllm.spec_decode.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +40,7 @@ class Scheduler:
         num_gpu_blocks: int,
         num_cpu_blocks: int = 0,
         hash_fn: HashFn = hash_block_tokens,
+        num_lookahead_tokens: int = 0,
     ):
         if scheduler_config.max_num_seqs is None:
             raise ValueError("max_num_seqs is unset: build the scheduler from EngineConfig.for_device(...)")
@@ -43,6 +50,7 @@ class Scheduler:
         self.hash_fn = hash_fn if cache_config.enable_prefix_caching else None
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size, cache_config.enable_prefix_caching,
                                  num_cpu_blocks if scheduler_config.preemption_mode == "swap" else 0)
+        self.num_lookahead_tokens = num_lookahead_tokens  # the draft model's slots past a step's tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -50,6 +58,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()  # since the last step; the runner drops them
         self._runner_knows: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
         # The requests each step scheduled, until its output is applied. With a step in flight a
         # finished request's id may come back as a new request; its old step's token is not its.
         self._step_id = 0
@@ -96,6 +105,7 @@ class Scheduler:
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         known_blocks: dict[str, int] = {}  # blocks the runner already has, for requests scheduled in 1.
+        spec_tokens: dict[str, list[int]] = {}
         preempted = False
 
         # 1. Running requests: their next chunk or token.
@@ -105,9 +115,10 @@ class Scheduler:
             if self._ends_with_pending_token(request):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            num_known = request.num_tokens_with_pending - request.num_computed_tokens
+            num_new = min(num_known + len(request.spec_token_ids), budget)
             known_blocks[request.request_id] = len(self.kv.req_blocks.get(request.request_id, ()))
-            while not self.kv.allocate_slots(request, num_new):
+            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens):
                 victim = self.running.pop()
                 swap_out += self._preempt(victim)
                 preempted = True
@@ -115,6 +126,8 @@ class Scheduler:
                     break
             else:
                 scheduled[request.request_id] = num_new
+                if num_new > num_known:  # the draft tokens the budget leaves room for
+                    spec_tokens[request.request_id] = request.spec_token_ids[:num_new - num_known]
                 budget -= num_new
                 i += 1
                 continue
@@ -175,7 +188,7 @@ class Scheduler:
                 self._runner_knows.add(req_id)
                 new_reqs.append(NewRequestData(req_id, request.prompt_token_ids, request.sampling_params,
                                                [b.block_id for b in blocks], request.num_computed_tokens,
-                                               request.output_token_ids))
+                                               request.output_token_ids, request.max_total_tokens))
             elif known < 0 or req_id in rewritten:
                 cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens, [],
                                                      [b.block_id for b in blocks]))
@@ -183,7 +196,8 @@ class Scheduler:
                 cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens,
                                                      [b.block_id for b in blocks[known:]] if len(blocks) > known else []))
             request.num_computed_tokens += num_new
-            if num_new and request.num_computed_tokens == request.num_tokens_with_pending:
+            num_spec = len(spec_tokens.get(req_id, ()))
+            if num_new and request.num_computed_tokens - num_spec == request.num_tokens_with_pending:
                 request.num_pending_tokens += 1  # caught up: this step samples its next token
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -199,6 +213,7 @@ class Scheduler:
             blocks_to_swap_in=swap_in,
             blocks_to_copy=self.kv.take_copies(),
             step_id=self._step_id,
+            scheduled_spec_tokens=spec_tokens,
         )
 
     def _admit(self, request: Request, budget: int) -> int:
@@ -217,7 +232,7 @@ class Scheduler:
         num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
         if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens - num_cached:
             num_new = 0  # the whole remainder must fit in one step
-        if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed_blocks):
+        if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed_blocks, self.num_lookahead_tokens):
             if forked:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
@@ -237,6 +252,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> list[tuple[int, int]]:
         self.num_preemptions += 1
+        request.spec_token_ids = []  # the draft proposes again once the request runs
         request.num_preemptions += 1
         if self.config.preemption_mode == "swap":
             if self.kv.can_swap_out(request):
@@ -254,25 +270,41 @@ class Scheduler:
 
     # after the step
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[Request]:
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[tuple[Request, list[int]]]:
         """Append sampled tokens, apply stop conditions, free finished requests.
-        Returns the requests that got a token this step (finished ones included)."""
+        Returns the requests that got tokens this step (finished ones included), each with the
+        tokens appended (those after a stop are dropped)."""
         updated = []
         scheduled = self._scheduled_requests.pop(scheduler_output.step_id, None)
         if scheduled is None:
             raise ValueError(f"step {scheduler_output.step_id} was not scheduled here, or its output was already applied")
-        for req_id, token in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+        spec_scheduled = scheduler_output.scheduled_spec_tokens
+        for req_id, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = scheduled.get(req_id)
-            if token is None or request is None or request.is_finished:
+            if not tokens or request is None or request.is_finished:
                 continue  # finished while this step was in flight: its token is dropped
+            num_spec = len(spec_scheduled.get(req_id, ()))
+            if num_spec:  # the KV of the rejected draft tokens is computed again
+                request.num_computed_tokens -= num_spec + 1 - len(tokens)
+                self.spec_stats.record(num_spec, len(tokens) - 1)
             request.num_pending_tokens -= 1
-            request.append_token(token)
-            status = self._check_stop(request, token)
+            appended = []
+            status = None
+            for token in tokens:
+                request.append_token(token)
+                appended.append(token)
+                status = self._check_stop(request, token)
+                if status is not None:
+                    break
             if status is not None:
                 self._queue_of(request).remove(request)
                 request.status = status
                 self._free(request)
-            updated.append(request)
+            else:  # no more drafts than tokens left to generate after the target's next one
+                proposed = runner_output.spec_token_ids.get(req_id, [])
+                request.spec_token_ids = proposed[:max(0, request.max_total_tokens - request.num_tokens - 1)]
+            updated.append((request, appended))
         return updated
 
     @staticmethod

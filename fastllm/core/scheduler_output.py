@@ -18,6 +18,7 @@ class NewRequestData:
     num_computed_tokens: int
     # Tokens after the prompt that already exist (a forked sibling starts with none).
     output_token_ids: list[int] = field(default_factory=list)
+    max_total_tokens: int = 0  # where it stops by length (the draft model drafts no further)
 
 
 @dataclass(slots=True)
@@ -43,6 +44,8 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, gpu)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) copy-on-write
     step_id: int = 0  # the scheduler's count of steps; update_from_output pairs the output with it
+    # req id -> draft tokens to verify this step: the last of its num_scheduled_tokens (speculative decoding)
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -52,8 +55,11 @@ class SchedulerOutput:
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # the scheduled requests, in batch order
-    # One sampled token per request that reached the end of its known tokens this step;
-    # None for a request that computed only part of its prompt (a chunk).
-    sampled_token_ids: list[int | None]
+    # The new tokens of each request: one for a request that reached the end of its known tokens,
+    # none for one that computed only part of its prompt (a chunk), and with speculative decoding
+    # the accepted draft tokens followed by one the target sampled.
+    sampled_token_ids: list[list[int]]
     # For requests that asked for logprobs: (sampled token's logprob, its rank, [(token id, logprob) top-N]).
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)
+    # req id -> the draft's proposals for the step after this one
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -60,13 +60,17 @@ class LLMEngine:
                              f"{config.model.max_model_len}: lower max_model_len or give the cache more memory")
         self.worker.init_kv_cache(num_blocks, num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
-                                   num_blocks, num_cpu_blocks, hash_fn)
+                                   num_blocks, num_cpu_blocks, hash_fn, config.speculative.num_speculative_tokens)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.worker.runner.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = self.worker.runner.args.vocab_size
         self.async_scheduling = config.scheduler.async_scheduling
+        if self.async_scheduling and config.speculative.enabled:
+            # A step's draft tokens come from the step before it, which must have ended first.
+            logger.info("speculative decoding: steps run one at a time (async_scheduling is off)")
+            self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, AsyncRunnerOutput] | None = None
         self.last_step_wait_s = 0.0  # time the last step() spent waiting for the GPU (bench: host = step - wait)
         freeze_startup_objects()

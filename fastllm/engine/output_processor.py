@@ -86,29 +86,31 @@ class OutputProcessor:
         group = self.groups.get(request_id)
         return list(group.samples) if group else []
 
-    def process(self, updated: list[Request], logprobs: dict) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs of groups that changed, and the child ids a stop string finished
-        (the scheduler must stop them)."""
+    def process(self, updated: list[tuple[Request, list[int]]], logprobs: dict) -> tuple[list[RequestOutput], list[str]]:
+        """updated: each request that got tokens this step, with them (several under speculative
+        decoding). Returns the outputs of groups that changed, and the child ids a stop string
+        finished (the scheduler must stop them; the tokens after the stop are not output)."""
         stopped: list[str] = []
         touched: dict[str, RequestGroup] = {}
-        for request in updated:
+        for request, tokens in updated:
             group = self.group_of.get(request.request_id)
             if group is None:
                 continue
             sample = group.samples[request.request_id]
             out = sample.output
-            token = request.all_token_ids[-1]
-            out.token_ids.append(token)
-            if request.request_id in logprobs:
-                self._add_logprobs(out, token, logprobs[request.request_id])
-            if request.is_finished:
-                out.finish_reason, out.stop_reason = request.status.finish_reason, request.stop_reason
-            if sample.detokenizer is not None:
-                hit = sample.detokenizer.add_token(token)
-                out.text = sample.detokenizer.text
-                if hit is not None and out.finish_reason is None:
-                    out.finish_reason, out.stop_reason = "stop", hit
-                    stopped.append(request.request_id)
+            for i, token in enumerate(tokens):
+                out.token_ids.append(token)
+                if request.request_id in logprobs:  # only requests that sample one token a step ask for them
+                    self._add_logprobs(out, token, logprobs[request.request_id])
+                if request.is_finished and i == len(tokens) - 1:  # the scheduler's stop (EOS, length) comes first
+                    out.finish_reason, out.stop_reason = request.status.finish_reason, request.stop_reason
+                if sample.detokenizer is not None:
+                    hit = sample.detokenizer.add_token(token)
+                    out.text = sample.detokenizer.text
+                    if hit is not None and out.finish_reason is None:
+                        out.finish_reason, out.stop_reason = "stop", hit
+                        stopped.append(request.request_id)
+                        break
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():

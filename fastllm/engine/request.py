@@ -61,6 +61,8 @@ class Request:
         # Tokens sampled on the device whose ids have not come back yet (async scheduling keeps
         # one step in flight, so a request can be scheduled again before its last token is known).
         self.num_pending_tokens = 0
+        # Draft tokens proposed after the newest token (speculative decoding): the next step verifies them.
+        self.spec_token_ids: list[int] = []
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.num_preemptions = 0
         # A sibling of an n > 1 request: it shares the prompt's KV with this request once computed.

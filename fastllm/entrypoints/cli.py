@@ -19,6 +19,9 @@ ENGINE_ARGS = {
     "preemption_mode": (str, "recompute", "recompute | swap"),
     "seed": (int, 0, "seed for dummy weights and unseeded sampling"),
     "device": (str, "auto", "auto | cpu | cuda"),
+    "speculative_model": (str, None, "draft model for speculative decoding (a directory or embedded name, "
+                          "e.g. llama2xs-279K for the default model)"),
+    "num_speculative_tokens": (int, 0, "draft tokens per step (default 4 with --speculative-model)"),
 }
 
 

@@ -23,7 +23,6 @@ class AsyncRunnerOutput:
         self.sample_states = sample_states
         self.sampled = sampled  # [S] on the device: the next step's inputs read it from here
         self.rows = {s.req_id: i for i, s in enumerate(sample_states)}
-        self._logprob_nums = [s.sampling_params.logprobs for s in sample_states]
         self._ready: torch.cuda.Event | None = None
         self._sampled_host = self._logprobs_host = None
         self._result: ModelRunnerOutput | None = None
@@ -35,6 +34,13 @@ class AsyncRunnerOutput:
             if sampled.is_cuda:
                 self._ready = torch.cuda.Event()
                 self._ready.record()
+
+    @classmethod
+    def ready(cls, result: ModelRunnerOutput) -> "AsyncRunnerOutput":
+        """An output already on the host (a speculative step, which syncs to draft after its tokens)."""
+        out = cls(result.req_ids, [])
+        out._result = result
+        return out
 
     @property
     def done(self) -> bool:
@@ -57,13 +63,19 @@ class AsyncRunnerOutput:
                 state.num_pending -= 1
                 sampled[state.req_id] = token
             if self._logprobs_host is not None:
-                logprobs = self._collect_logprobs(*(t.tolist() for t in self._logprobs_host))
-        self._result = ModelRunnerOutput(self.req_ids, [sampled.get(r) for r in self.req_ids], logprobs)
+                logprobs = collect_logprobs(self.sample_states, self._logprobs_host)
+        self._result = ModelRunnerOutput(self.req_ids, [[sampled[r]] if r in sampled else [] for r in self.req_ids],
+                                         logprobs)
         return self._result
 
-    def _collect_logprobs(self, token_logprob, rank, top_ids, top_vals) -> dict:
-        out = {}
-        for i, (state, num) in enumerate(zip(self.sample_states, self._logprob_nums)):
-            if num is not None:
-                out[state.req_id] = (token_logprob[i], rank[i], list(zip(top_ids[i][:num], top_vals[i][:num])))
-        return out
+
+def collect_logprobs(sample_states: list, logprobs: tuple[torch.Tensor, ...]) -> dict:
+    """req id -> (token logprob, rank, top-N pairs) for the sample states that asked, from the
+    sampler's [S] / [S, N] tensors (on the host), row i being sample_states[i]'s."""
+    token_logprob, rank, top_ids, top_vals = (t.tolist() for t in logprobs)
+    out = {}
+    for i, state in enumerate(sample_states):
+        num = state.sampling_params.logprobs
+        if num is not None:
+            out[state.req_id] = (token_logprob[i], rank[i], list(zip(top_ids[i][:num], top_vals[i][:num])))
+    return out

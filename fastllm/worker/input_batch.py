@@ -29,8 +29,11 @@ class CachedRequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    max_total_tokens: int = 0  # prompt + max_tokens, within max_model_len (speculative decoding reads it)
     num_pending: int = field(default=0, init=False)  # sampled on the device, not yet appended here
     block_table: np.ndarray = field(init=False, repr=False)  # block_ids as int32, with spare capacity
+    # The draft's probabilities [n, V] for its last proposals, when it sampled them (speculative decoding)
+    draft_probs: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.set_block_ids(self.block_ids)
@@ -73,18 +76,23 @@ class StepInputs:
     sampling_metadata: SamplingMetadata | None  # None: nothing samples, or the graph draws (sampled_in_graph)
     staged_for_graph: bool = False  # inputs are in the CUDA graph runner's static buffers
     sampled_in_graph: bool = False  # and so are the sampling params: the replay draws the tokens
+    # Speculative decoding: rows per sample state (its draft tokens + 1, in logits_indices' order), each
+    # with the state's params in sampling_metadata; None when draft tokens are not verified (one row each)
+    num_verify_rows: list[int] | None = None
 
 
 def build_step_inputs(
     states: list[CachedRequestState], num_scheduled: list[int], block_size: int, vocab_size: int,
     eos_token_id: int | None, stager: StepInputStager, in_flight: AsyncRunnerOutput | None = None,
-    graph=None,
+    graph=None, spec_tokens: list[list[int]] | None = None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one unpadded batch (or, for a graph, padded to its size).
     in_flight: the last step's output while its tokens are still on the device (rows whose input is
     such a token read it there).
     graph: a CUDAGraphRunner that fits this decode step: the inputs are staged straight into its
-    static buffers, padded to its replay size."""
+    static buffers, padded to its replay size.
+    spec_tokens: each request's draft tokens, the last of its scheduled tokens (speculative decoding):
+    every row of a sampling request from its last known token on gives logits (verify rows)."""
     num_reqs = len(states)
     counts = np.asarray(num_scheduled, dtype=np.int64)
     start_list = [s.num_computed_tokens for s in states]
@@ -97,8 +105,11 @@ def build_step_inputs(
     input_ids: list[int] = []
     from_device: list[tuple[int, int]] = []  # (flat input row, row of in_flight.sampled)
     sample_rows, sample_states = [], []
+    num_spec = [len(t) for t in spec_tokens] if spec_tokens else None
     for i, (state, start, count) in enumerate(zip(states, start_list, num_scheduled)):
         end = start + count
+        if num_spec:
+            end -= num_spec[i]  # the draft tokens come after the known ones
         num_tokens = state.num_tokens
         if end <= num_tokens:
             input_ids.extend(state.token_slice(start, end))
@@ -108,6 +119,8 @@ def build_step_inputs(
                 input_ids.extend(state.token_slice(start, num_tokens))
             from_device.append((len(input_ids), in_flight.rows[state.req_id]))
             input_ids.append(0)
+        if num_spec:
+            input_ids.extend(spec_tokens[i])
         num_blocks = len(state.block_ids)
         block_tables[i, :num_blocks] = state.block_table[:num_blocks]
         if end == num_tokens + state.num_pending:  # caught up: the last row's logits give the next token
@@ -120,13 +133,21 @@ def build_step_inputs(
     row_of_token = np.repeat(np.arange(num_reqs), counts)
     positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
     slots = block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    logits_indices = query_start_loc[1:][sample_rows].astype(np.int64) - 1  # each sample state's last row
+    verify_rows = None
+    if spec_tokens:  # and the rows of its draft tokens before it: the last verify_rows[j] of its query
+        verify_rows = np.asarray(num_spec, dtype=np.int64)[sample_rows] + 1
+        logits_indices = np.repeat(logits_indices - verify_rows + 1, verify_rows) + \
+            (np.arange(int(verify_rows.sum())) - np.repeat(np.cumsum(verify_rows) - verify_rows, verify_rows))
     # Every token samples (a decode step): the hidden states are the logits' rows as they are.
-    every_row = len(sample_rows) == num_tokens
-    logits_indices = np.zeros(0, np.int64) if every_row else query_start_loc[1:][sample_rows].astype(np.int64) - 1
+    every_row = len(logits_indices) == num_tokens
+    if every_row:
+        logits_indices = np.zeros(0, np.int64)
     ids = np.asarray(input_ids, dtype=np.int64)
     seq_lens = ends.astype(np.int32)
 
     if graph is not None:
+        assert not spec_tokens, "draft tokens are verified without CUDA graphs"
         return _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slots, seq_lens,
                                 block_tables, None if every_row else logits_indices, sample_states, vocab_size,
                                 eos_token_id)
@@ -146,15 +167,20 @@ def build_step_inputs(
         attn_metadata=metadata,
         logits_indices=None if every_row else logits_d,
         sample_states=sample_states,
-        sampling_metadata=_sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device),
+        sampling_metadata=_sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device,
+                                             None if verify_rows is None else verify_rows.tolist()),
+        num_verify_rows=None if verify_rows is None else verify_rows.tolist(),
     )
 
 
-def _sampling_metadata(sample_states, vocab_size, eos_token_id, device) -> SamplingMetadata | None:
+def _sampling_metadata(sample_states, vocab_size, eos_token_id, device, repeats=None) -> SamplingMetadata | None:
+    """repeats: rows per sample state (speculative decoding's verify rows), each with its params."""
     if sample_states and all(s.sampling_params.argmax_only for s in sample_states):
         return SamplingMetadata.argmax_rows()  # no per-row records to build
     rows = [SamplingRow(s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids, eos_token_id,
                         s.num_pending) for s in sample_states]
+    if repeats is not None:
+        rows = [row for row, n in zip(rows, repeats) for _ in range(n)]
     return SamplingMetadata.build(rows, vocab_size, device) if rows else None
 
 

@@ -3,6 +3,7 @@ built in input_batch.py, attention inputs live in attn_metadata.py, KV tensors i
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -11,14 +12,16 @@ import torch
 from fastllm.compile.backend import compile_forward, mark_tokens_unbacked
 from fastllm.compile.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from fastllm.config import EngineConfig
-from fastllm.core.scheduler_output import SchedulerOutput
+from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fastllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from fastllm.models.loader import load_model
 from fastllm.sampling_params import SamplingParams
+from fastllm.spec_decode.draft_model import DraftModel, DraftRequest
+from fastllm.spec_decode.rejection_sampler import accepted_tokens, rejection_sample
 from fastllm.tracing import nvtx_range
 from fastllm.worker.attn_metadata import forward_context
 from fastllm.worker.cache_engine import CacheEngine
-from fastllm.worker.async_output import AsyncRunnerOutput
+from fastllm.worker.async_output import AsyncRunnerOutput, collect_logprobs
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
 from fastllm.worker.staging import StepInputStager
 
@@ -38,7 +41,11 @@ class ModelRunner:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
         self.sampler = Sampler()
+        self.drafter = None  # speculative decoding's draft model
+        if config.speculative.enabled:
+            self.drafter = DraftModel(config, self.dtype, self.args.vocab_size, device)
         self.cache: CacheEngine | None = None
+        self.caches: list[CacheEngine] = []  # the target's, then the draft's: swaps and copies apply to both
         self.requests: dict[str, CachedRequestState] = {}
         self.forward = self.model.forward  # replaced by the compiled forward in init_kv_cache
         self.graphs: CUDAGraphRunner | None = None
@@ -52,7 +59,8 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         a = self.args
-        return CacheEngine.bytes_per_block(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype)
+        target = CacheEngine.bytes_per_block(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype)
+        return target + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         a = self.args
@@ -60,6 +68,10 @@ class ModelRunner:
                                  self.device, num_blocks, num_cpu_blocks)
         for layer, kv in zip(self.attention_layers, self.cache.layer_caches()):
             layer.kv_cache = kv
+        self.caches = [self.cache]
+        if self.drafter is not None:
+            self.drafter.init_kv_cache(num_blocks, num_cpu_blocks)
+            self.caches.append(self.drafter.cache)
         self._compile_and_capture()
 
     def _compile_and_capture(self) -> None:
@@ -81,6 +93,10 @@ class ModelRunner:
         logger.info("torch.compile: %.1f s (%s)", self.compile_seconds, self.compile_how)
         if self.device.type != "cuda":
             logger.info("execution: compiled, without CUDA graphs (device %s)", self.device.type)
+            return
+        if self.drafter is not None:
+            logger.info("execution: speculative decoding: the target runs compiled without CUDA graphs (its "
+                        "verify steps are several tokens a request), the draft model eager")
             return
         sched, model = self.config.scheduler, self.config.model
         sizes = list(cfg.cuda_graph_sizes or default_capture_sizes(sched.max_num_seqs))
@@ -114,12 +130,15 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
         """Queue the step's GPU work and return at once; result() on the output waits for its tokens."""
         self._update_states(sched)
-        self.cache.swap_out(sched.blocks_to_swap_out)
-        self.cache.swap_in(sched.blocks_to_swap_in)
-        self.cache.copy(sched.blocks_to_copy)
+        for cache in self.caches:
+            cache.swap_out(sched.blocks_to_swap_out)
+            cache.swap_in(sched.blocks_to_swap_in)
+            cache.copy(sched.blocks_to_copy)
         req_ids = list(sched.num_scheduled_tokens)
         if sched.is_empty:
             return AsyncRunnerOutput(req_ids, [])
+        if self.drafter is not None:
+            return self._execute_speculative(sched, req_ids)
         states = [self.requests[r] for r in req_ids]
         last = self._last_output if self._last_output is not None and not self._last_output.done else None
         if last is not None and any(s.num_pending and s.sampling_params.has_penalties for s in states):
@@ -160,6 +179,90 @@ class ModelRunner:
         self._last_output = AsyncRunnerOutput(req_ids, inputs.sample_states, out.sampled, out.logprobs)
         return self._last_output
 
+    def _execute_speculative(self, sched: SchedulerOutput, req_ids: list[str]) -> AsyncRunnerOutput:
+        """A step of speculative decoding, run to its end: the target verifies each request's draft
+        tokens in one forward (with the prompt chunks and plain decodes of the batch), the rejection
+        sampler keeps what the target agrees with, then the draft catches up on the accepted tokens
+        and drafts the next ones."""
+        states = [self.requests[r] for r in req_ids]
+        num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
+        spec = [sched.scheduled_spec_tokens.get(r, []) for r in req_ids]
+        starts = [s.num_computed_tokens for s in states]
+        with nvtx_range("prepare_inputs"):
+            inputs = build_step_inputs(states, num_scheduled, self.block_size, self.args.vocab_size,
+                                       self.eos_token_id, self.stager, spec_tokens=spec)
+        with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
+            hidden = self.forward(inputs.input_ids, inputs.positions)
+        for state, n in zip(states, num_scheduled):
+            state.num_computed_tokens += n
+        new_tokens: dict[str, list[int]] = {}
+        logprobs = {}
+        if inputs.sample_states:
+            with nvtx_range("verify"):
+                new_tokens, logprobs = self._verify(hidden, inputs, dict(zip(req_ids, spec)))
+        with nvtx_range("draft"):
+            proposals = self._draft(states, starts, num_scheduled, new_tokens)
+        return AsyncRunnerOutput.ready(ModelRunnerOutput(req_ids, [new_tokens.get(r, []) for r in req_ids],
+                                                         logprobs, proposals))
+
+    def _verify(self, hidden: torch.Tensor, inputs, spec_of: dict[str, list[int]]):
+        """Each sampling request's new tokens (appended to its state) and the logprobs of those that
+        asked (which verify no draft tokens: one row each)."""
+        rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(rows)
+        out = self.sampler(logits, inputs.sampling_metadata)
+        states = inputs.sample_states
+        drafts = [spec_of[s.req_id] for s in states]
+        num_rows = inputs.num_verify_rows
+        if any(drafts):
+            draft_ids = torch.tensor([t for d in drafts for t in [*d, -1]], dtype=torch.int64, device=self.device)
+            draft_probs = None
+            if not inputs.sampling_metadata.all_greedy:
+                draft_probs = logits.new_zeros(logits.shape, dtype=torch.float32)
+                row = 0
+                for state, d in zip(states, drafts):
+                    if d and state.draft_probs is not None:
+                        draft_probs[row:row + len(d)] = state.draft_probs[:len(d)]
+                    row += len(d) + 1
+            accepted, token = rejection_sample(logits, inputs.sampling_metadata, out.sampled, draft_ids, draft_probs)
+            tokens = accepted_tokens(accepted.tolist(), token.tolist(), drafts)
+        else:
+            tokens = [[t] for t in out.sampled.tolist()]
+        logprobs = {}
+        if out.logprobs is not None:
+            first_rows = torch.as_tensor([0, *itertools.accumulate(num_rows)][:-1], device=self.device) \
+                if num_rows is not None else None
+            per_state = out.logprobs if first_rows is None else tuple(t[first_rows] for t in out.logprobs)
+            logprobs = collect_logprobs(states, tuple(t.cpu() for t in per_state))
+        for state, t in zip(states, tokens):
+            state.output_token_ids.extend(t)
+        return {s.req_id: t for s, t in zip(states, tokens)}, logprobs
+
+    def _draft(self, states, starts, num_scheduled, new_tokens: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Run the draft over what the target accepted this step and draft each speculating
+        request's next tokens (no more than the request can still use)."""
+        k = self.drafter.num_speculative_tokens
+        requests = []
+        for state, start, count in zip(states, starts, num_scheduled):
+            end = start + count
+            num_proposals = 0
+            if state.req_id in new_tokens:  # it sampled: its tokens are known up to the newest
+                end = state.num_tokens
+                if state.sampling_params.speculates:
+                    num_proposals = max(0, min(k, state.max_total_tokens - state.num_tokens - 1))
+                if num_proposals == 0:
+                    end -= 1  # the newest token's KV is only needed to draft after it
+            row = SamplingRow(state.sampling_params, None, [], [], None) if num_proposals else None
+            requests.append(DraftRequest(state.token_slice(start, end), start,
+                                         state.block_table[:len(state.block_ids)], num_proposals, row))
+        tokens, probs = self.drafter.propose(requests)
+        proposals = {}
+        for state, request, t, p in zip(states, requests, tokens, probs):
+            if request.num_proposals:
+                proposals[state.req_id] = t
+                state.draft_probs = p
+        return proposals
+
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
@@ -170,7 +273,7 @@ class ModelRunner:
                 generator = torch.Generator(device=self.device).manual_seed(params.seed)
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params, generator,
-                list(new.block_ids), new.num_computed_tokens)
+                list(new.block_ids), new.num_computed_tokens, new.max_total_tokens)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.num_computed_tokens = cached.num_computed_tokens

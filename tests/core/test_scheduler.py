@@ -483,15 +483,15 @@ def test_max_model_len_finishes_with_length():
     assert r.status == RequestStatus.FINISHED_LENGTH and r.num_tokens == 10 and r.num_output_tokens == 2
 
 
-def test_update_ignores_none_and_unknown_and_refuses_a_second_apply():
+def test_update_ignores_no_tokens_and_unknown_and_refuses_a_second_apply():
     sched = make_scheduler(budget=4)
     a = add(sched, "a", 6)
     out = sched.schedule()
     assert scheduled(out) == {"a": 4}
-    assert sched.update_from_output(out, ModelRunnerOutput(["a", "zzz"], [None, 5])) == []
+    assert sched.update_from_output(out, ModelRunnerOutput(["a", "zzz"], [[], [5]])) == []
     assert a.num_output_tokens == 0
     with pytest.raises(ValueError, match="already applied"):
-        sched.update_from_output(out, ModelRunnerOutput(["a"], [None]))
+        sched.update_from_output(out, ModelRunnerOutput(["a"], [[]]))
 
 
 # prefix caching at admission

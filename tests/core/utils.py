@@ -58,13 +58,14 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     max_model_len: int = 1024,
     hash_fn: HashFn = hash_block_tokens,
+    num_lookahead_tokens: int = 0,
 ) -> Scheduler:
     """num_blocks counts the null block: num_blocks - 1 blocks are usable."""
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                         enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-        max_model_len, num_blocks, num_cpu_blocks, hash_fn,
+        max_model_len, num_blocks, num_cpu_blocks, hash_fn, num_lookahead_tokens,
     )
 
 
@@ -169,12 +170,12 @@ class FakeRunner:
                 slots[i] = self.sig(request, p)
         for req_id in req_ids:
             self._check_kv(sched.requests[req_id], self.tables[req_id])
-        tokens: list[int | None] = []
+        tokens: list[list[int]] = []
         for req_id in req_ids:
             request = sched.requests[req_id]
             self.computed[req_id] = request.num_computed_tokens
             caught_up = request.num_computed_tokens == request.num_tokens
-            tokens.append(self.token_fn(request) if caught_up else None)
+            tokens.append([self.token_fn(request)] if caught_up else [])
         return ModelRunnerOutput(req_ids, tokens)
 
     def _check_kv(self, request: Request, table: list[int]) -> None:
@@ -203,7 +204,7 @@ def step(sched: Scheduler, runner: FakeRunner) -> tuple[SchedulerOutput, list[Re
     updated = sched.update_from_output(out, runner_output)
     sched.kv.check_invariants()
     runner.check_all_kv()
-    return out, updated
+    return out, [request for request, _ in updated]
 
 
 def run_to_completion(sched: Scheduler, runner: FakeRunner, max_steps: int = 1000) -> list[SchedulerOutput]:
