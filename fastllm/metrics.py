@@ -8,6 +8,7 @@ free-block count read while the engine thread steps is at worst one step old.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from fastllm.engine.llm_engine import LLMEngine
 
@@ -37,6 +38,24 @@ class ServingMetrics:
               registry=registry).set_function(lambda: len(scheduler.swapped))
         Gauge("fastllm_kv_cache_usage_perc", "Fraction of the GPU KV blocks in use",
               registry=registry).set_function(lambda: scheduler.kv.usage)
+        if engine.config.speculative.enabled:
+            registry.register(_SpecDecodingCollector(scheduler.spec_stats))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodingCollector:
+    """The scheduler's speculative-decoding counts, read when scraped."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def collect(self):
+        for name, doc, value in (
+            ("fastllm_spec_decode_num_drafts", "Verifications of a request's draft tokens", self.stats.num_drafts),
+            ("fastllm_spec_decode_num_draft_tokens", "Draft tokens verified", self.stats.num_draft_tokens),
+            ("fastllm_spec_decode_num_accepted_tokens", "Draft tokens the target accepted",
+             self.stats.num_accepted_tokens),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)

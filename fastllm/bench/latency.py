@@ -3,7 +3,9 @@ greedy tokens each (EOS ignored), every engine step timed.
 
 TTFT is the time until every request has its first token (the prefill steps, chunked when
 B x input_len exceeds the token budget). Decode steps are the steps where all B requests decode
-one token each; time per output token (TPOT) and the bytes/FLOPs rates come from them only.
+one token each; time per output token (TPOT) and the bytes/FLOPs rates come from them only. With
+speculative decoding a decode step gives each request its accepted draft tokens too: TPOT is then
+the time of a step, and tokens/s counts every token the decode steps gave.
 Before each measured batch a short warm-up batch of fresh prompts runs (Triton JIT, cuBLAS
 heuristics), so the first measured step is not a compile.
 """
@@ -32,6 +34,8 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
     host = [s.seconds - s.wait_s for s in decode]  # the step minus its wait for the GPU
     ttft = max(run.ttft_s.values()) if len(run.ttft_s) == batch_size else None
     tpot = float(np.mean(times)) if times else None
+    # Tokens per second from the decode steps' tokens: B a step, more under speculative decoding.
+    tok_s = sum(s.num_tokens for s in decode) / sum(times) if times else None
     decode_s = sum(times)
     num_bytes = [shape.decode_bytes(s.context_lens) for s in decode]
     flops = [shape.decode_flops(s.context_lens) for s in decode]
@@ -54,8 +58,8 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
         "floor_mode": None,
         "host_ms_p50": ms(percentile(host, 50)),
         "host_frac": float(np.median(host)) / float(np.median(times)) if times else None,
-        "tok_s_per_seq": 1.0 / tpot if tpot else None,
-        "tok_s_total": batch_size / tpot if tpot else None,
+        "tok_s_per_seq": tok_s / batch_size if tok_s else None,
+        "tok_s_total": tok_s,
         "e2e_s": run.total_s,
         "e2e_output_tok_s": batch_size * run.output_len / run.total_s,
         "steps": len(run.steps),
@@ -69,6 +73,7 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
         "peak_mem_gib": run.peak_mem_gib,
         "preemptions": run.preemptions,
         "jit_compiles": len(run.jit_compiles),  # Triton variants compiled in the timed window (should be 0)
+        **run.spec_columns(),
     }
 
 

@@ -8,6 +8,7 @@ context length of every request that decoded, which is all the latency and roofl
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from fastllm.bench.jit_watch import TritonCompileWatch
 from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
+from fastllm.spec_decode.stats import SpecDecodingStats
 
 
 def build_config(model: str | None, engine_kwargs: dict) -> EngineConfig:
@@ -73,6 +75,7 @@ class StepRecord:
     num_first_tokens: int  # requests that got their first token in this step
     context_lens: list[int]  # tokens attended by each request that decoded (its new one included)
     wait_s: float = 0.0  # of seconds, the time spent waiting for the GPU; the rest is host work
+    num_tokens: int = 0  # new tokens of all requests (more than num_outputs with speculative decoding)
 
 
 @dataclass
@@ -88,6 +91,12 @@ class RunRecord:
     prefix_hits: int = 0
     peak_mem_gib: float | None = None
     jit_compiles: list[tuple[str, float]] = field(default_factory=list)  # Triton compiles in the window
+    spec: SpecDecodingStats | None = None  # speculative decoding's drafts in the run (None: off)
+
+    def spec_columns(self) -> dict:
+        """The run's draft acceptance, as table columns (None with speculative decoding off)."""
+        return {"spec_acceptance_rate": self.spec.acceptance_rate if self.spec else None,
+                "spec_mean_accepted_len": self.spec.mean_acceptance_length if self.spec else None}
 
 
 def peak_memory_reset(device: torch.device) -> None:
@@ -113,6 +122,7 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
     device = engine.worker.device
     stats = engine.scheduler.kv.pool.stats
     queries, hits, preemptions = stats.queries, stats.hits, engine.scheduler.num_preemptions
+    spec_before = dataclasses.replace(engine.scheduler.spec_stats)
     token_ids = [engine.tokenize(p)[1] for p in prompts]  # ValueError on text without a tokenizer
     for tokens in token_ids:
         check_lengths(engine.config, len(tokens), output_len)
@@ -131,8 +141,9 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
                     t0 = time.perf_counter()
                     outputs = engine.step()
                     t1 = time.perf_counter()
-                    first, context = 0, []
+                    first, context, num_tokens = 0, [], 0
                     for out in outputs:
+                        num_tokens += len(out.outputs[0].token_ids)
                         generated[out.request_id] += len(out.outputs[0].token_ids)
                         k = generated[out.request_id]
                         if k == 1:
@@ -140,8 +151,9 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
                             run.ttft_s[out.request_id] = t1 - start
                         elif k > 1:
                             context.append(prompt_len[out.request_id] + k - 1)
-                    run.steps.append(StepRecord(t1 - t0, len(outputs), first, context, engine.last_step_wait_s))
-                    bar.update(len(outputs))
+                    run.steps.append(StepRecord(t1 - t0, len(outputs), first, context, engine.last_step_wait_s,
+                                                num_tokens))
+                    bar.update(num_tokens)
         except BaseException:
             engine.abort_request(ids)
             raise
@@ -149,6 +161,8 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
     run.jit_compiles = watch.compiles
     run.preemptions = engine.scheduler.num_preemptions - preemptions
     run.prefix_queries, run.prefix_hits = stats.queries - queries, stats.hits - hits
+    if engine.config.speculative.enabled:
+        run.spec = engine.scheduler.spec_stats.since(spec_before)
     run.peak_mem_gib = peak_memory_gib(device)
     return run
 

@@ -78,6 +78,7 @@ def throughput_row(run: RunRecord, shared_prefix_len: int, prefix_caching: bool)
         "peak_mem_gib": run.peak_mem_gib,
         "preemptions": run.preemptions,
         "jit_compiles": len(run.jit_compiles),  # Triton variants compiled in the timed window (should be 0)
+        **run.spec_columns(),
     }
 
 

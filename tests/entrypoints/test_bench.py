@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -19,13 +20,14 @@ LATENCY_COLUMNS = [
     "batch_size", "input_len", "output_len", "ttft_ms", "prefill_tok_s", "tpot_ms_mean", "tpot_ms_p50",
     "tpot_ms_p90", "tpot_ms_p99", "floor_ms", "floor_mode", "host_ms_p50", "host_frac", "tok_s_per_seq", "tok_s_total", "e2e_s",
     "e2e_output_tok_s", "steps", "decode_steps", "bytes_per_step", "flops_per_step", "achieved_gb_s", "bw_frac",
-    "achieved_tflops", "tc_frac", "peak_mem_gib", "preemptions", "jit_compiles",
+    "achieved_tflops", "tc_frac", "peak_mem_gib", "preemptions", "jit_compiles", "spec_acceptance_rate",
+    "spec_mean_accepted_len",
 ]
 THROUGHPUT_COLUMNS = [
     "num_prompts", "input_len_mean", "output_len", "shared_prefix_len", "prefix_caching", "total_s", "requests_s",
     "input_tok_s", "output_tok_s", "total_tok_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "prefix_hit_rate",
     "steps", "prefill_steps", "prefill_steps_s", "decode_steps_s", "host_s", "peak_mem_gib", "preemptions",
-    "jit_compiles",
+    "jit_compiles", "spec_acceptance_rate", "spec_mean_accepted_len",
 ]
 STARTUP_KEYS = ["load_s", "compile_s", "cuda_graph_s", "kv_profile_s", "kv_alloc_s", "total_s", "other_s"]
 
@@ -239,3 +241,30 @@ def test_triton_compile_watch_counts_and_restores_the_hook():
         assert knobs.runtime.jit_post_compile_hook is outer
     finally:
         knobs.runtime.jit_post_compile_hook = previous
+
+
+def test_throughput_with_a_draft_model_reports_acceptance(tmp_path, capsys):
+    result, _ = run_json(tmp_path, capsys, ["throughput", "--num-prompts", "3", "--input-len", "8", "--output-len",
+                                            "12", "--speculative-model", "llama2xs-279K",
+                                            "--num-speculative-tokens", "3"])
+    [row] = result["rows"]
+    assert 0 <= row["spec_acceptance_rate"] <= 1 and 1 <= row["spec_mean_accepted_len"] <= 4
+    assert row["output_tok_s"] == pytest.approx(36 / row["total_s"])
+
+
+def test_spec_decode_benchmark_script(tmp_path, capsys):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_spec_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_spec_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "spec.json"
+    assert module.main(["--batch-sizes", "1,2", "--output-len", "16", "--device", "cpu", "--dtype", "float32",
+                        "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["spec_steps"] < r["baseline_steps"]  # drafts were accepted: fewer steps for the same tokens
+        assert 0 < r["acceptance_rate"] <= 1 and r["speedup"] > 0
+    assert "mean_accepted_len" in capsys.readouterr().out
