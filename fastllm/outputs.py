@@ -14,6 +14,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token and the top-N).
 SampleLogprobs = list[dict[int, Logprob]]
+# One per prompt token, as SampleLogprobs; None for the first, which nothing predicts.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -38,3 +40,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs

@@ -29,6 +29,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (plus the prompt's own)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -59,6 +60,9 @@ class SamplingParams:
              "must be an integer >= 1 or None"),
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "must be None or an integer in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                                                 and 0 <= self.prompt_logprobs <= 20),
              "must be None or an integer in [0, 20]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),

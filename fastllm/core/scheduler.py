@@ -227,7 +227,8 @@ class Scheduler:
             # Share the parent's KV of the prompt minus its last token, whose logits we need.
             request.num_computed_tokens = request.num_prompt_tokens - 1
             forked = True
-        elif request.num_computed_tokens == 0:
+        elif request.num_computed_tokens == 0 and request.sampling_params.prompt_logprobs is None:
+            # (A request that scores its prompt computes all of it: no prefix-cache hits.)
             computed_blocks, num_cached = self.kv.get_computed_blocks(request)
         num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
         if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens - num_cached:

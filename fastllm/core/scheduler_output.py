@@ -63,3 +63,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)
     # req id -> the draft's proposals for the step after this one
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req id -> (position of the first scored prompt token, its entries like logprobs'): prompt_logprobs
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)

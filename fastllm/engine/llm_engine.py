@@ -171,7 +171,7 @@ class LLMEngine:
         with nvtx_range("update"):
             updated = self.scheduler.update_from_output(scheduler_output, result)
         with nvtx_range("detokenize"):
-            outputs, stopped = self.output_processor.process(updated, result.logprobs)
+            outputs, stopped = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 

@@ -29,6 +29,7 @@ class RequestGroup:
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     samples: dict[str, SampleState] = field(default_factory=dict)  # child request id -> state
+    prompt_logprobs: list | None = None  # [None, then one dict per scored prompt token]
 
     @property
     def finished(self) -> bool:
@@ -45,7 +46,8 @@ class RequestGroup:
             outputs = [s.output for s in samples]  # the group is dropped: nothing mutates them again
         else:
             outputs = [_copy(s.output) for s in samples]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
+                             prompt_logprobs=self.prompt_logprobs)
 
 
 def _copy(o: CompletionOutput) -> CompletionOutput:
@@ -70,6 +72,8 @@ class OutputProcessor:
 
     def add_group(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], children: list[Request]):
         group = RequestGroup(request_id, prompt, prompt_token_ids, children[0].sampling_params.output_kind)
+        if children[0].sampling_params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
         for index, child in enumerate(children):
             params = child.sampling_params
             detok = None
@@ -86,10 +90,14 @@ class OutputProcessor:
         group = self.groups.get(request_id)
         return list(group.samples) if group else []
 
-    def process(self, updated: list[tuple[Request, list[int]]], logprobs: dict) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, updated: list[tuple[Request, list[int]]], logprobs: dict,
+                prompt_logprobs: dict | None = None) -> tuple[list[RequestOutput], list[str]]:
         """updated: each request that got tokens this step, with them (several under speculative
-        decoding). Returns the outputs of groups that changed, and the child ids a stop string
-        finished (the scheduler must stop them; the tokens after the stop are not output)."""
+        decoding). prompt_logprobs: the step's scored prompt tokens by request. Returns the outputs
+        of groups that changed, and the child ids a stop string finished (the scheduler must stop
+        them; the tokens after the stop are not output)."""
+        for req_id, (position, entries) in (prompt_logprobs or {}).items():
+            self._add_prompt_logprobs(req_id, position, entries)
         stopped: list[str] = []
         touched: dict[str, RequestGroup] = {}
         for request, tokens in updated:
@@ -137,10 +145,24 @@ class OutputProcessor:
             self.group_of.pop(child_id, None)
 
     def _add_logprobs(self, out: CompletionOutput, token: int, entry) -> None:
+        out.logprobs.append(self._logprob_dict(token, entry))
+        out.cumulative_logprob += entry[0]
+
+    def _add_prompt_logprobs(self, req_id: str, position: int, entries: list) -> None:
+        """Entries for the prompt tokens from `position` on, from the group's first sample; a prompt
+        computed again (preemption) does not add them twice."""
+        group = self.group_of.get(req_id)
+        if group is None or group.prompt_logprobs is None or next(iter(group.samples)) != req_id:
+            return
+        scored = group.prompt_logprobs
+        for offset, entry in enumerate(entries):
+            if position + offset == len(scored):
+                scored.append(self._logprob_dict(group.prompt_token_ids[position + offset], entry))
+
+    def _logprob_dict(self, token: int, entry) -> dict[int, Logprob]:
         token_logprob, rank, top = entry
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
         step = {tid: Logprob(lp, r + 1, decode(tid)) for r, (tid, lp) in enumerate(top)}
         if token not in step:
             step[token] = Logprob(token_logprob, rank, decode(token))
-        out.logprobs.append(step)
-        out.cumulative_logprob += token_logprob
+        return step

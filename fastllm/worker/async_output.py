@@ -16,8 +16,9 @@ from fastllm.core.scheduler_output import ModelRunnerOutput
 
 class AsyncRunnerOutput:
     def __init__(self, req_ids: list[str], sample_states: list, sampled: torch.Tensor | None = None,
-                 logprobs: tuple[torch.Tensor, ...] | None = None):
+                 logprobs: tuple[torch.Tensor, ...] | None = None, prompt_logprobs: dict | None = None):
         self.req_ids = req_ids
+        self.prompt_logprobs = prompt_logprobs or {}  # already on the host (prompt_logprobs.py)
         # The runner's request states that sampled this step (objects, not ids: an id may be
         # reused by a new request before this step's tokens are read).
         self.sample_states = sample_states
@@ -65,7 +66,7 @@ class AsyncRunnerOutput:
             if self._logprobs_host is not None:
                 logprobs = collect_logprobs(self.sample_states, self._logprobs_host)
         self._result = ModelRunnerOutput(self.req_ids, [[sampled[r]] if r in sampled else [] for r in self.req_ids],
-                                         logprobs)
+                                         logprobs, prompt_logprobs=self.prompt_logprobs)
         return self._result
 
 

@@ -23,6 +23,7 @@ from fastllm.worker.attn_metadata import forward_context
 from fastllm.worker.cache_engine import CacheEngine
 from fastllm.worker.async_output import AsyncRunnerOutput, collect_logprobs
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
+from fastllm.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fastllm.worker.staging import StepInputStager
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class ModelRunner:
         self.stager = StepInputStager(device)
         self._last_output: AsyncRunnerOutput | None = None  # its tokens may still be on the device
         self._said_penalties_wait = False
+        self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are still to come
 
     # setup
 
@@ -150,7 +152,10 @@ class ModelRunner:
             last = None
         num_scheduled = list(sched.num_scheduled_tokens.values())
         in_flight_tokens = last.sampled if last is not None else None
-        graph = self.graphs if self.graphs is not None and self.graphs.fits(num_scheduled, in_flight_tokens) else None
+        scores_prompt = bool(self._scoring_prompts) and any(
+            wants_prompt_logprobs(s, s.num_computed_tokens) for s in states)
+        graph = self.graphs if self.graphs is not None and not scores_prompt \
+            and self.graphs.fits(num_scheduled, in_flight_tokens) else None
         with nvtx_range("prepare_inputs"):
             inputs = build_step_inputs(states, num_scheduled, self.block_size, self.args.vocab_size,
                                        self.eos_token_id, self.stager, last, graph)
@@ -162,10 +167,11 @@ class ModelRunner:
         else:
             with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
                 hidden = self.forward(inputs.input_ids, inputs.positions)
+        prompt_logprobs = self._score_prompts(hidden, states, num_scheduled) if scores_prompt else {}
         for req_id, state in zip(req_ids, states):
             state.num_computed_tokens += sched.num_scheduled_tokens[req_id]
         if not inputs.sample_states:
-            return AsyncRunnerOutput(req_ids, [])
+            return AsyncRunnerOutput(req_ids, [], prompt_logprobs=prompt_logprobs)
         with nvtx_range("sample"):
             if greedy is not None and (inputs.sampled_in_graph or inputs.sampling_metadata.argmax_only):
                 out = SamplerOutput(greedy)  # sampled inside the graph
@@ -176,8 +182,20 @@ class ModelRunner:
                 out = self.sampler(logits, inputs.sampling_metadata)
         for state in inputs.sample_states:
             state.num_pending += 1
-        self._last_output = AsyncRunnerOutput(req_ids, inputs.sample_states, out.sampled, out.logprobs)
+        self._last_output = AsyncRunnerOutput(req_ids, inputs.sample_states, out.sampled, out.logprobs,
+                                              prompt_logprobs)
         return self._last_output
+
+    def _score_prompts(self, hidden: torch.Tensor, states, num_scheduled: list[int]):
+        """The step's prompt logprobs (SamplingParams.prompt_logprobs), computed before the states
+        advance; a request leaves the scoring set once its prompt is done."""
+        with nvtx_range("prompt_logprobs"):
+            out = compute_prompt_logprobs(self.model, hidden, states, [s.num_computed_tokens for s in states],
+                                          num_scheduled)
+        for state, n in zip(states, num_scheduled):
+            if state.num_computed_tokens + n + 1 >= len(state.prompt_token_ids):
+                self._scoring_prompts.discard(state.req_id)
+        return out
 
     def _execute_speculative(self, sched: SchedulerOutput, req_ids: list[str]) -> AsyncRunnerOutput:
         """A step of speculative decoding, run to its end: the target verifies each request's draft
@@ -193,6 +211,7 @@ class ModelRunner:
                                        self.eos_token_id, self.stager, spec_tokens=spec)
         with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
             hidden = self.forward(inputs.input_ids, inputs.positions)
+        prompt_logprobs = self._score_prompts(hidden, states, num_scheduled) if self._scoring_prompts else {}
         for state, n in zip(states, num_scheduled):
             state.num_computed_tokens += n
         new_tokens: dict[str, list[int]] = {}
@@ -203,7 +222,7 @@ class ModelRunner:
         with nvtx_range("draft"):
             proposals = self._draft(states, starts, num_scheduled, new_tokens)
         return AsyncRunnerOutput.ready(ModelRunnerOutput(req_ids, [new_tokens.get(r, []) for r in req_ids],
-                                                         logprobs, proposals))
+                                                         logprobs, proposals, prompt_logprobs))
 
     def _verify(self, hidden: torch.Tensor, inputs, spec_of: dict[str, list[int]]):
         """Each sampling request's new tokens (appended to its state) and the logprobs of those that
@@ -266,6 +285,7 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
+            self._scoring_prompts.discard(req_id)
         for new in sched.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -274,6 +294,8 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), list(new.output_token_ids), params, generator,
                 list(new.block_ids), new.num_computed_tokens, new.max_total_tokens)
+            if params.prompt_logprobs is not None:
+                self._scoring_prompts.add(new.req_id)
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.num_computed_tokens = cached.num_computed_tokens
