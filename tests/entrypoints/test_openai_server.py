@@ -152,13 +152,38 @@ def test_chat_through_the_template(client):
     assert roles == ["assistant"] and text == want
 
 
+def test_echo_writes_the_prompt_back_with_its_logprobs(client):
+    import torch
+
+    from tests.conftest import STORIES, hf_logits
+
+    want = offline([PROMPTS[0]], temperature=0, max_tokens=8)[0]
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=8, echo=True,
+                                    logprobs=2)
+    choice = out.choices[0]
+    assert choice.text == PROMPTS[0] + want
+    ids = cached_llm(device="cpu", dtype="float32").get_tokenizer()(PROMPTS[0])["input_ids"]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(ids) + 8
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = torch.log_softmax(hf_logits(STORIES, ids), dim=-1)
+    for p in range(1, len(ids)):
+        assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < 1e-4
+    assert lp.text_offset[len(ids)] == len("".join(lp.tokens[:len(ids)]))
+    # Streamed, the prompt comes with each choice's first chunk.
+    stream = client.completions.create(model=MODEL, prompt=[ids], temperature=0, max_tokens=8, echo=True,
+                                       stream=True)
+    text = "".join(c.text for chunk in stream for c in chunk.choices)
+    assert text == PROMPTS[0] + want
+
+
 @pytest.mark.parametrize("body,status,match", [
     (dict(prompt="Hi", temperature=-1), 400, "temperature"),
     (dict(prompt="Hi", max_tokens=10**6), 400, "max_model_len"),
     (dict(prompt=""), 400, "empty"),
     (dict(prompt="Hi", top_p=0), 400, "top_p"),
     (dict(prompt="Hi", n=0), 400, "n"),
-    (dict(prompt="Hi", echo=True), 400, "echo"),
+    (dict(prompt="Hi", suffix="!"), 400, "suffix"),
     (dict(prompt="Hi", unknown_field=1), 400, "unknown_field"),
     (dict(temperature=0), 400, "prompt"),
     (dict(prompt="Hi", model="gpt-4"), 404, "gpt-4"),

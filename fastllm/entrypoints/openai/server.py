@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over AsyncLLMEngine (`fastllm serve`).
 
-    POST /v1/completions        text or token-id prompts (several per request), n, logprobs, streaming
+    POST /v1/completions        text or token-id prompts (several per request), n, logprobs, echo, streaming
     POST /v1/chat/completions   messages through the tokenizer's chat template (or --chat-template)
     GET  /v1/models, /health, /metrics (Prometheus)
 
@@ -105,9 +105,14 @@ class _Server:
 
     async def complete(self, body: CompletionRequest, request: Request):
         self._check_model(body.model)
-        if body.echo or body.suffix is not None or body.best_of not in (None, body.n):
-            raise APIError(400, "echo, suffix and best_of (other than n) are not supported")
+        if body.suffix is not None or body.best_of not in (None, body.n):
+            raise APIError(400, "suffix and best_of (other than n) are not supported")
         params = body.sampling_params(body.max_tokens, body.logprobs)
+        if body.echo:
+            if self.tokenizer is None:
+                raise APIError(400, "echo needs the model's tokenizer to write the prompt back")
+            if body.logprobs is not None:  # the prompt's tokens come with their logprobs too
+                params = params.clone(prompt_logprobs=body.logprobs)
         return await self._respond("cmpl", "text_completion", body.prompts(), params, body, request, chat=False)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -115,6 +120,9 @@ class _Server:
         params = body.sampling_params(body.token_limit(), body.num_logprobs())
         return await self._respond("chatcmpl", "chat.completion", [self._chat_prompt(body)], params, body, request,
                                    chat=True)
+
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -138,7 +146,9 @@ class _Server:
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         arrival = time.perf_counter()
         streams = await self._add_all(response_id, prompts, params)
-        shape = _Shape(response_id, kind, self.model_name, int(time.time()), params.n, chat, params.logprobs)
+        echo = getattr(body, "echo", False)
+        shape = _Shape(response_id, kind, self.model_name, int(time.time()), params.n, chat, params.logprobs,
+                       self._decode if echo else None)
         if body.stream:
             return StreamingResponse(self._stream(streams, shape, arrival, body.include_usage),
                                      media_type="text/event-stream")
@@ -211,7 +221,7 @@ class _Server:
                 if isinstance(item, Exception):
                     yield _sse(error_body(500, f"internal error: {item}", "InternalServerError"))
                     break
-                yield _sse(shape.chunk([shape.delta(index, o) for o in item.outputs]))
+                yield _sse(shape.chunk([shape.delta(index, o, item) for o in item.outputs]))
             if include_usage:
                 yield _sse(shape.usage_chunk(prompt_tokens, completion_tokens))
             yield "data: [DONE]\n\n"
@@ -243,17 +253,35 @@ def _sse(payload: dict) -> str:
 
 class _ChoiceDelta:
     def __init__(self, index: int, role: str | None = None, output: CompletionOutput | None = None,
-                 text_offset: int = 0):
+                 text_offset: int = 0, echo: "_Echo | None" = None):
         self.index, self.role, self.output, self.text_offset = index, role, output, text_offset
+        self.echo = echo  # the prompt written back before this choice's first text (completions' echo)
+
+
+class _Echo:
+    """A prompt as `echo` writes it back: its text and, when the prompt was scored, the legacy
+    logprobs of its tokens (the first has none: nothing predicts it)."""
+
+    def __init__(self, out: RequestOutput, decode):
+        # A token-id prompt's text as the outputs' text is made: without special tokens (BOS).
+        self.text = out.prompt if out.prompt is not None else decode(out.prompt_token_ids, skip_special_tokens=True)
+        self.logprobs = None
+        if out.prompt_logprobs is not None:
+            ids, scored = out.prompt_token_ids, out.prompt_logprobs
+            tokens = [decode(ids[:1])] + [scored[p][ids[p]].decoded_token or "" for p in range(1, len(ids))]
+            self.logprobs = (tokens, [None] + [scored[p][ids[p]].logprob for p in range(1, len(ids))],
+                             [None] + [{(lp.decoded_token or str(t)): lp.logprob for t, lp in scored[p].items()}
+                                       for p in range(1, len(ids))])
 
 
 class _Shape:
     """The OpenAI JSON of one response: completion or chat, whole or as stream chunks."""
 
     def __init__(self, response_id: str, kind: str, model: str, created: int, n: int, chat: bool,
-                 num_logprobs: int | None):
+                 num_logprobs: int | None, echo_decode=None):
         self.id, self.kind, self.model, self.created, self.n, self.chat = response_id, kind, model, created, n, chat
         self.num_logprobs = num_logprobs or 0
+        self.echo_decode = echo_decode  # completions' echo: decodes the prompt's token ids
         self._text_offsets: dict[int, int] = {}  # choice index -> characters streamed so far
 
     def _head(self, object_name: str) -> dict:
@@ -268,17 +296,22 @@ class _Shape:
                     choice["message"] = {"role": "assistant", "content": o.text}
                     choice["logprobs"] = _chat_logprobs(o, self.num_logprobs)
                 else:
-                    choice["text"], choice["logprobs"] = o.text, _completion_logprobs(o, 0)
+                    echo = _Echo(out, self.echo_decode) if self.echo_decode is not None else None
+                    choice["text"] = (echo.text if echo else "") + o.text
+                    choice["logprobs"] = _completion_logprobs(o, 0, echo)
                 choices.append(choice)
         prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
         completion_tokens = sum(len(o.token_ids) for out in finals for o in out.outputs)
         return {**self._head(self.kind), "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
 
-    def delta(self, prompt_index: int, o: CompletionOutput) -> _ChoiceDelta:
+    def delta(self, prompt_index: int, o: CompletionOutput, out: RequestOutput) -> _ChoiceDelta:
         index = prompt_index * self.n + o.index
+        echo = None
+        if self.echo_decode is not None and index not in self._text_offsets:  # the choice's first chunk
+            echo = _Echo(out, self.echo_decode)
         offset = self._text_offsets.get(index, 0)
-        self._text_offsets[index] = offset + len(o.text)
-        return _ChoiceDelta(index, output=o, text_offset=offset)
+        self._text_offsets[index] = offset + len(o.text) + (len(echo.text) if echo else 0)
+        return _ChoiceDelta(index, output=o, text_offset=offset, echo=echo)
 
     def chunk(self, deltas: list[_ChoiceDelta]) -> dict:
         choices = []
@@ -288,7 +321,8 @@ class _Shape:
                 delta = {"role": d.role, "content": ""} if d.role else {"content": o.text} if o.text else {}
                 choice = {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(o, self.num_logprobs)}
             else:
-                choice = {"index": d.index, "text": o.text, "logprobs": _completion_logprobs(o, d.text_offset)}
+                choice = {"index": d.index, "text": (d.echo.text if d.echo else "") + o.text,
+                          "logprobs": _completion_logprobs(o, d.text_offset, d.echo)}
             choice["finish_reason"] = o.finish_reason if o is not None else None
             choices.append(choice)
         return {**self._head(self.kind + ".chunk" if self.chat else self.kind), "choices": choices}
@@ -303,11 +337,17 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _completion_logprobs(o: CompletionOutput, text_offset: int) -> dict | None:
-    """The legacy completions form: tokens, token_logprobs, top_logprobs, text_offset."""
+def _completion_logprobs(o: CompletionOutput, text_offset: int, echo: _Echo | None = None) -> dict | None:
+    """The legacy completions form: tokens, token_logprobs, top_logprobs, text_offset; an echoed
+    prompt's tokens first."""
     if o.logprobs is None:
         return None
     tokens, token_logprobs, top, offsets = [], [], [], []
+    if echo is not None and echo.logprobs is not None:
+        tokens, token_logprobs, top = (list(x) for x in echo.logprobs)
+        for text in tokens:
+            offsets.append(text_offset)
+            text_offset += len(text)
     for token_id, step in zip(o.token_ids, o.logprobs):
         chosen = step[token_id]
         text = chosen.decoded_token or ""
