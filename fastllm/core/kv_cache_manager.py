@@ -180,9 +180,9 @@ class KVCacheManager:
         self.pool.free(reversed(gpu_blocks))
         return [(g.block_id, c.block_id) for g, c in zip(gpu_blocks, cpu_blocks)]
 
-    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
-        need = max(len(self.swapped_blocks[request.request_id]),
-                   cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
+    def can_swap_in(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
+        end = self._slots_end(request, request.num_computed_tokens + num_new_tokens, num_lookahead_tokens)
+        need = max(len(self.swapped_blocks[request.request_id]), cdiv(end, self.block_size))
         return need <= self.pool.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:

@@ -118,7 +118,7 @@ class Scheduler:
             num_known = request.num_tokens_with_pending - request.num_computed_tokens
             num_new = min(num_known + len(request.spec_token_ids), budget)
             known_blocks[request.request_id] = len(self.kv.req_blocks.get(request.request_id, ()))
-            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self.num_lookahead_tokens):
+            while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self._lookahead(request, num_new)):
                 victim = self.running.pop()
                 swap_out += self._preempt(victim)
                 preempted = True
@@ -139,11 +139,13 @@ class Scheduler:
             if request.num_pending_tokens:
                 break  # swapped out while its last token was in flight: resume once it is known
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv.can_swap_in(request, num_new):
+            lookahead = self._lookahead(request, num_new)
+            if not self.kv.can_swap_in(request, num_new, lookahead):
                 break
             self.swapped.popleft()
             swap_in += self.kv.swap_in(request)
-            allocated = self.kv.allocate_slots(request, num_new)  # not inside the assert: python -O drops it
+            # (not inside the assert: python -O drops it)
+            allocated = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             assert allocated, "can_swap_in promised room for the next step"
             self._start_running(request)
             known_blocks[request.request_id] = -1  # send the whole table
@@ -233,7 +235,8 @@ class Scheduler:
         num_new = min(request.num_tokens - request.num_computed_tokens - num_cached, budget)
         if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens - num_cached:
             num_new = 0  # the whole remainder must fit in one step
-        if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed_blocks, self.num_lookahead_tokens):
+        if num_new == 0 or not self.kv.allocate_slots(request, num_new, computed_blocks,
+                                                      self._lookahead(request, num_new, num_cached)):
             if forked:
                 self.kv.free(request)
                 request.num_computed_tokens = 0
@@ -246,6 +249,14 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached  # prompt tokens not computed at first admission
         return num_new
+
+    def _lookahead(self, request: Request, num_new: int, num_cached: int = 0) -> int:
+        """Slots past a step's tokens that the draft model writes: only for a request that drafts
+        after the step (it catches up with its tokens and its sampling allows drafts)."""
+        if not self.num_lookahead_tokens or not request.sampling_params.speculates:
+            return 0
+        caught_up = request.num_computed_tokens + num_cached + num_new >= request.num_tokens_with_pending
+        return self.num_lookahead_tokens if caught_up else 0
 
     def _start_running(self, request: Request) -> None:
         request.status = RequestStatus.RUNNING

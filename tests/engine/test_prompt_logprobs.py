@@ -70,3 +70,13 @@ def test_with_speculative_decoding():
 def test_bad_prompt_logprobs():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+@pytest.mark.gpu
+def test_gpu_prompt_logprobs_equal_hf_with_graphs_on():
+    """Compiled with CUDA graphs; a 1-token last chunk (budget 7) must not replay a graph, which has no
+    hidden states to score."""
+    llm = cached_llm(device="cuda", dtype="float32", max_num_batched_tokens=7, num_gpu_blocks=512)
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3)
+    for prompt in (PROMPT, PROMPT[:43]):
+        check_against_hf(llm.generate(prompt, params, use_tqdm=False)[0], 3)

@@ -40,7 +40,7 @@ def test_greedy_output_is_the_targets(k):
 @pytest.mark.parametrize("engine", [
     dict(max_num_batched_tokens=16),  # chunked prefill; drafts trimmed to the budget
     dict(num_gpu_blocks=24, block_size=8, max_model_len=128),  # preemption by recompute
-    dict(num_gpu_blocks=24, block_size=8, max_model_len=128, preemption_mode="swap", num_cpu_blocks=64),
+    dict(num_gpu_blocks=20, block_size=8, max_model_len=128, preemption_mode="swap", num_cpu_blocks=128),
     dict(enable_prefix_caching=False),
 ])
 def test_greedy_output_is_the_targets_under_scheduling_pressure(engine):

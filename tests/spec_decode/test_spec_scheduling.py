@@ -5,6 +5,7 @@ budget and to the tokens a request can still use."""
 from __future__ import annotations
 
 from fastllm.core.scheduler_output import ModelRunnerOutput
+from fastllm.engine.request import RequestStatus
 from tests.core.utils import add, make_scheduler, scheduled
 
 
@@ -60,4 +61,20 @@ def test_a_stop_among_accepted_drafts_drops_the_tokens_after_it():
     out = sched.schedule()
     updated = sched.update_from_output(out, ModelRunnerOutput(["a"], [[11, 2, 13, 14]]))
     assert updated == [(a, [11, 2])] and a.status.finish_reason == "stop" and a.output_token_ids == [7, 11, 2]
+    sched.kv.assert_empty()
+
+
+def test_lookahead_only_for_a_step_after_which_the_request_drafts():
+    sched = make_scheduler(block_size=4, budget=5, num_lookahead_tokens=4)
+    add(sched, "chunked", 12, max_tokens=20)
+    sched.schedule()
+    assert len(sched.kv.req_blocks["chunked"]) == 2  # 5 of its 12 prompt tokens: no draft after this step
+    sched.finish_requests(["chunked"], RequestStatus.FINISHED_ABORTED)
+    sched = make_scheduler(block_size=4, num_lookahead_tokens=4)
+    add(sched, "seeded", 4, max_tokens=20, seed=1)  # a seed: it decodes without drafts
+    add(sched, "plain", 4, max_tokens=20)
+    sched.schedule()
+    # Both prompts end this step; only the one that may draft holds slots for the draft's 4 writes.
+    assert len(sched.kv.req_blocks["seeded"]) == 1 and len(sched.kv.req_blocks["plain"]) == 2
+    sched.finish_requests(["seeded", "plain"], RequestStatus.FINISHED_ABORTED)
     sched.kv.assert_empty()
