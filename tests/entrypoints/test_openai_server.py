@@ -169,7 +169,11 @@ def test_echo_writes_the_prompt_back_with_its_logprobs(client):
     ref = torch.log_softmax(hf_logits(STORIES, ids), dim=-1)
     for p in range(1, len(ids)):
         assert abs(lp.token_logprobs[p] - ref[p - 1, ids[p]].item()) < 1e-4
-    assert lp.text_offset[len(ids)] == len("".join(lp.tokens[:len(ids)]))
+    # Offsets point into the text: the prompt's words where they are, the first new token after the prompt.
+    assert lp.text_offset[len(ids)] == len(PROMPTS[0]) and lp.text_offset == sorted(lp.text_offset)
+    for p in range(1, len(ids)):
+        word = lp.tokens[p].strip()
+        assert choice.text[lp.text_offset[p]:].lstrip().startswith(word), (p, word)
     # Streamed, the prompt comes with each choice's first chunk.
     stream = client.completions.create(model=MODEL, prompt=[ids], temperature=0, max_tokens=8, echo=True,
                                        stream=True)

@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from fastllm.engine.async_llm_engine import AsyncLLMEngine
+from fastllm.engine.detokenizer import IncrementalDetokenizer
 from fastllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from fastllm.metrics import ServingMetrics
 from fastllm.outputs import CompletionOutput, RequestOutput
@@ -121,9 +122,6 @@ class _Server:
         return await self._respond("chatcmpl", "chat.completion", [self._chat_prompt(body)], params, body, request,
                                    chat=True)
 
-    def _decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
@@ -148,7 +146,7 @@ class _Server:
         streams = await self._add_all(response_id, prompts, params)
         echo = getattr(body, "echo", False)
         shape = _Shape(response_id, kind, self.model_name, int(time.time()), params.n, chat, params.logprobs,
-                       self._decode if echo else None)
+                       self.tokenizer if echo else None)
         if body.stream:
             return StreamingResponse(self._stream(streams, shape, arrival, body.include_usage),
                                      media_type="text/event-stream")
@@ -260,15 +258,22 @@ class _ChoiceDelta:
 
 class _Echo:
     """A prompt as `echo` writes it back: its text and, when the prompt was scored, the legacy
-    logprobs of its tokens (the first has none: nothing predicts it)."""
+    logprobs of its tokens (the first has none: nothing predicts it), with each token's offset in
+    that text."""
 
-    def __init__(self, out: RequestOutput, decode):
-        # A token-id prompt's text as the outputs' text is made: without special tokens (BOS).
-        self.text = out.prompt if out.prompt is not None else decode(out.prompt_token_ids, skip_special_tokens=True)
+    def __init__(self, out: RequestOutput, tokenizer):
+        ids = out.prompt_token_ids
+        # Each token's place in the text, as the outputs' text is made (special tokens such as BOS add none).
+        detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True, stop=[])
+        self.offsets = []
+        for token in ids:
+            self.offsets.append(len(detokenizer.text))
+            detokenizer.add_token(token)
+        self.text = out.prompt if out.prompt is not None else detokenizer.text
         self.logprobs = None
         if out.prompt_logprobs is not None:
-            ids, scored = out.prompt_token_ids, out.prompt_logprobs
-            tokens = [decode(ids[:1])] + [scored[p][ids[p]].decoded_token or "" for p in range(1, len(ids))]
+            scored = out.prompt_logprobs
+            tokens = [tokenizer.decode(ids[:1])] + [scored[p][ids[p]].decoded_token or "" for p in range(1, len(ids))]
             self.logprobs = (tokens, [None] + [scored[p][ids[p]].logprob for p in range(1, len(ids))],
                              [None] + [{(lp.decoded_token or str(t)): lp.logprob for t, lp in scored[p].items()}
                                        for p in range(1, len(ids))])
@@ -278,10 +283,10 @@ class _Shape:
     """The OpenAI JSON of one response: completion or chat, whole or as stream chunks."""
 
     def __init__(self, response_id: str, kind: str, model: str, created: int, n: int, chat: bool,
-                 num_logprobs: int | None, echo_decode=None):
+                 num_logprobs: int | None, echo_tokenizer=None):
         self.id, self.kind, self.model, self.created, self.n, self.chat = response_id, kind, model, created, n, chat
         self.num_logprobs = num_logprobs or 0
-        self.echo_decode = echo_decode  # completions' echo: decodes the prompt's token ids
+        self.echo_tokenizer = echo_tokenizer  # set for completions' echo: it writes the prompt back
         self._text_offsets: dict[int, int] = {}  # choice index -> characters streamed so far
 
     def _head(self, object_name: str) -> dict:
@@ -296,7 +301,7 @@ class _Shape:
                     choice["message"] = {"role": "assistant", "content": o.text}
                     choice["logprobs"] = _chat_logprobs(o, self.num_logprobs)
                 else:
-                    echo = _Echo(out, self.echo_decode) if self.echo_decode is not None else None
+                    echo = _Echo(out, self.echo_tokenizer) if self.echo_tokenizer is not None else None
                     choice["text"] = (echo.text if echo else "") + o.text
                     choice["logprobs"] = _completion_logprobs(o, 0, echo)
                 choices.append(choice)
@@ -307,8 +312,8 @@ class _Shape:
     def delta(self, prompt_index: int, o: CompletionOutput, out: RequestOutput) -> _ChoiceDelta:
         index = prompt_index * self.n + o.index
         echo = None
-        if self.echo_decode is not None and index not in self._text_offsets:  # the choice's first chunk
-            echo = _Echo(out, self.echo_decode)
+        if self.echo_tokenizer is not None and index not in self._text_offsets:  # the choice's first chunk
+            echo = _Echo(out, self.echo_tokenizer)
         offset = self._text_offsets.get(index, 0)
         self._text_offsets[index] = offset + len(o.text) + (len(echo.text) if echo else 0)
         return _ChoiceDelta(index, output=o, text_offset=offset, echo=echo)
@@ -343,11 +348,11 @@ def _completion_logprobs(o: CompletionOutput, text_offset: int, echo: _Echo | No
     if o.logprobs is None:
         return None
     tokens, token_logprobs, top, offsets = [], [], [], []
-    if echo is not None and echo.logprobs is not None:
-        tokens, token_logprobs, top = (list(x) for x in echo.logprobs)
-        for text in tokens:
-            offsets.append(text_offset)
-            text_offset += len(text)
+    if echo is not None:
+        if echo.logprobs is not None:
+            tokens, token_logprobs, top = (list(x) for x in echo.logprobs)
+            offsets = [text_offset + o for o in echo.offsets]
+        text_offset += len(echo.text)
     for token_id, step in zip(o.token_ids, o.logprobs):
         chosen = step[token_id]
         text = chosen.decoded_token or ""
