@@ -143,8 +143,9 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
                     t1 = time.perf_counter()
                     first, context, num_tokens = 0, [], 0
                     for out in outputs:
-                        num_tokens += len(out.outputs[0].token_ids)
-                        generated[out.request_id] += len(out.outputs[0].token_ids)
+                        new = len(out.outputs[0].token_ids)
+                        num_tokens += new
+                        generated[out.request_id] += new
                         k = generated[out.request_id]
                         if k == 1:
                             first += 1

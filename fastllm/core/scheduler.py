@@ -301,11 +301,9 @@ class Scheduler:
                 request.num_computed_tokens -= num_spec + 1 - len(tokens)
                 self.spec_stats.record(num_spec, len(tokens) - 1)
             request.num_pending_tokens -= 1
-            appended = []
             status = None
-            for token in tokens:
+            for num_appended, token in enumerate(tokens, 1):
                 request.append_token(token)
-                appended.append(token)
                 status = self._check_stop(request, token)
                 if status is not None:
                     break
@@ -316,7 +314,7 @@ class Scheduler:
             else:  # no more drafts than tokens left to generate after the target's next one
                 proposed = runner_output.spec_token_ids.get(req_id, [])
                 request.spec_token_ids = proposed[:max(0, request.max_total_tokens - request.num_tokens - 1)]
-            updated.append((request, appended))
+            updated.append((request, tokens[:num_appended]))
         return updated
 
     @staticmethod

@@ -23,6 +23,7 @@ from fastllm.layers.sampler import SamplingMetadata, SamplingRow, exponential_no
 from fastllm.models.loader import load_model
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 from fastllm.worker.cache_engine import CacheEngine
+from fastllm.worker.input_batch import flat_positions
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class DraftModel:
         self.model_config = draft_model_config(config, target_dtype)
         self.model = load_model(self.model_config, device)
         self.args = self.model.args
+        self.dtype = target_dtype
         if self.args.vocab_size != target_vocab_size:
             raise ValueError(f"the draft model's vocabulary ({self.args.vocab_size} tokens) differs from the "
                              f"target's ({target_vocab_size}): speculative decoding needs the same tokenizer")
@@ -71,13 +73,12 @@ class DraftModel:
 
     def kv_bytes_per_block(self) -> int:
         a = self.args
-        return CacheEngine.bytes_per_block(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size,
-                                           next(self.model.parameters()).dtype)
+        return CacheEngine.bytes_per_block(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype)
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         a = self.args
-        self.cache = CacheEngine(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size,
-                                 next(self.model.parameters()).dtype, self.device, num_blocks, num_cpu_blocks)
+        self.cache = CacheEngine(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype, self.device,
+                                 num_blocks, num_cpu_blocks)
         for layer, kv in zip(self.attention_layers, self.cache.layer_caches()):
             layer.kv_cache = kv
 
@@ -123,22 +124,16 @@ class DraftModel:
 
     def _forward(self, ids, starts: np.ndarray, counts: np.ndarray, block_tables: list[np.ndarray]) -> torch.Tensor:
         """The draft over a flat batch: request i's counts[i] tokens from position starts[i]."""
-        num_reqs = len(counts)
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-        np.cumsum(counts, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
         seq_lens = (starts + counts).astype(np.int32)
-        width = max(int(-(-int(s) // self.block_size)) for s in seq_lens)
-        tables = np.zeros((num_reqs, width), dtype=np.int32)
+        held = np.asarray([len(t) for t in block_tables])
+        # The draft writes only into blocks the request holds (the scheduler's lookahead covers it).
+        assert ((seq_lens - 1) // self.block_size < held).all(), "draft KV write past the request's blocks"
+        width = int(-(-int(seq_lens.max()) // self.block_size))
+        tables = np.zeros((len(counts), width), dtype=np.int32)
         for i, table in enumerate(block_tables):
             n = min(width, len(table))
             tables[i, :n] = table[:n]
-        rows = np.repeat(np.arange(num_reqs), counts)
-        held = np.asarray([len(t) for t in block_tables])
-        # The draft writes only into blocks the request holds (the scheduler's lookahead covers it).
-        assert (positions // self.block_size < held[rows]).all(), "draft KV write past the request's blocks"
-        slots = tables[rows, positions // self.block_size].astype(np.int64) * self.block_size + positions % self.block_size
+        query_start_loc, positions, slots = flat_positions(starts, counts, tables, self.block_size)
         device = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.as_tensor(slots, device=device), block_tables=torch.as_tensor(tables, device=device),

@@ -127,12 +127,8 @@ def build_step_inputs(
             sample_rows.append(i)
             sample_states.append(state)
 
-    query_start_loc = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(counts, out=query_start_loc[1:])
+    query_start_loc, positions, slots = flat_positions(starts, counts, block_tables, block_size)
     num_tokens = int(query_start_loc[-1])
-    row_of_token = np.repeat(np.arange(num_reqs), counts)
-    positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
-    slots = block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     logits_indices = query_start_loc[1:][sample_rows].astype(np.int64) - 1  # each sample state's last row
     verify_rows = None
     if spec_tokens:  # and the rows of its draft tokens before it: the last verify_rows[j] of its query
@@ -171,6 +167,18 @@ def build_step_inputs(
                                              None if verify_rows is None else verify_rows.tolist()),
         num_verify_rows=None if verify_rows is None else verify_rows.tolist(),
     )
+
+
+def flat_positions(starts: np.ndarray, counts: np.ndarray, block_tables: np.ndarray,
+                   block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A flat batch's query_start_loc [B + 1] (int32), positions [T] and KV slots [T] (int64): request
+    i's counts[i] tokens from position starts[i], its blocks in row i of block_tables."""
+    query_start_loc = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=query_start_loc[1:])
+    row_of_token = np.repeat(np.arange(len(counts)), counts)
+    positions = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
+    slots = block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    return query_start_loc, positions, slots
 
 
 def _sampling_metadata(sample_states, vocab_size, eos_token_id, device, repeats=None) -> SamplingMetadata | None:

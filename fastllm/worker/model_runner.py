@@ -177,8 +177,7 @@ class ModelRunner:
                 out = SamplerOutput(greedy)  # sampled inside the graph
             else:
                 if logits is None:
-                    rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
-                    logits = self.model.compute_logits(rows)
+                    logits = self._logits(hidden, inputs)
                 out = self.sampler(logits, inputs.sampling_metadata)
         for state in inputs.sample_states:
             state.num_pending += 1
@@ -224,11 +223,14 @@ class ModelRunner:
         return AsyncRunnerOutput.ready(ModelRunnerOutput(req_ids, [new_tokens.get(r, []) for r in req_ids],
                                                          logprobs, proposals, prompt_logprobs))
 
+    def _logits(self, hidden: torch.Tensor, inputs) -> torch.Tensor:
+        """The logits of the step's rows that sample (all of them when logits_indices is None)."""
+        return self.model.compute_logits(hidden if inputs.logits_indices is None else hidden[inputs.logits_indices])
+
     def _verify(self, hidden: torch.Tensor, inputs, spec_of: dict[str, list[int]]):
         """Each sampling request's new tokens (appended to its state) and the logprobs of those that
         asked (which verify no draft tokens: one row each)."""
-        rows = hidden if inputs.logits_indices is None else hidden[inputs.logits_indices]
-        logits = self.model.compute_logits(rows)
+        logits = self._logits(hidden, inputs)
         out = self.sampler(logits, inputs.sampling_metadata)
         states = inputs.sample_states
         drafts = [spec_of[s.req_id] for s in states]

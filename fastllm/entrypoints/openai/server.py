@@ -287,10 +287,18 @@ class _Shape:
         self.id, self.kind, self.model, self.created, self.n, self.chat = response_id, kind, model, created, n, chat
         self.num_logprobs = num_logprobs or 0
         self.echo_tokenizer = echo_tokenizer  # set for completions' echo: it writes the prompt back
+        self._echoes: dict[int, _Echo] = {}  # prompt index -> its echo, shared by the prompt's n choices
         self._text_offsets: dict[int, int] = {}  # choice index -> characters streamed so far
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    def _echo(self, prompt_index: int, out: RequestOutput) -> _Echo | None:
+        if self.echo_tokenizer is None:
+            return None
+        if prompt_index not in self._echoes:
+            self._echoes[prompt_index] = _Echo(out, self.echo_tokenizer)
+        return self._echoes[prompt_index]
 
     def full(self, finals: list[RequestOutput]) -> dict:
         choices = []
@@ -301,7 +309,7 @@ class _Shape:
                     choice["message"] = {"role": "assistant", "content": o.text}
                     choice["logprobs"] = _chat_logprobs(o, self.num_logprobs)
                 else:
-                    echo = _Echo(out, self.echo_tokenizer) if self.echo_tokenizer is not None else None
+                    echo = self._echo(p, out)
                     choice["text"] = (echo.text if echo else "") + o.text
                     choice["logprobs"] = _completion_logprobs(o, 0, echo)
                 choices.append(choice)
@@ -312,8 +320,8 @@ class _Shape:
     def delta(self, prompt_index: int, o: CompletionOutput, out: RequestOutput) -> _ChoiceDelta:
         index = prompt_index * self.n + o.index
         echo = None
-        if self.echo_tokenizer is not None and index not in self._text_offsets:  # the choice's first chunk
-            echo = _Echo(out, self.echo_tokenizer)
+        if index not in self._text_offsets:  # the choice's first chunk
+            echo = self._echo(prompt_index, out)
         offset = self._text_offsets.get(index, 0)
         self._text_offsets[index] = offset + len(o.text) + (len(echo.text) if echo else 0)
         return _ChoiceDelta(index, output=o, text_offset=offset, echo=echo)
