@@ -78,3 +78,17 @@ def test_lookahead_only_for_a_step_after_which_the_request_drafts():
     assert len(sched.kv.req_blocks["seeded"]) == 1 and len(sched.kv.req_blocks["plain"]) == 2
     sched.finish_requests(["seeded", "plain"], RequestStatus.FINISHED_ABORTED)
     sched.kv.assert_empty()
+
+
+def test_bad_speculative_config_is_a_clear_error():
+    import pytest
+
+    from fastllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig.from_kwargs(None, num_speculative_tokens=3)  # no draft model
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig.from_kwargs(None, speculative_model="llama2xs-279K", num_speculative_tokens=17)
+    with pytest.raises(ValueError, match="not a directory"):
+        EngineConfig.from_kwargs(None, speculative_model="no-such-draft")
+    assert EngineConfig.from_kwargs(None, speculative_model="llama2xs-279K").speculative.num_speculative_tokens == 4
