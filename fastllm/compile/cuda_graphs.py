@@ -98,6 +98,7 @@ class CUDAGraphRunner:
         # The same step followed by the sampler (sampling_params), captured at a size's first such step.
         self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
+        self.capture_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # False runs the same padded step through the compiled forward without the graph: the
@@ -133,10 +134,7 @@ class CUDAGraphRunner:
         saved = self.argmax.clone()  # the previous step's tokens, which this step's inputs may read
         self._sample(bs)  # warm up the sampler's ops on this size, eagerly
         self.argmax.copy_(saved)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self._run(bs)
-            self._sample(bs)
+        graph = self._record(lambda: (self._run(bs), self._sample(bs)))
         self.sampling_graphs[bs] = graph
         logger.info("captured the sampling graph of batch %d in %.0f ms", bs, (time.perf_counter() - start) * 1e3)
         return graph
@@ -145,22 +143,32 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         start = time.perf_counter()
         before = torch.cuda.memory_allocated()
-        pool = None
         for bs in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
             size_start = time.perf_counter()
             self._run(bs)  # warm up (and compile this size if it is new)
-            torch.cuda.synchronize()
             logger.debug("batch %d: warm-up %.2f s", bs, time.perf_counter() - size_start)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._run(bs)
-            pool = self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs] = self._record(lambda: self._run(bs))
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-ups' activations, once (they lie outside the graphs' pool)
         self.capture_seconds = time.perf_counter() - start
         self.pool_bytes = torch.cuda.memory_allocated() - before + self.static_bytes  # with the static buffers
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
                     len(self.graphs), self.sizes[0], self.max_bs, self.capture_seconds, self.pool_bytes / 2**30)
+
+    def _record(self, step) -> torch.cuda.CUDAGraph:
+        """step()'s launches captured into a new graph whose memory comes from the shared pool.
+        torch.cuda.graph would also empty the allocator's cache before each capture, so that every
+        size's warm-up had to cudaMalloc its activations afresh."""
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()  # the capture stream starts after everything queued before it
+        with torch.cuda.stream(self.capture_stream):
+            graph.capture_begin(pool=self.pool)
+            try:
+                step()
+            finally:
+                graph.capture_end()
+        self.pool = self.pool or graph.pool()
+        return graph
 
     def fits(self, num_scheduled: list[int], in_flight_tokens: torch.Tensor | None) -> bool:
         """Whether a step of these per-request token counts replays a graph: decode only, not too many,
