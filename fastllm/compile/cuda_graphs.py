@@ -9,7 +9,7 @@ for sizes no sampled request reaches.
 A batch of B requests replays the smallest captured size >= B; the padding rows carry slot -1
 (their K/V writes are skipped) and attend over one token of the null block (block 0, never handed
 out), so they touch no real KV slot. The step's inputs are staged straight into the static buffers
-(input_batch.py), padding rows included: a replay is one launch after the two staging copies (and a
+(input_batch.py), padding rows included: a replay is one launch after the staging copy (and a
 block-table spread). Prefill and mixed steps do not come here.
 """
 
@@ -67,15 +67,18 @@ class CUDAGraphRunner:
         self.max_seq_len = max_seq_len
         n = self.max_bs
         # The graphs' inputs, packed as the step's staging copy lays them out (input_batch.py), so a
-        # decode step's two host-to-device copies land straight in them: int64 [input_ids, positions,
+        # decode step's host-to-device copy lands straight in them: int64 [input_ids, positions,
         # slot_mapping, token_src] of n rows each, then the rows that sample when not all do; int32
         # [seq_lens (n), the step's block-table rows at the step's width]. token_src[i] >= 0: row i's
         # input is the token the previous step sampled in that row, still on the device; the graph
         # reads it from `argmax` (where the previous step's tokens are).
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.static_i64 = torch.zeros(STATIC_I64_ROWS * n, dtype=torch.int64, device=device)
-        self.static_i32 = torch.zeros(n + SAMPLING_ROWS * n + n * max_blocks_per_seq, dtype=torch.int32,
-                                      device=device)
+        # Both parts in one byte buffer, so that a step's inputs arrive in a single copy.
+        self.int32_start = STATIC_I64_ROWS * n * 8
+        self.static = torch.zeros(self.int32_start + 4 * (n + SAMPLING_ROWS * n + n * max_blocks_per_seq),
+                                  dtype=torch.uint8, device=device)
+        self.static_i64 = self.static[:self.int32_start].view(torch.int64)
+        self.static_i32 = self.static[self.int32_start:].view(torch.int32)
         self.input_ids, self.positions, self.slot_mapping, self.token_src = self.static_i64[:4 * n].view(4, n)
         self.slot_mapping.fill_(-1)
         self.token_src.fill_(-1)
@@ -94,6 +97,7 @@ class CUDAGraphRunner:
         self.logits = torch.zeros(n, vocab_size, dtype=dtype, device=device)
         self.argmax = torch.zeros(n, dtype=torch.int64, device=device)
         self.static_bytes = (torch.cuda.memory_allocated(device) - start_bytes) if device.type == "cuda" else 0
+        self._last_tables = self._last_outputs = None  # (key, views): steps repeat their shapes
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The same step followed by the sampler (sampling_params), captured at a size's first such step.
         self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -180,8 +184,13 @@ class CUDAGraphRunner:
         """Copy the staged [rows, width] block tables (after the sampling params when `sampling`) into
         the first rows and columns of the graphs' table. Columns past a row's width keep older block
         ids: the kernels read a row only up to its seq_len, which the width covers."""
-        start = self.sampling_params.numel() if sampling else 0
-        self.block_tables[:rows, :width].copy_(self._staged_tables[start:start + rows * width].view(rows, width))
+        key = (rows, width, sampling)
+        if self._last_tables is None or self._last_tables[0] != key:
+            start = self.sampling_params.numel() if sampling else 0
+            self._last_tables = key, (self.block_tables[:rows, :width],
+                                      self._staged_tables[start:start + rows * width].view(rows, width))
+        dst, src = self._last_tables[1]
+        dst.copy_(src)
 
     def take_in_flight_tokens(self, tokens: torch.Tensor) -> None:
         """Make `argmax` hold the previous step's sampled tokens (there already after a greedy replay)."""
@@ -211,6 +220,8 @@ class CUDAGraphRunner:
                 self._run(bs)
                 if sampling:
                     self._sample(bs)
-        if sample_rows is None:
-            return self.logits[:num], self.argmax[:num]
-        return self.logits[sample_rows], self.argmax[sample_rows]
+        if sample_rows is not None:
+            return self.logits[sample_rows], self.argmax[sample_rows]
+        if self._last_outputs is None or self._last_outputs[0] != num:
+            self._last_outputs = num, (self.logits[:num], self.argmax[:num])
+        return self._last_outputs[1]

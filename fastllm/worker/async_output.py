@@ -12,6 +12,7 @@ import time
 import torch
 
 from fastllm.core.scheduler_output import ModelRunnerOutput
+from fastllm.worker.staging import step_stream
 
 
 class AsyncRunnerOutput:
@@ -34,7 +35,7 @@ class AsyncRunnerOutput:
                 self._logprobs_host = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
             if sampled.is_cuda:
                 self._ready = torch.cuda.Event()
-                self._ready.record()
+                self._ready.record(step_stream(sampled.device))
 
     @classmethod
     def ready(cls, result: ModelRunnerOutput) -> "AsyncRunnerOutput":

@@ -222,7 +222,7 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
     int32_arrays = [static_lens, block_tables]
     if sampling:
         int32_arrays.insert(1, _graph_sampling_params(graph, sample_states, sample_rows, vocab_size).view(np.int32))
-    stager.send_into(int64_arrays, int32_arrays, (graph.static_i64, graph.static_i32))
+    stager.send_into(int64_arrays, int32_arrays, graph.static, graph.int32_start)
     graph.take_block_tables(*block_tables.shape, sampling=sampling)
     logits_d = None if sample_rows is None else graph.static_i64[4 * n:4 * n + len(sample_rows)]
     return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=logits_d,

@@ -1,9 +1,12 @@
-"""Host-to-device transfer of a step's integer inputs: packed into pinned memory and sent with one
-non-blocking copy per dtype, so building step N+1 never waits for the GPU to finish step N.
+"""Host-to-device transfer of a step's integer inputs: packed into one pinned host buffer (its int64
+arrays, then its int32 arrays) and sent with a single non-blocking copy, so building step N+1 never
+waits for the GPU to finish step N.
 
 Pageable copies would each stage through a driver buffer (and a sync); seven of them per step were
-most of the host time at batch 1. Two pinned buffers alternate: the host packs one while the copy
-out of the other may still be in flight, and an event says when a buffer is free again.
+most of the host time at batch 1, and each CUDA call made from Python costs host time even when it
+is asynchronous (a copy ~8 us, an event record that looks up the current stream ~10 us on the
+H100's host), hence one copy per step. Two pinned buffers alternate: the host packs one while the
+copy out of the other may still be in flight, and an event says when a buffer is free again.
 
 Each array of send() starts at a 16-byte boundary. Triton specializes a kernel on whether each
 pointer argument is 16-byte aligned; packed back to back, a view's alignment followed the sizes of
@@ -12,31 +15,51 @@ the arrays before it, so a step could need a variant not compiled yet (~1.5 s of
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 
-class _PinnedBuffer:
-    def __init__(self, dtype: torch.dtype, pinned: bool):
-        self.dtype, self.pinned = dtype, pinned
-        self.host = torch.empty(0, dtype=dtype)
-        self.copied: torch.cuda.Event | None = None  # recorded after the last copy out of host (shared)
+@functools.cache
+def step_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the engine queues its steps on: the device's current (default) stream, looked up
+    once. torch.cuda.Event.record() with no stream builds a Stream object on every call."""
+    return torch.cuda.current_stream(device)
 
-    def fill(self, arrays: list[np.ndarray], align: int) -> tuple[list[int], int]:
-        """Pack the arrays, each from a multiple of `align` elements; returns their offsets and the
-        elements used."""
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.size // align) * align
-        if self.copied is not None:
+
+class _PinnedBuffer:
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.host = torch.empty(0, dtype=torch.uint8)
+        self.bytes = self.host.numpy()
+        self.copied = torch.cuda.Event() if pinned else None  # recorded after the last copy out of host
+        self.in_flight = False
+
+    def fill(self, arrays: list[np.ndarray], offsets: list[int], nbytes: int) -> torch.Tensor:
+        """Write each array at its byte offset (in its own dtype); returns host[:nbytes]."""
+        if self.in_flight:
             self.copied.synchronize()  # the copy out of this buffer two steps ago
-        if total > self.host.numel():
-            self.host = torch.empty(max(total, 2 * self.host.numel(), 1024), dtype=self.dtype, pin_memory=self.pinned)
-        flat = self.host.numpy()
+            self.in_flight = False
+        if nbytes > self.host.numel():
+            self.host = torch.empty(max(nbytes, 2 * self.host.numel(), 4096), dtype=torch.uint8, pin_memory=self.pinned)
+            self.bytes = self.host.numpy()
         for a, offset in zip(arrays, offsets):
-            flat[offset:offset + a.size] = a.ravel()
-        return offsets, total
+            self.bytes[offset:offset + a.nbytes].view(a.dtype)[:] = a.ravel()
+        return self.host[:nbytes]
+
+
+def _as(arrays: list[np.ndarray], dtype) -> list[np.ndarray]:
+    return [a if a.dtype == dtype else a.astype(dtype) for a in arrays]
+
+
+def _layout(arrays: list[np.ndarray], start: int, align: int) -> tuple[list[int], int]:
+    """Byte offsets of the arrays packed from `start`, each at a multiple of `align` bytes; and the end."""
+    offsets, end = [], start
+    for a in arrays:
+        offsets.append(end)
+        end += -(-a.nbytes // align) * align
+    return offsets, end
 
 
 class StepInputStager:
@@ -45,41 +68,39 @@ class StepInputStager:
     def __init__(self, device: torch.device):
         self.device = device
         self.cuda = device.type == "cuda"
-        self._buffers = [{dt: _PinnedBuffer(dt, self.cuda) for dt in (torch.int64, torch.int32)} for _ in range(2)]
+        self._buffers = [_PinnedBuffer(self.cuda) for _ in range(2)]
         self._turn = 0
 
     def send(self, int64_arrays: list[np.ndarray], int32_arrays: list[np.ndarray]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        out = []
-        for (flat, offsets), arrays in zip(self._copy(int64_arrays, int32_arrays, aligned=True),
-                                           (int64_arrays, int32_arrays)):
-            out.append([flat[o:o + a.size].view(a.shape) for a, o in zip(arrays, offsets)])
-        return out[0], out[1]
+        int64_arrays, int32_arrays = _as(int64_arrays, np.int64), _as(int32_arrays, np.int32)
+        offsets64, split = _layout(int64_arrays, 0, 16)
+        offsets32, end = _layout(int32_arrays, split, 16)
+        host = self._pack(int64_arrays + int32_arrays, offsets64 + offsets32, end)
+        flat = host.to(self.device, non_blocking=True) if self.cuda else host.clone()  # refilled next-but-one step
+        self._copied()
+        as64, as32 = flat[:split].view(torch.int64), flat[split:].view(torch.int32)
+        return ([as64[o // 8:o // 8 + a.size].view(a.shape) for a, o in zip(int64_arrays, offsets64)],
+                [as32[(o - split) // 4:(o - split) // 4 + a.size].view(a.shape) for a, o in zip(int32_arrays, offsets32)])
 
-    def send_into(self, int64_arrays: list[np.ndarray], int32_arrays: list[np.ndarray],
-                  into: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Copy the arrays back to back into the (int64, int32) device buffers from offset 0 (a CUDA
-        graph's static inputs, whose views were fixed at capture); no views are made, each of which
-        would cost host time."""
-        self._copy(int64_arrays, int32_arrays, aligned=False, into=into)
+    def send_into(self, int64_arrays: list[np.ndarray], int32_arrays: list[np.ndarray], into: torch.Tensor,
+                  int32_start: int) -> None:
+        """Copy the int64 arrays back to back from byte 0 of `into` (a uint8 device buffer: a CUDA
+        graph's static inputs, whose views were fixed at capture) and the int32 arrays from byte
+        int32_start, in one copy; no views are made, each of which would cost host time."""
+        int64_arrays, int32_arrays = _as(int64_arrays, np.int64), _as(int32_arrays, np.int32)
+        offsets64, end64 = _layout(int64_arrays, 0, 8)
+        assert end64 <= int32_start, "the int64 arrays overrun the int32 part"
+        offsets32, end = _layout(int32_arrays, int32_start, 4)
+        host = self._pack(int64_arrays + int32_arrays, offsets64 + offsets32, end)
+        into[:end].copy_(host, non_blocking=self.cuda)
+        self._copied()
 
-    def _copy(self, int64_arrays, int32_arrays, aligned: bool, into=None) -> list[tuple[torch.Tensor, list[int]]]:
-        buffers = self._buffers[self._turn]
+    def _pack(self, arrays: list[np.ndarray], offsets: list[int], nbytes: int) -> torch.Tensor:
+        self._buffer = self._buffers[self._turn]
         self._turn ^= 1
-        flats = []
-        for k, (dtype, arrays) in enumerate(((torch.int64, int64_arrays), (torch.int32, int32_arrays))):
-            buffer = buffers[dtype]
-            offsets, total = buffer.fill(arrays, 16 // dtype.itemsize if aligned else 1)
-            if into is not None:
-                flat = into[k][:total]
-                flat.copy_(buffer.host[:total], non_blocking=self.cuda)
-            elif self.cuda:
-                flat = buffer.host[:total].to(self.device, non_blocking=True)
-            else:
-                flat = buffer.host[:total].clone()  # the buffer is refilled next-but-one step
-            flats.append((flat, offsets))
-        if self.cuda:  # one event for both copies
-            copied = torch.cuda.Event()
-            copied.record()
-            for buffer in buffers.values():
-                buffer.copied = copied
-        return flats
+        return self._buffer.fill(arrays, offsets, nbytes)
+
+    def _copied(self) -> None:
+        if self.cuda:
+            self._buffer.copied.record(step_stream(self.device))
+            self._buffer.in_flight = True
