@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
 import time
 from pathlib import Path
@@ -12,6 +10,7 @@ from fastllm.config import EngineConfig
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
 from fastllm.core.scheduler_output import SchedulerOutput
+from fastllm.engine.gc_tuning import prepare_gc_for_serving, read_gc_threshold
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request, RequestStatus
 from fastllm.outputs import RequestOutput
@@ -36,20 +35,11 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def freeze_startup_objects() -> None:
-    """Startup leaves millions of long-lived objects (torch.compile's graphs and guards); a full
-    collection walking them stalled decode steps by tens of ms. Frozen, they are never walked."""
-    gc.collect()
-    gc.freeze()
-    if not getattr(freeze_startup_objects, "registered", False):
-        freeze_startup_objects.registered = True
-        atexit.register(gc.unfreeze)  # the exit-time collection may free them (bindings check for leaks)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, hash_fn: HashFn = hash_block_tokens):
         self.config = config
         start = time.perf_counter()
+        gc_threshold = read_gc_threshold()  # a malformed FASTLLM_GC_THRESHOLD fails before anything loads
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         self.worker = Worker(config)
         self.config = config = self.worker.config  # with the device's defaults (max_num_seqs)
@@ -73,7 +63,7 @@ class LLMEngine:
             self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, AsyncRunnerOutput] | None = None
         self.last_step_wait_s = 0.0  # time the last step() spent waiting for the GPU (bench: host = step - wait)
-        freeze_startup_objects()
+        prepare_gc_for_serving(gc_threshold)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%.3f GiB) on %s", self.startup_seconds,
                     num_blocks, config.cache.block_size, self.worker.kv_cache_gib(), self.worker.device)
