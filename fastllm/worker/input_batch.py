@@ -173,10 +173,15 @@ def flat_positions(starts: np.ndarray, counts: np.ndarray, block_tables: np.ndar
                    block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A flat batch's query_start_loc [B + 1] (int32), positions [T] and KV slots [T] (int64): request
     i's counts[i] tokens from position starts[i], its blocks in row i of block_tables."""
-    query_start_loc = np.zeros(len(counts) + 1, dtype=np.int32)
-    np.cumsum(counts, out=query_start_loc[1:])
-    row_of_token = np.repeat(np.arange(len(counts)), counts)
-    positions = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
+    rows = np.arange(len(counts))
+    if counts.sum() == len(counts):  # a decode step, one token each: the common case, in fewer numpy calls
+        query_start_loc = np.arange(len(counts) + 1, dtype=np.int32)
+        row_of_token, positions = rows, starts
+    else:
+        query_start_loc = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=query_start_loc[1:])
+        row_of_token = np.repeat(rows, counts)
+        positions = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
     slots = block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return query_start_loc, positions, slots
 
