@@ -181,7 +181,8 @@ def flat_positions(starts: np.ndarray, counts: np.ndarray, block_tables: np.ndar
         query_start_loc = np.zeros(len(counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=query_start_loc[1:])
         row_of_token = np.repeat(rows, counts)
-        positions = np.arange(int(query_start_loc[-1])) - np.repeat(query_start_loc[:-1].astype(np.int64) - starts, counts)
+        first = query_start_loc[:-1].astype(np.int64)
+        positions = np.arange(int(query_start_loc[-1])) - np.repeat(first - starts, counts)
     slots = block_tables[row_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return query_start_loc, positions, slots
 

@@ -23,8 +23,9 @@ import torch
 
 @functools.cache
 def step_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the engine queues its steps on: the device's current (default) stream, looked up
-    once. torch.cuda.Event.record() with no stream builds a Stream object on every call."""
+    """The stream the engine queues its steps on, looked up once: the device's default stream (no
+    engine thread sets another; capture uses its own). torch.cuda.Event.record() with no stream
+    builds a Stream object on every call."""
     return torch.cuda.current_stream(device)
 
 
@@ -42,11 +43,18 @@ class _PinnedBuffer:
             self.copied.synchronize()  # the copy out of this buffer two steps ago
             self.in_flight = False
         if nbytes > self.host.numel():
-            self.host = torch.empty(max(nbytes, 2 * self.host.numel(), 4096), dtype=torch.uint8, pin_memory=self.pinned)
+            size = max(nbytes, 2 * self.host.numel(), 4096)
+            self.host = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
             self.bytes = self.host.numpy()
         for a, offset in zip(arrays, offsets):
             self.bytes[offset:offset + a.nbytes].view(a.dtype)[:] = a.ravel()
         return self.host[:nbytes]
+
+    def copy_queued(self, device: torch.device) -> None:
+        """Mark the copy out of host (just queued): the next fill waits for it."""
+        if self.pinned:
+            self.copied.record(step_stream(device))
+            self.in_flight = True
 
 
 def _as(arrays: list[np.ndarray], dtype) -> list[np.ndarray]:
@@ -75,12 +83,14 @@ class StepInputStager:
         int64_arrays, int32_arrays = _as(int64_arrays, np.int64), _as(int32_arrays, np.int32)
         offsets64, split = _layout(int64_arrays, 0, 16)
         offsets32, end = _layout(int32_arrays, split, 16)
-        host = self._pack(int64_arrays + int32_arrays, offsets64 + offsets32, end)
-        flat = host.to(self.device, non_blocking=True) if self.cuda else host.clone()  # refilled next-but-one step
-        self._copied()
+        buffer, host = self._pack(int64_arrays + int32_arrays, offsets64 + offsets32, end)
+        # (on the CPU a clone: the buffer is refilled next-but-one step)
+        flat = host.to(self.device, non_blocking=True) if self.cuda else host.clone()
+        buffer.copy_queued(self.device)
         as64, as32 = flat[:split].view(torch.int64), flat[split:].view(torch.int32)
+        offsets32 = [(o - split) // 4 for o in offsets32]  # in int32 elements of as32
         return ([as64[o // 8:o // 8 + a.size].view(a.shape) for a, o in zip(int64_arrays, offsets64)],
-                [as32[(o - split) // 4:(o - split) // 4 + a.size].view(a.shape) for a, o in zip(int32_arrays, offsets32)])
+                [as32[o:o + a.size].view(a.shape) for a, o in zip(int32_arrays, offsets32)])
 
     def send_into(self, int64_arrays: list[np.ndarray], int32_arrays: list[np.ndarray], into: torch.Tensor,
                   int32_start: int) -> None:
@@ -91,16 +101,13 @@ class StepInputStager:
         offsets64, end64 = _layout(int64_arrays, 0, 8)
         assert end64 <= int32_start, "the int64 arrays overrun the int32 part"
         offsets32, end = _layout(int32_arrays, int32_start, 4)
-        host = self._pack(int64_arrays + int32_arrays, offsets64 + offsets32, end)
+        buffer, host = self._pack(int64_arrays + int32_arrays, offsets64 + offsets32, end)
         into[:end].copy_(host, non_blocking=self.cuda)
-        self._copied()
+        buffer.copy_queued(self.device)
 
-    def _pack(self, arrays: list[np.ndarray], offsets: list[int], nbytes: int) -> torch.Tensor:
-        self._buffer = self._buffers[self._turn]
+    def _pack(self, arrays: list[np.ndarray], offsets: list[int],
+              nbytes: int) -> tuple[_PinnedBuffer, torch.Tensor]:
+        """The arrays in this turn's buffer (the buffers alternate); returns it and its filled bytes."""
+        buffer = self._buffers[self._turn]
         self._turn ^= 1
-        return self._buffer.fill(arrays, offsets, nbytes)
-
-    def _copied(self) -> None:
-        if self.cuda:
-            self._buffer.copied.record(step_stream(self.device))
-            self._buffer.in_flight = True
+        return buffer, buffer.fill(arrays, offsets, nbytes)

@@ -203,7 +203,8 @@ def test_roofline_counts_match_the_models():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_ceilings_floor_and_profile(tmp_path, capsys):
     """On a GPU: ceilings measured and reusable, every column filled (but the draft model's), the
-    matmul chain as a CUDA graph, kernels in the profile. About a minute (two engine starts); run it before long GPU benchmarks."""
+    matmul chain as a CUDA graph, kernels in the profile. About a minute (two engine starts); run it
+    before long GPU benchmarks."""
     ceilings = tmp_path / "ceilings.json"
     result, stdout = run_json(tmp_path, capsys, ["--batch-sizes", "1,4", "--cuda-graph-sizes", "1,2,4",
                                                  "--input-len", "16", "--output-len", "8",
