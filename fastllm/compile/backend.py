@@ -14,12 +14,9 @@ from pathlib import Path
 
 import torch
 
+from fastllm.cache import cache_dir
+
 logger = logging.getLogger(__name__)
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("FASTLLM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "fastllm")
-    return Path(root)
 
 
 def configure_inductor_cache() -> Path:

@@ -62,6 +62,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fastllm.cache import keep_bytecode
+
+    bytecode_prefix = keep_bytecode()  # before anything imports torch
     parser = argparse.ArgumentParser(prog="fastllm", description="fastllm: an LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -92,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    if bytecode_prefix:
+        logging.getLogger("fastllm").info("PYTHONDONTWRITEBYTECODE is set: Python's bytecode is kept under %s "
+                                          "(FASTLLM_BYTECODE_CACHE=0 leaves it off)", bytecode_prefix)
     try:
         return args.func(args)
     except ValueError as e:
