@@ -34,7 +34,7 @@ PAGE = 16
 
 
 def measure(case: str):
-    from fastllm.kernels.paged_decode_attention import bytes_moved, choose_num_splits, paged_decode_attention
+    from fastllm.kernels.paged_decode_attention import bytes_moved, choose_config, paged_decode_attention
 
     batch, ctx = CASES[case]
     key_cache, value_cache, block_tables = paged_kv(batch, ctx, PAGE)
@@ -45,7 +45,7 @@ def measure(case: str):
     ours = functools.partial(paged_decode_attention, query, key_cache, value_cache, block_tables, seq_lens,
                              ctx, scale)
     sms = num_sms()
-    splits = choose_num_splits(ctx, batch, HKV, sms)
+    splits = choose_config(ctx, batch, HKV, HEAD_DIM, sms, query.element_size()).num_splits  # the launch's
     nbytes = bytes_moved(query, key_cache, batch * ctx, splits)
     rows = [row(KERNEL, case, "triton", time_ms(ours), nbytes, num_splits=splits)]
 

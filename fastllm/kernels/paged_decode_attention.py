@@ -68,6 +68,11 @@ TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2)]
 # B x Hkv from this many per SM: the small tile (TILE_CONFIGS[3]); e.g. B128 at 8 KV heads on 132 SMs
 _MANY_PROGRAMS_PER_SM = 7
 _MIN_BUSY_SPLIT_TOKENS = 512  # min_split_len once B x Hkv >= the SM count
+# From this bound on, a request that splits takes 128-key tiles in ~2 programs a SM (TILE_CONFIGS[1]): its
+# splits hold >= 8 such tiles. H100, B1 x 32768, CUDA-graph replays: 32 splits of 128-key tiles 0.0644-0.0647
+# ms (70% of copy bandwidth, cuDNN's SDPA on the same K/V laid out contiguously 0.0641), against 0.0688 for
+# 50 splits of 64-key tiles. Shorter bounds keep the 64-key tile (see TILE_CONFIGS on its rounding).
+_LONG_CONTEXT = 16384
 
 
 def split_candidates(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: int) -> list[int]:
@@ -390,13 +395,16 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     23.6; with 128-key tiles one split won, 28.4 against 30.8).
     """
     programs = batch * num_kv_heads
+    splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
     if head_dim > 128:
         tile = TILE_CONFIGS[2]
     elif programs >= _MANY_PROGRAMS_PER_SM * num_sms and element_size <= 2:
         tile = TILE_CONFIGS[3]
+    elif max_seq_len >= _LONG_CONTEXT and programs < num_sms and element_size <= 2:
+        tile = TILE_CONFIGS[1]
+        splits = min(splits, triton.cdiv(2 * num_sms, programs))
     else:
         tile = TILE_CONFIGS[0]
-    splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
     min_split_len = _MIN_BUSY_SPLIT_TOKENS if programs >= num_sms else 0
     return DecodeConfig(splits, *tile, min_split_len)
 

@@ -222,6 +222,11 @@ def test_decode_table_tiles():
     assert choose_config(4096, 64, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[0]  # 512: the 64-key tile
     assert choose_config(4096, 8, 8, 128, num_sms=132, element_size=4)[1:4] == TILE_CONFIGS[0]  # fp32
     assert choose_config(4096, 8, 8, 256, num_sms=132)[1:4] == TILE_CONFIGS[2]  # head_dim 256
+    long = choose_config(32768, 1, 8, 128, num_sms=132)  # long context, few programs: 128-key tiles, ~2 a SM
+    assert long[:4] == (33, *TILE_CONFIGS[1]), long
+    assert choose_config(8192, 1, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[0]  # below the long-context bound
+    assert choose_config(32768, 32, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[0]  # B x Hkv covers the SMs
+    assert choose_config(32768, 1, 8, 128, num_sms=132, element_size=4)[1:4] == TILE_CONFIGS[0]  # fp32
 
 
 def test_split_count_is_host_only():
