@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if bytecode_prefix:
-        logging.getLogger("fastllm").info("PYTHONDONTWRITEBYTECODE is set: Python's bytecode is kept under %s "
-                                          "(FASTLLM_BYTECODE_CACHE=0 leaves it off)", bytecode_prefix)
+        logging.getLogger("fastllm").info("PYTHONDONTWRITEBYTECODE is set: Python's bytecode is kept under "
+                                          "%s (FASTLLM_BYTECODE_CACHE=0 leaves it off)", bytecode_prefix)
     try:
         return args.func(args)
     except ValueError as e:
