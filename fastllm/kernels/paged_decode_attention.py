@@ -59,11 +59,11 @@ _MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, part
 _MAX_SPLITS = 64
 _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM (H100, CUDA-graph timings: 24-64 splits at B1, 8 at B8)
 
-# (block_n, num_warps, num_stages) that tune.py times; choose_config picks 64 for head_dim <= 128, 32 above, and
-# 16 with 2 warps for large batches. (128, 4, 3) was faster at small batches (B1 x 32768: 0.0660 ms against
-# 0.0693 with 33 splits instead of 50; B32 x 330 in one split: 0.0287 against 0.0320) but flipped a greedy
-# token at a 0.12-nat margin in the tiny bf16 Llama-3.1 engine test; it is left out until its rounding is
-# compared with the 64-key tile's.
+# (block_n, num_warps, num_stages) that tune.py times; choose_config picks 64 for head_dim <= 128, 32 above,
+# 16 with 2 warps for large batches, and 128 only for long-context bounds (_LONG_CONTEXT). (128, 4, 3) was
+# faster at small batches too (B32 x 330 in one split: 0.0287 ms against 0.0320) but flipped a greedy token
+# at a 0.12-nat margin in the tiny bf16 Llama-3.1 engine test (bound 256); below _LONG_CONTEXT it stays out
+# until its rounding is compared with the 64-key tile's.
 TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2)]
 # B x Hkv from this many per SM: the small tile (TILE_CONFIGS[3]); e.g. B128 at 8 KV heads on 132 SMs
 _MANY_PROGRAMS_PER_SM = 7
