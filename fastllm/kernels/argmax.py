@@ -22,13 +22,11 @@ Memory traffic: one read of the logits, plus B * parts * 8 bytes of partials wri
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from fastllm.kernels import pdl
+from fastllm.kernels import pdl, sm_count
 
 _BLOCK = 1024  # columns per step of a chunk scan
 _PROGRAMS_PER_SM = 16
@@ -81,11 +79,6 @@ def _argmax_merge_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_parts, BLOCK_P
     tl.store(out_ptr + b, tl.min(tl.where(val == top, idx, 2147483647), axis=0).to(tl.int64))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_parts(batch: int, n_cols: int, num_sms: int) -> int:
     """Chunks per row: ~_PROGRAMS_PER_SM programs per SM over the whole batch, each >= one BLOCK."""
     return max(1, min(triton.cdiv(n_cols, _BLOCK), triton.cdiv(_PROGRAMS_PER_SM * num_sms, max(batch, 1))))
@@ -101,12 +94,7 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     assert out.shape == (batch,) and out.dtype == torch.int64 and out.is_contiguous()
     if batch == 0:
         return out
-    if logits.is_cuda:
-        index = logits.device.index if logits.device.index is not None else torch.cuda.current_device()
-        num_sms = _sm_count(index)
-    else:
-        num_sms = 4  # the interpreter on CPU
-    parts = choose_num_parts(batch, n_cols, num_sms)
+    parts = choose_num_parts(batch, n_cols, sm_count.num_sms(logits.device))
     chunk = triton.cdiv(triton.cdiv(n_cols, parts), _BLOCK) * _BLOCK
     parts = triton.cdiv(n_cols, chunk)  # no empty chunk
     if parts == 1:

@@ -42,14 +42,13 @@ Block-table reads are a few bytes per page and are ignored (see bytes_moved).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from fastllm.kernels import pdl
+from fastllm.kernels import pdl, sm_count
 
 _LOG2E = 1.4426950408889634
 _MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
@@ -352,16 +351,6 @@ def _decode_reduce_kernel(
                   n_active, kv_head * GROUP, GROUP, HEAD_DIM, BLOCK_GM, BLOCK_S, BLOCK_D)
 
 
-def _num_sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _sm_count(index)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def legacy_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int) -> DecodeConfig:
     """The launch before tuning (kept for tune.py's comparison): 2 waves, >= 256 tokens a split, <= 64."""
     want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
@@ -513,9 +502,8 @@ def paged_decode_attention(
 def _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float,
                    append: NewTokens | None = None) -> torch.Tensor:
     """paged_decode_attention_splits with the host table's launch config (choose_config)."""
-    num_sms = _num_sms(query.device) if query.is_cuda else 4  # interpreter on CPU: pretend 4 SMs
-    cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2], num_sms,
-                        query.element_size())
+    cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2],
+                        sm_count.num_sms(query.device), query.element_size())
     return paged_decode_attention_splits(
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,
