@@ -12,7 +12,18 @@ from __future__ import annotations
 import functools
 
 import torch
-from kbench import DEVICE, DTYPE, HEAD_DIM, HIDDEN, HQ, compiled, entry_points, row, time_ms, try_row
+from kbench import (
+    DEVICE,
+    DTYPE,
+    HEAD_DIM,
+    HIDDEN,
+    HQ,
+    baseline_rows,
+    compiled,
+    entry_points,
+    input_sets,
+    timed_row,
+)
 
 KERNEL = "fused_add_rms_norm"
 # name -> (op, shape): the hidden-state norms of a prefill chunk and a decode batch, and Qwen3's q-norm
@@ -30,19 +41,20 @@ def measure(case: str):
     from fastllm.kernels.fused_add_rms_norm import bytes_moved
 
     op, shape = CASES[case]
-    x = torch.randn(shape, device=DEVICE, dtype=DTYPE)
-    weight = torch.randn(shape[-1], device=DEVICE, dtype=DTYPE)
-    args = (x, torch.randn_like(x), weight, EPS) if op == "fused_add_rms_norm" else (x, weight, EPS)
-    nbytes = bytes_moved(x, DTYPE, fused_residual=op == "fused_add_rms_norm")
-    ours = functools.partial(triton_impl(op), *args)
-    rows = [row(KERNEL, case, "triton", time_ms(ours), nbytes)]
+    fused = op == "fused_add_rms_norm"
+
+    def make():
+        x = torch.randn(shape, device=DEVICE, dtype=DTYPE)
+        weight = torch.randn(shape[-1], device=DEVICE, dtype=DTYPE)
+        return (x, torch.randn_like(x), weight, EPS) if fused else (x, weight, EPS)
+
+    sets = input_sets(make, lambda args: bytes_moved(args[0], DTYPE, fused_residual=fused))
+    nbytes = bytes_moved(sets[0][0], DTYPE, fused_residual=fused)
+    ours = [functools.partial(triton_impl(op), *args) for args in sets]
+    rows = [timed_row(KERNEL, case, "triton", ours, nbytes)]
     ref = reference_impl(op)
-    comp = compiled(ref)
-    try_row(rows, KERNEL, case, "torch_compile", lambda: row(KERNEL, case, "torch_compile",
-                                                             time_ms(functools.partial(comp, *args)), nbytes))
-    try_row(rows, KERNEL, case, "torch_eager", lambda: row(KERNEL, case, "torch_eager",
-                                                           time_ms(functools.partial(ref, *args)), nbytes))
-    return rows, ours
+    baseline_rows(rows, KERNEL, case, {"torch_compile": compiled(ref), "torch_eager": ref}, sets, nbytes)
+    return rows, ours[0]
 
 
 run, test_bench_fused_add_rms_norm = entry_points(KERNEL, CASES, measure)

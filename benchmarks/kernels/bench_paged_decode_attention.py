@@ -2,7 +2,8 @@
 
 Ours reads K/V through permuted block tables; the baseline is torch SDPA (each backend that accepts the
 problem) on the same K/V laid out contiguously, which is the best torch can do without paging.
-Metric: achieved GB/s (bytes_moved: K/V once + q/out + split partials) vs the copy bandwidth.
+Metric: achieved GB/s (bytes_moved: K/V once + q/out + split partials) vs the copy bandwidth, in steady
+state (kbench.steady_ms).
 
     pytest benchmarks/kernels/bench_paged_decode_attention.py      (or run_all.py)
 """
@@ -21,11 +22,11 @@ from kbench import (
     HQ,
     contiguous_kv,
     entry_points,
+    input_sets,
     num_sms,
     paged_kv,
-    row,
     sdpa_rows,
-    time_ms,
+    timed_row,
 )
 
 KERNEL = "paged_decode_attention"
@@ -37,26 +38,33 @@ def measure(case: str):
     from fastllm.kernels.paged_decode_attention import bytes_moved, choose_config, paged_decode_attention
 
     batch, ctx = CASES[case]
-    key_cache, value_cache, block_tables = paged_kv(batch, ctx, PAGE)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
-    query = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     scale = HEAD_DIM**-0.5
+    splits = choose_config(ctx, batch, HKV, HEAD_DIM, num_sms(), DTYPE.itemsize).num_splits  # the launch's
 
-    ours = functools.partial(paged_decode_attention, query, key_cache, value_cache, block_tables, seq_lens,
-                             ctx, scale)
-    sms = num_sms()
-    splits = choose_config(ctx, batch, HKV, HEAD_DIM, sms, query.element_size()).num_splits  # the launch's
-    nbytes = bytes_moved(query, key_cache, batch * ctx, splits)
-    rows = [row(KERNEL, case, "triton", time_ms(ours), nbytes, num_splits=splits)]
+    def make():
+        key_cache, value_cache, block_tables = paged_kv(batch, ctx, PAGE)
+        seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+        query = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        return query, key_cache, value_cache, block_tables, seq_lens
+
+    def nbytes_of(args):
+        return bytes_moved(args[0], args[1], batch * ctx, splits)
+
+    sets = input_sets(make, nbytes_of)
+    nbytes = nbytes_of(sets[0])
+    ours = [functools.partial(paged_decode_attention, *args, ctx, scale) for args in sets]
+    rows = [timed_row(KERNEL, case, "triton", ours, nbytes, num_splits=splits)]
 
     # the same K/V, contiguous per request: [B, Hkv, S, D]
-    k, v = contiguous_kv(key_cache, value_cache, block_tables, ctx)
-    q = query.unsqueeze(2)  # [B, Hq, 1, D]
+    qkv_sets = [(query.unsqueeze(2), *contiguous_kv(key_cache, value_cache, block_tables, ctx))
+                for query, key_cache, value_cache, block_tables, _ in sets]  # q [B, Hq, 1, D]
+    q, k, v = qkv_sets[0]
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale, enable_gqa=True)
-    err = ((ours().float() - ref.squeeze(2)).norm() / ref.norm()).item()
+    err = ((ours[0]().float() - ref.squeeze(2)).norm() / ref.norm()).item()
     rows[0]["rel_err_vs_fp32"] = round(err, 5)
-    sdpa_rows(rows, KERNEL, case, q, k, v, causal=False, scale=scale, nbytes=nbytes)
-    return rows, ours
+    del ref
+    sdpa_rows(rows, KERNEL, case, qkv_sets, causal=False, scale=scale, nbytes=nbytes)
+    return rows, ours[0]
 
 
 run, test_bench_paged_decode_attention = entry_points(KERNEL, CASES, measure)

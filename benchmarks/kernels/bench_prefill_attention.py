@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 
-from kbench import HEAD_DIM, HQ, HKV, entry_points, prefill_problem, row, sdpa_rows, time_ms
+from kbench import HEAD_DIM, HKV, HQ, entry_points, input_sets, prefill_problem, sdpa_rows, timed_row
 
 KERNEL = "prefill_attention"
 CASES = {"B8_S2048": (8, 2048), "B1_S8192": (1, 8192)}
@@ -20,28 +20,34 @@ PAGE = 16
 
 
 def measure(case: str):
-    from fastllm.kernels.prefill_attention import flops, prefill_attention, use_chunk_tma
+    from fastllm.kernels.prefill_attention import choose_config, flops, prefill_attention, use_chunk_tma
 
     batch, seq = CASES[case]
-    args = prefill_problem(batch, seq, 0, PAGE)
-    query, key, value = args[:3]
     scale = HEAD_DIM**-0.5
     n_flops = flops([seq] * batch, [seq] * batch, HQ, HEAD_DIM)
 
-    ours = functools.partial(prefill_attention, *args, seq, scale)
-    rows = [row(KERNEL, case, "triton", time_ms(ours), flops=n_flops, chunk_tma=use_chunk_tma(key, value))]
+    def footprint(args):  # the qkv rows (q, k, v are views of one buffer), the out rows and the cache
+        query, key_cache = args[0], args[3]
+        return query.untyped_storage().nbytes() + query.nbytes + 2 * key_cache.nbytes
+
+    sets = input_sets(lambda: prefill_problem(batch, seq, 0, PAGE), footprint)
+    ours = [functools.partial(prefill_attention, *args, seq, scale) for args in sets]
+    query, key, value = sets[0][:3]
+    config = choose_config(HEAD_DIM, HQ // HKV, query.dtype)
+    rows = [timed_row(KERNEL, case, "triton", ours, flops=n_flops, chunk_tma=use_chunk_tma(key, value),
+                      config="BM{}-BN{}-w{}-s{}".format(*config))]
 
     def heads_first(x, heads):  # [B * S, H, D] -> contiguous [B, H, S, D]
         return x.reshape(batch, seq, heads, HEAD_DIM).transpose(1, 2).contiguous()
 
-    q, k, v = heads_first(query, HQ), heads_first(key, HKV), heads_first(value, HKV)
-    got = heads_first(ours(), HQ).float()
+    qkv_sets = [(heads_first(q, HQ), heads_first(k, HKV), heads_first(v, HKV)) for q, k, v, *_ in sets]
+    got = heads_first(ours[0](), HQ).float()
 
     def check(out):
         return ((got - out.float()).norm() / out.float().norm()).item()
 
-    sdpa_rows(rows, KERNEL, case, q, k, v, causal=True, scale=scale, flops=n_flops, check=check)
-    return rows, ours
+    sdpa_rows(rows, KERNEL, case, qkv_sets, causal=True, scale=scale, flops=n_flops, check=check)
+    return rows, ours[0]
 
 
 run, test_bench_prefill_attention = entry_points(KERNEL, CASES, measure)

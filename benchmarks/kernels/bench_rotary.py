@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from kbench import compiled, entry_points, fused_qkv, rotary_inputs, row, time_ms, try_row
+from kbench import baseline_rows, compiled, entry_points, fused_qkv, input_sets, rotary_inputs, timed_row
 
 KERNEL = "rotary_embedding"
 CASES = {"T8192": 8192, "T64": 64}
@@ -22,19 +22,19 @@ def measure(case: str):
     from fastllm.kernels.rotary import bytes_moved
 
     num_tokens = CASES[case]
-    query, key, _ = fused_qkv(num_tokens)
-    positions, cos_sin = rotary_inputs(num_tokens, MAX_POS)
-    args = (positions, query, key, cos_sin, True)
-    nbytes = bytes_moved(query, key, positions)
-    ours = functools.partial(triton_impl("rotary_embedding"), *args)
-    rows = [row(KERNEL, case, "triton", time_ms(ours), nbytes)]
+
+    def make():
+        query, key, _ = fused_qkv(num_tokens)
+        positions, cos_sin = rotary_inputs(num_tokens, MAX_POS)
+        return positions, query, key, cos_sin, True
+
+    sets = input_sets(make, lambda args: bytes_moved(args[1], args[2], args[0]))
+    nbytes = bytes_moved(sets[0][1], sets[0][2], sets[0][0])
+    ours = [functools.partial(triton_impl("rotary_embedding"), *args) for args in sets]
+    rows = [timed_row(KERNEL, case, "triton", ours, nbytes)]
     ref = reference_impl("rotary_embedding")
-    comp = compiled(ref)
-    try_row(rows, KERNEL, case, "torch_compile", lambda: row(KERNEL, case, "torch_compile",
-                                                             time_ms(functools.partial(comp, *args)), nbytes))
-    try_row(rows, KERNEL, case, "torch_eager", lambda: row(KERNEL, case, "torch_eager",
-                                                           time_ms(functools.partial(ref, *args)), nbytes))
-    return rows, ours
+    baseline_rows(rows, KERNEL, case, {"torch_compile": compiled(ref), "torch_eager": ref}, sets, nbytes)
+    return rows, ours[0]
 
 
 run, test_bench_rotary = entry_points(KERNEL, CASES, measure)

@@ -13,7 +13,19 @@ from __future__ import annotations
 import functools
 
 import torch
-from kbench import DEVICE, DTYPE, HEAD_DIM, HKV, compiled, entry_points, fused_qkv, rotary_inputs, row, time_ms, try_row
+from kbench import (
+    DEVICE,
+    DTYPE,
+    HEAD_DIM,
+    HKV,
+    baseline_rows,
+    compiled,
+    entry_points,
+    fused_qkv,
+    input_sets,
+    rotary_inputs,
+    timed_row,
+)
 
 KERNEL = "rotary_kv_cache_write"
 CASES = {"T8192": 8192, "T256": 256, "T1": 1}
@@ -26,27 +38,31 @@ def measure(case: str):
     from fastllm.kernels.rotary_kv_cache_write import bytes_moved
 
     num_tokens = CASES[case]
-    query, key, value = fused_qkv(num_tokens)
-    positions, cos_sin = rotary_inputs(num_tokens, MAX_POS)
     num_blocks = -(-num_tokens // PAGE) + 1
-    key_cache = torch.zeros(num_blocks, PAGE, HKV, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    value_cache = torch.zeros_like(key_cache)
-    slots = torch.randperm(num_blocks * PAGE, device=DEVICE)[:num_tokens]
-    args = (positions, query, key, value, cos_sin, True, key_cache, value_cache, slots, False)
-    nbytes = bytes_moved(query, key, positions, slots, num_tokens)
-    ours = functools.partial(triton_impl(KERNEL), *args)
-    rows = [row(KERNEL, case, "triton", time_ms(ours), nbytes)]
 
-    def unfused():
-        triton_impl("rotary_embedding")(positions, query, key, cos_sin, True)
+    def make():
+        query, key, value = fused_qkv(num_tokens)
+        positions, cos_sin = rotary_inputs(num_tokens, MAX_POS)
+        key_cache = torch.zeros(num_blocks, PAGE, HKV, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        value_cache = torch.zeros_like(key_cache)
+        slots = torch.randperm(num_blocks * PAGE, device=DEVICE)[:num_tokens]
+        return positions, query, key, value, cos_sin, True, key_cache, value_cache, slots, False
+
+    def nbytes_of(args):
+        return bytes_moved(args[1], args[2], args[0], args[8], num_tokens)
+
+    sets = input_sets(make, nbytes_of)
+    nbytes = nbytes_of(sets[0])
+    ours = [functools.partial(triton_impl(KERNEL), *args) for args in sets]
+    rows = [timed_row(KERNEL, case, "triton", ours, nbytes)]
+
+    def unfused(positions, query, key, value, cos_sin, is_neox, key_cache, value_cache, slots, _):
+        triton_impl("rotary_embedding")(positions, query, key, cos_sin, is_neox)
         triton_impl("kv_cache_write")(key, value, key_cache, value_cache, slots)
 
-    try_row(rows, KERNEL, case, "triton_unfused", lambda: row(KERNEL, case, "triton_unfused", time_ms(unfused),
-                                                              nbytes))
-    comp = compiled(reference_impl(KERNEL))
-    try_row(rows, KERNEL, case, "torch_compile", lambda: row(KERNEL, case, "torch_compile",
-                                                             time_ms(functools.partial(comp, *args)), nbytes))
-    return rows, ours
+    baselines = {"triton_unfused": unfused, "torch_compile": compiled(reference_impl(KERNEL))}
+    baseline_rows(rows, KERNEL, case, baselines, sets, nbytes, syncing=("torch_compile",))  # a boolean mask
+    return rows, ours[0]
 
 
 run, test_bench_rotary_kv_cache_write = entry_points(KERNEL, CASES, measure)

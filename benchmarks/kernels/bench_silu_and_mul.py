@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from kbench import DEVICE, DTYPE, INTERMEDIATE, compiled, entry_points, row, time_ms, try_row
+from kbench import DEVICE, DTYPE, INTERMEDIATE, baseline_rows, compiled, entry_points, input_sets, timed_row
 
 KERNEL = "silu_and_mul"
 CASES = {"T8192": 8192, "T256": 256, "T64": 64, "T8": 8}
@@ -24,20 +24,16 @@ def measure(case: str):
     from fastllm.kernels.silu_and_mul import bytes_moved
 
     num_tokens = CASES[case]
-    x = torch.randn(num_tokens, 2 * INTERMEDIATE, device=DEVICE, dtype=DTYPE)
-    nbytes = bytes_moved(x)
-    ours = functools.partial(triton_impl("silu_and_mul"), x)
-    rows = [row(KERNEL, case, "triton", time_ms(ours), nbytes)]
+    sets = input_sets(lambda: (torch.randn(num_tokens, 2 * INTERMEDIATE, device=DEVICE, dtype=DTYPE),),
+                      lambda args: bytes_moved(args[0]))
+    nbytes = bytes_moved(sets[0][0])
+    ours = [functools.partial(triton_impl("silu_and_mul"), *args) for args in sets]
+    rows = [timed_row(KERNEL, case, "triton", ours, nbytes)]
     ref = reference_impl("silu_and_mul")
-    comp = compiled(ref)
-    try_row(rows, KERNEL, case, "torch_compile", lambda: row(KERNEL, case, "torch_compile",
-                                                             time_ms(functools.partial(comp, x)), nbytes))
-    comp_dynamic = torch.compile(ref, dynamic=True, fullgraph=True)
-    try_row(rows, KERNEL, case, "torch_compile_dynamic", lambda: row(
-        KERNEL, case, "torch_compile_dynamic", time_ms(functools.partial(comp_dynamic, x)), nbytes))
-    try_row(rows, KERNEL, case, "torch_eager", lambda: row(KERNEL, case, "torch_eager",
-                                                           time_ms(functools.partial(ref, x)), nbytes))
-    return rows, ours
+    dynamic = torch.compile(ref, dynamic=True, fullgraph=True)  # as the engine compiles its model
+    baselines = {"torch_compile": compiled(ref), "torch_compile_dynamic": dynamic, "torch_eager": ref}
+    baseline_rows(rows, KERNEL, case, baselines, sets, nbytes)
+    return rows, ours[0]
 
 
 run, test_bench_silu_and_mul = entry_points(KERNEL, CASES, measure)

@@ -1,18 +1,31 @@
 """Shared pieces of the kernel micro-benchmarks (GPU only).
 
-Every benchmark times with triton.testing.do_bench (median of CUDA-event timings, L2 flushed between
-runs) and reports achieved bandwidth against a copy bandwidth measured once per process:
-a device-to-device copy of 1 GiB, counting read + write bytes.
+Timing (steady_ms): each call runs back to back with copies of itself inside one CUDA graph, cycling over
+enough freshly allocated input sets that one cycle touches at least 4 x the L2 size; the median replay
+time over the calls in it is one call's time. That is the steady state a kernel runs in inside the
+engine: its inputs come from DRAM, it pays for writing back the dirty lines of the work before it, and
+its own dirty lines are written back while later work runs. No host launch cost is counted. The copy
+bandwidth (the ceiling, counting read + write bytes) is a 1 GiB device-to-device copy timed the same way.
+
+Rows also carry ms_do_bench: triton.testing.do_bench (median, one input set, eager launches, L2 flushed
+by zero-filling 256 MB before each call). Its flush leaves up to an L2's worth of dirty lines that the
+timed call must write back first, which a 1 GiB copy hardly notices but a 67 MB one does: on an H100 a
+67 MB copy measured 0.90 of the 1 GiB copy's rate after that flush and 1.01 after a read-only flush
+(scratch exp1 at 7f9e4ca). The read-only flush errs the other way (a call's own writes can stay in L2),
+hence the steady state.
 """
 
 from __future__ import annotations
 
 import functools
+import statistics
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `import fastllm`
 
@@ -87,23 +100,120 @@ def num_sms() -> int:
 
 
 def time_ms(fn, warmup: int = 10, rep: int = 50) -> float:
+    """triton.testing.do_bench's median (eager launches, zero-fill L2 flush): the ms_do_bench column."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def _copy_ms(nbytes: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 255)
-    dst = torch.empty_like(src)
-    return time_ms(lambda: dst.copy_(src))
+STEADY_L2_MULTIPLE = 4  # one cycle over the input sets touches at least this many L2 sizes
+STEADY_MIN_CALLS = 16  # calls in one replay
+# At most this many sets: a small problem then stays in L2, as it does in the engine, where its inputs were
+# just written by the kernel before it.
+STEADY_MAX_SETS = 8
+
+
+def input_sets(make, footprint) -> list:
+    """Fresh results of make() (one input set each), as many as a cycle needs to touch STEADY_L2_MULTIPLE
+    x the L2 size; 1 to STEADY_MAX_SETS. footprint(first set) -> the bytes one call touches."""
+    sets = [make()]
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    wanted = -(-STEADY_L2_MULTIPLE * l2 // max(1, int(footprint(sets[0]))))
+    return sets + [make() for _ in range(min(STEADY_MAX_SETS, wanted) - 1)]
+
+
+def steady_ms(calls: list, replays: int = 20, graph: bool = True) -> float:
+    """Median ms of one call in steady state (see the module docstring): the calls, one per input set, run
+    round-robin, at least STEADY_MIN_CALLS of them in one CUDA graph. graph=False launches them eagerly
+    instead, for a call that synchronizes with the host (it cannot be captured; its host time then counts)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compile, allocate and tune outside the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    per_replay = len(calls) * -(-STEADY_MIN_CALLS // len(calls))
+
+    def run_all():
+        for i in range(per_replay):
+            calls[i % len(calls)]()
+
+    replay = run_all
+    if graph:
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            run_all()
+        replay = cuda_graph.replay
+    for _ in range(2):
+        replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / per_replay
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(dst_ptr + offsets, tl.load(src_ptr + offsets, mask=mask), mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
+def copy_bandwidth() -> tuple[float, str]:
+    """(GB/s, how) of the fastest 1 GiB device-to-device copy in steady state (read + write bytes): torch's
+    copy_ launched eagerly (a captured copy_ becomes a memcpy node that runs on a copy engine, ~20% slower
+    on an H100) and a plain Triton copy kernel in a graph at a few block sizes. The fastest is the ceiling."""
+    nbytes = 1 << 30
+    src = torch.empty(nbytes // 4, dtype=torch.int32, device=DEVICE).random_()
+    dst = torch.empty_like(src)
+    candidates = {"torch copy_, eager": steady_ms([functools.partial(dst.copy_, src)], graph=False)}
+    for block in (4096, 8192, 16384):
+        grid = (triton.cdiv(src.numel(), block),)
+        launch = functools.partial(_copy_kernel[grid], src, dst, src.numel(), BLOCK=block, num_warps=8)
+        candidates[f"triton copy, BLOCK {block}, graph"] = steady_ms([launch])
+    how, ms = min(candidates.items(), key=lambda item: item[1])
+    return 2 * nbytes / ms / 1e6, how
+
+
 def copy_bandwidth_gbs() -> float:
-    """Achieved GB/s of a 1 GiB device-to-device copy (read + write bytes)."""
-    ms = _copy_ms(1 << 30)
-    torch.cuda.empty_cache()
-    return 2 * (1 << 30) / ms / 1e6
+    return copy_bandwidth()[0]
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_tflops(n: int = 8192) -> float:
+    """bf16 tensor-core rate: an n x n x n torch.mm on random data (cuBLAS), in steady state."""
+    a, b = (torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    c = torch.empty_like(a)
+    return 2 * n**3 / steady_ms([functools.partial(torch.mm, a, b, out=c)]) / 1e9
+
+
+def timed_row(kernel: str, case: str, impl: str, calls: list, nbytes: float | None = None,
+              flops: float | None = None, graph: bool = True, **extra) -> dict:
+    """row() of calls timed in steady state (calls: one per input set, e.g. from input_sets; graph as in
+    steady_ms), with do_bench's time of the first beside it."""
+    do_bench_ms = round(time_ms(calls[0]), 4)
+    timing = {} if graph else {"timing": "eager"}
+    return row(kernel, case, impl, steady_ms(calls, graph=graph), nbytes, flops, ms_do_bench=do_bench_ms,
+               **timing, **extra)
+
+
+def baseline_rows(rows: list[dict], kernel: str, case: str, impls: dict, sets: list,
+                  nbytes: float | None = None, syncing: tuple = ()) -> None:
+    """A timed_row per baseline, impl name -> fn(*input set), each called on every input set. Impls named in
+    `syncing` synchronize with the host (e.g. boolean-mask indexing) and are timed eagerly: a failed capture
+    would leave the CUDA RNG unusable for the rest of the process."""
+    for impl, fn in impls.items():
+        calls = [functools.partial(fn, *args) for args in sets]
+
+        def make(impl=impl, calls=calls):
+            return timed_row(kernel, case, impl, calls, nbytes, graph=impl not in syncing)
+
+        try_row(rows, kernel, case, impl, make)
 
 
 def row(kernel: str, case: str, impl: str, ms: float, nbytes: float | None = None, flops: float | None = None,
@@ -116,6 +226,7 @@ def row(kernel: str, case: str, impl: str, ms: float, nbytes: float | None = Non
         r["frac_copy_bw"] = round(gbs / copy_bandwidth_gbs(), 3)
     if flops is not None:
         r["TFLOP/s"] = round(flops / ms / 1e9, 1)
+        r["frac_matmul"] = round(flops / ms / 1e9 / matmul_tflops(), 3)
     r.update(extra)
     return r
 
@@ -162,9 +273,10 @@ def sdpa_backends() -> dict:
             "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def sdpa_rows(rows: list[dict], kernel: str, case: str, q, k, v, *, causal: bool, scale: float,
+def sdpa_rows(rows: list[dict], kernel: str, case: str, qkv_sets: list, *, causal: bool, scale: float,
               nbytes: float | None = None, flops: float | None = None, check=None) -> None:
-    """Time torch SDPA, backend by backend, on contiguous q [B, Hq, S, D], k/v [B, Hkv, S, D].
+    """Time torch SDPA, backend by backend, on contiguous q [B, Hq, S, D], k/v [B, Hkv, S, D] (qkv_sets: one
+    (q, k, v) per input set, as steady_ms cycles over them).
 
     GQA goes through enable_gqa; a backend that rejects it gets K/V expanded to Hq heads instead
     (impl '<backend>_expanded', which reads Hq/Hkv times more K/V). check(out) -> a number to record.
@@ -172,21 +284,24 @@ def sdpa_rows(rows: list[dict], kernel: str, case: str, q, k, v, *, causal: bool
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    group = q.shape[1] // k.shape[1]
+    def call(backend, q, k, v, gqa: bool):
+        def run():
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+        return run
+
     for name, backend in sdpa_backends().items():
         def make(name=name, backend=backend):
-            with sdpa_kernel([backend]):
-                try:
-                    fn = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal,
-                                           scale=scale, enable_gqa=True)
-                    out, impl = fn(), name
-                except RuntimeError:
-                    ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-                    fn = functools.partial(F.scaled_dot_product_attention, q, ke, ve, is_causal=causal,
-                                           scale=scale)
-                    out, impl = fn(), f"{name}_expanded"
-                extra = {} if check is None else {"rel_err_ours_vs_this": round(check(out), 5)}
-                return row(kernel, case, impl, time_ms(fn), nbytes, flops, **extra)
+            try:
+                calls, impl = [call(backend, q, k, v, True) for q, k, v in qkv_sets], name
+                out = calls[0]()
+            except RuntimeError:
+                group = qkv_sets[0][0].shape[1] // qkv_sets[0][1].shape[1]
+                calls = [call(backend, q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), False)
+                         for q, k, v in qkv_sets]
+                out, impl = calls[0](), f"{name}_expanded"
+            extra = {} if check is None else {"rel_err_ours_vs_this": round(check(out), 5)}
+            return timed_row(kernel, case, impl, calls, nbytes, flops, **extra)
 
         try_row(rows, kernel, case, name, make)
 

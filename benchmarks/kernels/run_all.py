@@ -4,7 +4,8 @@
 
 Each benchmark module is imported and run on its own: a failure is printed, recorded as an error row,
 and the rest still run. Rows: kernel, case, impl ('triton' = ours, the others torch baselines), ms
-(do_bench median), GB/s and its fraction of the measured copy bandwidth, TFLOP/s for prefill, and
+(steady state, kbench.steady_ms; ms_do_bench beside it), GB/s and its fraction of the measured copy
+bandwidth, TFLOP/s and its fraction of the measured bf16 matmul rate for prefill, and
 speedup_vs_torch_best on our rows. Every row also carries the GPU, versions and commit.
 """
 
@@ -57,9 +58,11 @@ def main() -> int:
     import kbench
 
     env = _environment()
-    copy_bw = kbench.copy_bandwidth_gbs()
+    copy_bw, copy_how = kbench.copy_bandwidth()
+    matmul = kbench.matmul_tflops()
     print(f"{env['gpu']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']} | "
-          f"copy bandwidth {copy_bw:.0f} GB/s (read + write)", flush=True)
+          f"copy bandwidth {copy_bw:.0f} GB/s (read + write; {copy_how}) | bf16 matmul {matmul:.0f} TFLOP/s",
+          flush=True)
 
     wanted = [m for m in MODULES if not args.only or any(m.endswith(o) for o in args.only.split(","))]
     rows, failed, notes, start = [], [], [], time.time()
@@ -84,8 +87,10 @@ def main() -> int:
     for key, value in env.items():
         table[key] = value
     table["copy_bw_GB/s"] = round(copy_bw, 1)
-    columns = ["kernel", "case", "impl", "ms", "GB/s", "frac_copy_bw", "TFLOP/s", "speedup_vs_torch_best",
-               "num_splits", "rel_err_vs_fp32", "rel_err_ours_vs_this"]
+    table["matmul_TFLOP/s"] = round(matmul, 1)
+    columns = ["kernel", "case", "impl", "ms", "ms_do_bench", "GB/s", "frac_copy_bw", "TFLOP/s",
+               "frac_matmul", "speedup_vs_torch_best", "num_splits", "timing", "rel_err_vs_fp32",
+               "rel_err_ours_vs_this"]
     shown = [c for c in columns if c in table.columns]
     with pd.option_context("display.max_rows", None, "display.width", 200):
         print(table[table.get("error", pd.Series(index=table.index, dtype=object)).isna()][shown]
