@@ -5,7 +5,8 @@ enough freshly allocated input sets that one cycle touches at least 4 x the L2 s
 time over the calls in it is one call's time. That is the steady state a kernel runs in inside the
 engine: its inputs come from DRAM, it pays for writing back the dirty lines of the work before it, and
 its own dirty lines are written back while later work runs. No host launch cost is counted. The copy
-bandwidth (the ceiling, counting read + write bytes) is a 1 GiB device-to-device copy timed the same way.
+bandwidth (the ceiling, counting read + write bytes) is the fastest 1 GiB device-to-device copy in steady
+state (copy_bandwidth: torch's copy_ launched eagerly, or a Triton copy kernel in a graph).
 
 Rows also carry ms_do_bench: triton.testing.do_bench (median, one input set, eager launches, L2 flushed
 by zero-filling 256 MB before each call). Its flush leaves up to an L2's worth of dirty lines that the
@@ -96,7 +97,9 @@ def cuda_ok() -> bool:
 
 
 def num_sms() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
+    from fastllm.kernels.sm_count import num_sms as device_sms
+
+    return device_sms(torch.device(DEVICE))
 
 
 def time_ms(fn, warmup: int = 10, rep: int = 50) -> float:
