@@ -1,7 +1,8 @@
 """Prefill attention at Llama-3-8B shapes (32 q heads, 8 kv heads, dim 128, bf16, block size 16).
 
 Ours: causal attention of whole prompts, q / k / v laid out as the model has them (slices of one qkv
-output, k and v also written to the paged cache). Baseline: torch SDPA, causal, on the same problem laid
+output, k and v also written to the paged cache). 'triton' is the default path (on an H100 the Gluon kernel
+of prefill_attention_hopper.py); 'triton_kernel' forces the Triton kernel, for comparison. Baseline: torch SDPA, causal, on the same problem laid
 out contiguously [B, H, S, D] (flash / cuDNN / efficient; each backend that accepts it). Metric: TFLOP/s
 of the causal problem, 4 * B * Hq * D * S (S + 1) / 2.
 
@@ -20,7 +21,14 @@ PAGE = 16
 
 
 def measure(case: str):
-    from fastllm.kernels.prefill_attention import choose_config, flops, prefill_attention, use_chunk_tma
+    from fastllm.kernels.prefill_attention import (
+        _use_hopper_kernel,
+        choose_config,
+        flops,
+        prefill_attention,
+        prefill_attention_config,
+        use_chunk_tma,
+    )
 
     batch, seq = CASES[case]
     scale = HEAD_DIM**-0.5
@@ -33,9 +41,19 @@ def measure(case: str):
     sets = input_sets(lambda: prefill_problem(batch, seq, 0, PAGE), footprint)
     ours = [functools.partial(prefill_attention, *args, seq, scale) for args in sets]
     query, key, value = sets[0][:3]
-    config = choose_config(HEAD_DIM, HQ // HKV, query.dtype)
+    config = "BM{}-BN{}-w{}-s{}".format(*choose_config(HEAD_DIM, HQ // HKV, query.dtype))
+    if _use_hopper_kernel(*sets[0][:5]):
+        from fastllm.kernels import prefill_attention_hopper as hopper
+
+        default = f"gluon BM{hopper.BLOCK_M}-BN{hopper.BLOCK_N}-w{hopper.NUM_WARPS}-s{hopper.STAGES}"
+    else:
+        default = config
     rows = [timed_row(KERNEL, case, "triton", ours, flops=n_flops, chunk_tma=use_chunk_tma(key, value),
-                      config="BM{}-BN{}-w{}-s{}".format(*config))]
+                      config=default)]
+    if default != config:
+        triton_kernel = [functools.partial(prefill_attention_config, *args, seq, scale, hopper=False) for args in sets]
+        rows.append(timed_row(KERNEL, case, "triton_kernel", triton_kernel, flops=n_flops,
+                              chunk_tma=use_chunk_tma(key, value), config=config))
 
     def heads_first(x, heads):  # [B * S, H, D] -> contiguous [B, H, S, D]
         return x.reshape(batch, seq, heads, HEAD_DIM).transpose(1, 2).contiguous()

@@ -235,13 +235,14 @@ def row(kernel: str, case: str, impl: str, ms: float, nbytes: float | None = Non
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
-    """speedup = best baseline time / ours, per (kernel, case); 'ours' is the impl named 'triton'."""
+    """speedup = best baseline time / ours, per (kernel, case); 'ours' is the impl named 'triton', and other
+    impls named triton_* (our alternative kernels) are not baselines."""
     by_case: dict[tuple, list[dict]] = {}
     for r in rows:
         by_case.setdefault((r["kernel"], r["case"]), []).append(r)
     for group in by_case.values():
         ours = [r for r in group if r["impl"] == "triton" and r.get("ms") is not None]
-        base = [r["ms"] for r in group if r["impl"] != "triton" and r.get("ms") is not None]
+        base = [r["ms"] for r in group if not r["impl"].startswith("triton") and r.get("ms") is not None]
         if ours and base:
             ours[0]["speedup_vs_torch_best"] = round(min(base) / ours[0]["ms"], 2)
     return rows

@@ -21,7 +21,9 @@ running an online softmax (base 2, fp32 state):
   3. the diagonal chunk tiles: causal mask, and V rows past the request's q_len zeroed, so a neighbour's
      or padding rows (even NaN) cannot leak in through p = 0 * v.
 The chunk loops load through TMA (CHUNK_TMA) on sm_90+ for steps of TMA_MIN_TOKENS or more tokens (below
-that the descriptors' host cost outweighs them), else through masked pointer loads.
+that the descriptors' host cost outweighs them), else through masked pointer loads. On an sm_90 GPU such
+steps (16-bit, head_dim 64 or 128) go to prefill_attention_hopper.py instead: the same tiles in Gluon, with
+the TMA ring and the FlashAttention-3 overlap written out.
 Grid: (cdiv(max_query_len, BLOCK_Q), B, Hkv). Tiles are launched last-first, so the longest (most causal
 work) start first; tiles past a request's q_len return at once. The inner step is the FA-2 recipe: exp2
 with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's acc operand).
@@ -49,6 +51,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from fastllm.kernels import prefill_attention_hopper
 
 try:  # triton >= 3.4: host-side TMA descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -334,11 +338,31 @@ def prefill_attention(
                                     query_start_loc, max_query_len, scale)
 
 
+def _hopper_unsupported(query, key, value, key_cache, value_cache) -> str | None:
+    why = prefill_attention_hopper.unsupported(query, key, value, key_cache, value_cache)
+    if why is None and not (_tma_layout_ok(key, key.shape[2]) and _tma_layout_ok(value, value.shape[2])):
+        why = f"K/V rows not TMA-compatible (strides {key.stride()})"
+    return why
+
+
+def _use_hopper_kernel(query, key, value, key_cache, value_cache) -> bool:
+    """Whether the step goes to the Gluon kernel of prefill_attention_hopper.py; says once why not on a
+    CUDA device."""
+    if not query.is_cuda or not _tma_pays(query.shape[0]):
+        return False
+    why = _hopper_unsupported(query, key, value, key_cache, value_cache)
+    if why and why not in _logged:
+        _logged.add(why)
+        logger.info("prefill_attention: the Triton kernel, not the Hopper (Gluon) one: %s", why)
+    return why is None
+
+
 def prefill_attention_config(query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                              max_query_len: int, scale: float, config: PrefillConfig | None = None,
-                             chunk_tma: bool | None = None) -> torch.Tensor:
-    """prefill_attention with an explicit tile config and TMA choice (None: the defaults); for tests and
-    tune.py. chunk_tma=True also runs the TMA path under TRITON_INTERPRET=1."""
+                             chunk_tma: bool | None = None, hopper: bool | None = None) -> torch.Tensor:
+    """prefill_attention with an explicit kernel, tile config and TMA choice (None: the defaults); for tests
+    and tune.py. hopper=True forces the Gluon kernel (sm_90 only), False the Triton one; a config or a
+    chunk_tma choice means the Triton kernel. chunk_tma=True also runs the TMA path under TRITON_INTERPRET=1."""
     num_tokens, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     batch = seq_lens.shape[0]
@@ -357,6 +381,13 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
     assert query_start_loc.shape == (batch + 1,) and query_start_loc.dtype == torch.int32
     assert query_start_loc.is_contiguous()
     group = num_q_heads // num_kv_heads
+    if hopper is None:
+        hopper = config is None and chunk_tma is None and _use_hopper_kernel(query, key, value, key_cache, value_cache)
+    if hopper:
+        why = _hopper_unsupported(query, key, value, key_cache, value_cache)
+        assert why is None, f"the Hopper prefill kernel cannot take this call: {why}"
+        return prefill_attention_hopper.prefill_attention_hopper(
+            query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
         return out

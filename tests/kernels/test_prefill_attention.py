@@ -19,7 +19,7 @@ DTYPES = [torch.float32, torch.float16, BF16]
 
 
 def _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page, num_blocks=None, pad_tokens=0,
-         strided=False, config=None, chunk_tma=None):
+         strided=False, config=None, chunk_tma=None, hopper=None):
     """pad_tokens NaN query / key / value rows after the last request's rows (they belong to no request);
     strided: q, k and v are slices of one qkv-like buffer row, as in the model."""
     assert all(0 <= q <= s for q, s in zip(q_lens, seq_lens))
@@ -34,12 +34,12 @@ def _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page, num_blocks=None
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
     args = (query, key, value, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, max(q_lens),
             d**-0.5)
-    if config is None and chunk_tma is None:
+    if config is None and chunk_tma is None and hopper is None:
         out = triton_impl("prefill_attention")(*args)
     else:
         from fastllm.kernels.prefill_attention import prefill_attention_config
 
-        out = prefill_attention_config(*args, config=config, chunk_tma=chunk_tma)
+        out = prefill_attention_config(*args, config=config, chunk_tma=chunk_tma, hopper=hopper)
     assert out.dtype == dtype and out.shape == query.shape
     ref = attention_oracle(query[:total], kv, qsl)
     assert_close(out[:total], ref, *TOL[dtype], what=f"prefill q={q_lens} s={seq_lens}")
@@ -229,6 +229,53 @@ def test_prefill_gpu_configs(device, gen, config, dtype, hq, hkv, page, chunk_tm
 def test_prefill_gpu_configs_head_dim_256(device, gen, config, chunk_tma):
     _run(device, gen, torch.bfloat16, [700, 1, 64], [900, 50, 64], 16, 8, 256, 16, num_blocks=4096,
          config=config, chunk_tma=chunk_tma)
+
+
+def _hopper(device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
+# The Gluon kernel (sm_90 only) on the same matrix. The default path gives it steps of TMA_MIN_TOKENS or more;
+# here it takes every case, down to single decode rows and empty requests.
+hopper_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
+                                 reason="the Gluon prefill kernel needs an sm_90 GPU")
+
+
+@gpu
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("q_lens,seq_lens", GPU_CASES, ids=lambda v: f"B{len(v)}max{max(v)}")
+@pytest.mark.parametrize("hq,hkv,d,page",
+                         [(32, 8, 128, 16), (32, 32, 128, 32), (16, 8, 64, 16), (28, 4, 128, 128), (12, 2, 64, 64)])
+def test_prefill_gpu_hopper(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page):
+    num_blocks = 32768 if hkv * page <= 256 else 16384
+    _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page, num_blocks=num_blocks, hopper=True)
+
+
+@gpu
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,page", [(32, 8, 16), (28, 4, 128), (32, 32, 32), (56, 1, 16)])
+def test_prefill_gpu_hopper_nan_padding_and_strided_qkv(device, gen, dtype, hq, hkv, page):
+    # NaN padding rows, NaN in unused cache blocks (PagedKV), q/k/v inside one qkv row; GQA 56
+    q_lens, seq_lens = [512, 1, 1, 1000, 4, 0, 300, 77], [4096, 3000, 17, 2024, 4, 9, 300, 1077]
+    _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, 128, page, num_blocks=4096, pad_tokens=7, strided=True,
+         hopper=True)
+
+
+@gpu
+def test_prefill_gpu_default_kernel(device):
+    from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS, _use_hopper_kernel
+
+    qkv = torch.zeros(TMA_MIN_TOKENS, 48, 128, device=device, dtype=torch.bfloat16)
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:48]
+    cache = torch.zeros(8, 16, 8, 128, device=device, dtype=torch.bfloat16)
+    assert _use_hopper_kernel(q, k, v, cache, cache) == _hopper(device)
+    assert not _use_hopper_kernel(q[:-1], k[:-1], v[:-1], cache, cache)  # a small step: descriptors cost more
+    assert not _use_hopper_kernel(q.float(), k.float(), v.float(), cache.float(), cache.float())  # fp32
+    d96 = torch.zeros(TMA_MIN_TOKENS, 12, 96, device=device, dtype=torch.bfloat16)
+    cache96 = torch.zeros(8, 16, 2, 96, device=device, dtype=torch.bfloat16)
+    assert not _use_hopper_kernel(d96[:, :8], d96[:, 8:10], d96[:, 10:], cache96, cache96)  # head_dim 96
 
 
 @gpu
