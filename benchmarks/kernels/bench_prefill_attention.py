@@ -1,9 +1,10 @@
 """Prefill attention at Llama-3-8B shapes (32 q heads, 8 kv heads, dim 128, bf16, block size 16).
 
 Ours: causal attention of whole prompts, q / k / v laid out as the model has them (slices of one qkv
-output, k and v also written to the paged cache). 'triton' is the default path (on an H100 the Gluon kernel
-of prefill_attention_hopper.py); 'triton_kernel' forces the Triton kernel, for comparison. Baseline: torch SDPA, causal, on the same problem laid
-out contiguously [B, H, S, D] (flash / cuDNN / efficient; each backend that accepts it). Metric: TFLOP/s
+output, k and v also written to the paged cache). 'triton' is the default path (on an H100 the Gluon
+kernel of prefill_attention_hopper.py); 'triton_kernel' forces the Triton kernel, for comparison.
+Baseline: torch SDPA, causal, on the same problem laid out contiguously [B, H, S, D] (flash / cuDNN /
+efficient; each backend that accepts it). Metric: TFLOP/s
 of the causal problem, 4 * B * Hq * D * S (S + 1) / 2.
 
     pytest benchmarks/kernels/bench_prefill_attention.py      (or run_all.py)

@@ -354,6 +354,9 @@ def _use_hopper_kernel(query, key, value, key_cache, value_cache) -> bool:
     if why and why not in _logged:
         _logged.add(why)
         logger.info("prefill_attention: the Triton kernel, not the Hopper (Gluon) one: %s", why)
+    elif why is None and "hopper" not in _logged:
+        _logged.add("hopper")
+        logger.info("prefill_attention: steps of %d+ tokens run the Hopper (Gluon) kernel", TMA_MIN_TOKENS)
     return why is None
 
 
