@@ -386,9 +386,10 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
     group = num_q_heads // num_kv_heads
     if hopper is None:
         hopper = config is None and chunk_tma is None and _use_hopper_kernel(query, key, value, key_cache, value_cache)
-    if hopper:
+    elif hopper:  # forced: the default path has just checked the same
         why = _hopper_unsupported(query, key, value, key_cache, value_cache)
         assert why is None, f"the Hopper prefill kernel cannot take this call: {why}"
+    if hopper:
         return prefill_attention_hopper.prefill_attention_hopper(
             query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)

@@ -50,16 +50,12 @@ try:
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # pragma: no cover (triton without Gluon: the Triton kernel serves every call)
+except ImportError:  # pragma: no cover (triton without Gluon: `unsupported` sends every call to Triton)
     gluon = None
 
 BLOCK_M, BLOCK_N, STAGES, NUM_WARPS = 64, 64, 2, 4
 HEAD_DIMS = (64, 128)  # tuned and tested; a 256-wide fp32 accumulator would not fit beside S and Q
 _LOG2E = 1.4426950408889634
-
-
-def _missing(*_args, **_kwargs):  # pragma: no cover
-    raise RuntimeError("Gluon is not available in this triton")
 
 
 if gluon is not None:
@@ -68,12 +64,13 @@ if gluon is not None:
     _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
-    def _tile_keys(t, n_pre, context, seq_len, BLOCK_N: gl.constexpr):
-        """Key tile t as (position of its first key, end of the keys it may use); prefix tiles come first."""
+    def _tile_keys(t, n_pre, context, seq_len, diagonal, BLOCK_N: gl.constexpr):
+        """Key tile t as (position of its first key, end of the keys it may use, whether it needs a mask:
+        it runs past that end or past `diagonal`, the tile's first query position); prefix tiles first."""
         is_prefix = t < n_pre
         base = gl.where(is_prefix, t * BLOCK_N, context + (t - n_pre) * BLOCK_N)
         kend = gl.where(is_prefix, context, seq_len)
-        return base, kend
+        return base, kend, (base + BLOCK_N > kend) | (base + BLOCK_N - 1 > diagonal)
 
     @gluon.jit
     def _load_tile(t, n_pre, context, q_start, col, chunk_desc, cache_desc, bt_row, bar, dst,
@@ -192,9 +189,8 @@ if gluon is not None:
         if STAGES < n_tiles:
             _load_tile(STAGES, n_pre, context, q_start, col, k_desc, kc_desc, bt_row, k_bar.index(0),
                        k_smem.index(0), BLOCK_N, PAGE, BOX, NBYTES)
-        base, kend = _tile_keys(0, n_pre, context, seq_len, BLOCK_N)
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, base, kend, qpos, scale_log2,
-                                      (base + BLOCK_N > kend) | (base + BLOCK_N - 1 > diagonal), BLOCK_N, s_layout)
+        base, kend, masked = _tile_keys(0, n_pre, context, seq_len, diagonal, BLOCK_N)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, base, kend, qpos, scale_log2, masked, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
         # step t: S(t) and P(t-1) V(t-1) in flight; the softmax of t overlaps P(t-1) V(t-1)
@@ -208,10 +204,8 @@ if gluon is not None:
                 _zero_v_past(v_smem.index(sp), base, kend, BLOCK_N, io_layout)
             o_tok = warpgroup_mma(p_op, v_smem.index(sp), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-            base, kend = _tile_keys(t, n_pre, context, seq_len, BLOCK_N)
-            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, base, kend, qpos, scale_log2,
-                                          (base + BLOCK_N > kend) | (base + BLOCK_N - 1 > diagonal), BLOCK_N,
-                                          s_layout)
+            base, kend, masked = _tile_keys(t, n_pre, context, seq_len, diagonal, BLOCK_N)
+            p, m_i, l_i, alpha = _softmax(s, m_i, l_i, base, kend, qpos, scale_log2, masked, BLOCK_N, s_layout)
             if t + STAGES < n_tiles:  # K stage st is free (S(t) is done); also ends the basic block, see above
                 _load_tile(t + STAGES, n_pre, context, q_start, col, k_desc, kc_desc, bt_row, k_bar.index(st),
                            k_smem.index(st), BLOCK_N, PAGE, BOX, NBYTES)
@@ -235,8 +229,6 @@ if gluon is not None:
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         out = gl.convert_layout((acc / gl.where(l_o > 0.0, l_o, 1.0)[:, None]).to(dtype), io_layout)
         gl.store(out_ptr + (row_t * stride_ot + heads * stride_oh)[:, None] + d[None, :], out, mask=row_ok[:, None])
-else:  # pragma: no cover
-    _prefill_kernel = _missing
 
 
 @functools.cache
@@ -263,10 +255,9 @@ def unsupported(query, key, value, key_cache, value_cache) -> str | None:
     group = query.shape[1] // key.shape[1]
     if group > BLOCK_M:
         return f"{group} query heads per KV head"
+    width = key.shape[1] * head_dim
     for cache in (key_cache, value_cache):  # [num_blocks * block_size, Hkv * D] row views
-        _, page, num_kv_heads, _ = cache.shape
-        if cache.stride() != (page * num_kv_heads * head_dim, num_kv_heads * head_dim, head_dim, 1) \
-                or cache.data_ptr() % 16:
+        if cache.stride() != (page * width, width, head_dim, 1) or cache.data_ptr() % 16:
             return f"KV cache not contiguous (strides {cache.stride()})"
     return None
 
