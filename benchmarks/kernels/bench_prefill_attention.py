@@ -46,7 +46,7 @@ def measure(case: str):
     if _use_hopper_kernel(*sets[0][:5]):
         from fastllm.kernels import prefill_attention_hopper as hopper
 
-        default = f"gluon BM{hopper.BLOCK_M}-BN{hopper.BLOCK_N}-w{hopper.NUM_WARPS}-s{hopper.STAGES}"
+        default = f"gluon-ws BM2x{hopper.BLOCK_M}-BN{hopper.key_tile(seq)}-s{hopper.STAGES}"
     else:
         default = config
     rows = [timed_row(KERNEL, case, "triton", ours, flops=n_flops, chunk_tma=use_chunk_tma(key, value),

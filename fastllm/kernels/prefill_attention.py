@@ -22,8 +22,8 @@ running an online softmax (base 2, fp32 state):
      or padding rows (even NaN) cannot leak in through p = 0 * v.
 The chunk loops load through TMA (CHUNK_TMA) on sm_90+ for steps of TMA_MIN_TOKENS or more tokens (below
 that the descriptors' host cost outweighs them), else through masked pointer loads. On an sm_90 GPU such
-steps (16-bit, head_dim 64 or 128) go to prefill_attention_hopper.py instead: the same tiles in Gluon, with
-the TMA ring and the FlashAttention-3 overlap written out.
+steps (16-bit, head_dim 64 or 128) go to prefill_attention_hopper.py instead: the same row packing in a
+warp-specialized Gluon kernel (FlashAttention-3's producer warp and two consumer warpgroups).
 Grid: (cdiv(max_query_len, BLOCK_Q), B, Hkv). Tiles are launched last-first, so the longest (most causal
 work) start first; tiles past a request's q_len return at once. The inner step is the FA-2 recipe: exp2
 with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's acc operand).

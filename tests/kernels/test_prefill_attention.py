@@ -236,9 +236,18 @@ def _hopper(device) -> bool:
 
 
 # The Gluon kernel (sm_90 only) on the same matrix. The default path gives it steps of TMA_MIN_TOKENS or more;
-# here it takes every case, down to single decode rows and empty requests.
+# here it takes every case, down to single decode rows and empty requests, with both key-tile widths.
 hopper_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
                                  reason="the Gluon prefill kernel needs an sm_90 GPU")
+
+
+@pytest.fixture(params=[64, 128], ids=lambda n: f"BN{n}")
+def hopper_key_tile(request, monkeypatch):
+    """Make the Gluon kernel pick this key-tile width whatever the step's query length."""
+    from fastllm.kernels import prefill_attention_hopper
+
+    monkeypatch.setattr(prefill_attention_hopper, "LONG_QUERY", 0 if request.param == 128 else 1 << 30)
+    return request.param
 
 
 @gpu
@@ -247,7 +256,7 @@ hopper_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get
 @pytest.mark.parametrize("q_lens,seq_lens", GPU_CASES, ids=lambda v: f"B{len(v)}max{max(v)}")
 @pytest.mark.parametrize("hq,hkv,d,page",
                          [(32, 8, 128, 16), (32, 32, 128, 32), (16, 8, 64, 16), (28, 4, 128, 128), (12, 2, 64, 64)])
-def test_prefill_gpu_hopper(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page):
+def test_prefill_gpu_hopper(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page, hopper_key_tile):
     num_blocks = 32768 if hkv * page <= 256 else 16384
     _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, page, num_blocks=num_blocks, hopper=True)
 
@@ -256,7 +265,7 @@ def test_prefill_gpu_hopper(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, pa
 @hopper_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,page", [(32, 8, 16), (28, 4, 128), (32, 32, 32), (56, 1, 16)])
-def test_prefill_gpu_hopper_nan_padding_and_strided_qkv(device, gen, dtype, hq, hkv, page):
+def test_prefill_gpu_hopper_nan_padding_and_strided_qkv(device, gen, dtype, hq, hkv, page, hopper_key_tile):
     # NaN padding rows, NaN in unused cache blocks (PagedKV), q/k/v inside one qkv row; GQA 56
     q_lens, seq_lens = [512, 1, 1, 1000, 4, 0, 300, 77], [4096, 3000, 17, 2024, 4, 9, 300, 1077]
     _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, 128, page, num_blocks=4096, pad_tokens=7, strided=True,
