@@ -76,7 +76,7 @@ if gluon is not None:
     @gluon.jit
     def _tile_keys(t, n_pre, context, seq_len, diagonal, BLOCK_N: gl.constexpr):
         """Key tile t as (position of its first key, end of the keys it may use, whether it needs a mask:
-        it runs past that end or past `diagonal`, the first query position of the rows); prefix tiles first."""
+        it runs past that end or past `diagonal`, the rows' first query position); prefix tiles first."""
         is_prefix = t < n_pre
         base = gl.where(is_prefix, t * BLOCK_N, context + (t - n_pre) * BLOCK_N)
         kend = gl.where(is_prefix, context, seq_len)
@@ -120,7 +120,8 @@ if gluon is not None:
     def _zero_v_past(WG: gl.constexpr, v_stage, zeroed, base, kend, context, BLOCK_N: gl.constexpr,
                      layout: gl.constexpr):
         """Zero the V rows at or past kend of a loaded tile, once for both consumers: consumer 0 writes
-        (64 rows at a time), consumer 1 waits for it. One barrier for the prefix's tile, one for the chunk's."""
+        (64 rows at a time), consumer 1 waits for it. One barrier for the prefix's tile, one for the
+        chunk's."""
         done = zeroed.index((base >= context).to(gl.int32))
         if WG == 0:
             for i in gl.static_range(BLOCK_N // 64):
@@ -276,14 +277,14 @@ if gluon is not None:
         bt_row = block_tables_ptr + b.to(gl.int64) * stride_bt
         Q_IN_REGS: gl.constexpr = BLOCK_N == 64
         gl.warp_specialize([
-            (_consumer, (0, q_ptr, out_ptr, q_smem.index(0), k_smem, v_smem, bars, scale_log2, stride_qt, stride_qh,
-                         stride_ot, stride_oh, q_start, q_len, tok0, context, seq_len, n_pre, n_tiles, kv_head,
-                         GROUP, BLOCK_M, BLOCK_N, STAGES, Q_IN_REGS)),
-            (_consumer, (1, q_ptr, out_ptr, q_smem.index(1), k_smem, v_smem, bars, scale_log2, stride_qt, stride_qh,
-                         stride_ot, stride_oh, q_start, q_len, tok0, context, seq_len, n_pre, n_tiles, kv_head,
-                         GROUP, BLOCK_M, BLOCK_N, STAGES, Q_IN_REGS)),
-            (_producer, ((k_desc, v_desc, kc_desc, vc_desc), k_smem, v_smem, bars, bt_row, n_pre, n_tiles, context,
-                         q_start, kv_head * HEAD_DIM, BLOCK_N, PAGE, HEAD_DIM, STAGES)),
+            (_consumer, (0, q_ptr, out_ptr, q_smem.index(0), k_smem, v_smem, bars, scale_log2, stride_qt,
+                         stride_qh, stride_ot, stride_oh, q_start, q_len, tok0, context, seq_len, n_pre, n_tiles,
+                         kv_head, GROUP, BLOCK_M, BLOCK_N, STAGES, Q_IN_REGS)),
+            (_consumer, (1, q_ptr, out_ptr, q_smem.index(1), k_smem, v_smem, bars, scale_log2, stride_qt,
+                         stride_qh, stride_ot, stride_oh, q_start, q_len, tok0, context, seq_len, n_pre, n_tiles,
+                         kv_head, GROUP, BLOCK_M, BLOCK_N, STAGES, Q_IN_REGS)),
+            (_producer, ((k_desc, v_desc, kc_desc, vc_desc), k_smem, v_smem, bars, bt_row, n_pre, n_tiles,
+                         context, q_start, kv_head * HEAD_DIM, BLOCK_N, PAGE, HEAD_DIM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -347,5 +348,6 @@ def prefill_attention_hopper(query, key, value, key_cache, value_cache, block_ta
     _prefill_kernel[grid](
         query, out, k_desc, v_desc, kc_desc, vc_desc, block_tables, seq_lens, query_start_loc, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=STAGES, num_warps=4, maxnreg=MAXNREG)
+        GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_M=BLOCK_M, BLOCK_N=block_n, STAGES=STAGES,
+        num_warps=4, maxnreg=MAXNREG)
     return out

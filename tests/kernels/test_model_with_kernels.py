@@ -14,10 +14,11 @@ from tests.models.test_llama_vs_hf import make_tiny_model
 pytestmark = pytest.mark.gpu
 
 
-def run(model, mode, prompts, max_tokens, dtype, monkeypatch, outputs=False):
+def run(model, mode, prompts, max_tokens, dtype, monkeypatch, outputs=False, max_model_len=256):
     monkeypatch.setattr(dispatch, "_MODE", mode)
     monkeypatch.setattr(dispatch, "_chosen", {})
-    llm = LLM(model, device="cuda", dtype=dtype, enforce_eager=True, num_gpu_blocks=1024, max_model_len=256)
+    llm = LLM(model, device="cuda", dtype=dtype, enforce_eager=True, num_gpu_blocks=1024,
+              max_model_len=max_model_len)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2), use_tqdm=False)
     chosen = {name: fn.__module__ for (name, _), fn in dispatch._chosen.items()}
     if outputs:
@@ -39,13 +40,17 @@ def test_stories_kernels_equal_reference(dtype, monkeypatch):
         assert sum(a == 64 for a in agree) >= 6, agree
 
 
-def test_tiny_llama31_head_dim_128_bf16(tmp_path_factory, monkeypatch):
+def tiny_llama31_head_dim_128(tmp_path_factory):
     import tests.models.test_llama_vs_hf as m
 
     m.TINY["llama3.1-hd128"] = ("LlamaConfig", dict(head_dim=128, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64), rope_theta=500000.0))
-    model = make_tiny_model(tmp_path_factory, "llama3.1-hd128")
+    return make_tiny_model(tmp_path_factory, "llama3.1-hd128")
+
+
+def test_tiny_llama31_head_dim_128_bf16(tmp_path_factory, monkeypatch):
+    model = tiny_llama31_head_dim_128(tmp_path_factory)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (7, 31, 64, 100)]
     ref, _ = run(model, "reference", [{"prompt_token_ids": p} for p in prompts], 32, "bfloat16", monkeypatch,
@@ -76,3 +81,31 @@ def test_tiny_llama31_head_dim_128_bf16(tmp_path_factory, monkeypatch):
 
 
 BF16_MARGIN = 0.1  # nats: bf16 attention/matmul rounding moves these logits by up to a few hundredths
+
+
+def test_tiny_llama31_long_prompts_bf16(tmp_path_factory, monkeypatch):
+    """Three prompts prefilled in one 2,700-token step: long enough that prefill attention takes the Gluon
+    kernel on an H100 (prefill_attention_hopper, 128-key tiles), which the short prompts above never reach."""
+    from fastllm.kernels import prefill_attention_hopper as hopper
+
+    model = tiny_llama31_head_dim_128(tmp_path_factory)
+    g = torch.Generator().manual_seed(1)
+    lengths = (900, 1000, 800)
+    prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()} for n in lengths]
+    ref, _ = run(model, "reference", prompts, 16, "bfloat16", monkeypatch, outputs=True, max_model_len=1100)
+    calls = []
+    gluon_kernel = hopper.prefill_attention_hopper
+    monkeypatch.setattr(hopper, "prefill_attention_hopper", lambda *a: calls.append(a[8]) or gluon_kernel(*a))
+    got, _ = run(model, "auto", prompts, 16, "bfloat16", monkeypatch, outputs=True, max_model_len=1100)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert calls and max(calls) >= hopper.LONG_QUERY, calls  # max_query_len of the Gluon steps
+    for prompt, r, o in zip(prompts, ref, got):
+        want, have = r.outputs[0], o.outputs[0]
+        first = want.token_ids[0]  # the prefill's own token: its logprob, not just its rank
+        assert abs(have.logprobs[0][first].logprob - want.logprobs[0][first].logprob) < BF16_MARGIN
+        n = next((i for i, (a, b) in enumerate(zip(have.token_ids, want.token_ids)) if a != b), None)
+        if n is not None:  # they may part only where the reference's top two nearly tie
+            top = sorted(want.logprobs[n].values(), key=lambda x: -x.logprob)
+            margin = top[0].logprob - top[1].logprob
+            length = len(prompt["prompt_token_ids"])
+            assert margin < BF16_MARGIN, f"prompt of {length}: parted at {n}, margin {margin:.3g}"

@@ -265,7 +265,8 @@ def test_prefill_gpu_hopper(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, pa
 @hopper_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,page", [(32, 8, 16), (28, 4, 128), (32, 32, 32), (56, 1, 16)])
-def test_prefill_gpu_hopper_nan_padding_and_strided_qkv(device, gen, dtype, hq, hkv, page, hopper_key_tile):
+def test_prefill_gpu_hopper_nan_padding_and_strided_qkv(device, gen, dtype, hq, hkv, page,
+                                                        hopper_key_tile):
     # NaN padding rows, NaN in unused cache blocks (PagedKV), q/k/v inside one qkv row; GQA 56
     q_lens, seq_lens = [512, 1, 1, 1000, 4, 0, 300, 77], [4096, 3000, 17, 2024, 4, 9, 300, 1077]
     _run(device, gen, dtype, q_lens, seq_lens, hq, hkv, 128, page, num_blocks=4096, pad_tokens=7, strided=True,
