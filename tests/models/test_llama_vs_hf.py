@@ -48,10 +48,11 @@ def make_tiny_model(tmp_path_factory, name: str) -> str:
     import transformers
 
     class_name, extra = TINY[name]
-    config = getattr(transformers, class_name)(
-        vocab_size=512, hidden_size=256, intermediate_size=384, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, **extra)
+    config = getattr(transformers, class_name)(**{
+        "vocab_size": 512, "hidden_size": 256, "intermediate_size": 384, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "initializer_range": 0.2, "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+        **extra})  # extra may override the defaults
     torch.manual_seed(zlib.crc32(name.encode()) + SEED_OFFSET)
     model = getattr(transformers, config.architectures[0] if config.architectures else
                     class_name.replace("Config", "ForCausalLM"))(config)
