@@ -23,9 +23,9 @@ keys run past their end (into unused cache slots, a neighbour's rows or padding,
 also has those V rows zeroed in shared memory before P V reads them, since p = 0 times NaN is NaN: consumer 0
 zeroes, consumer 1 waits on an mbarrier for it (at most two such tiles per program, one barrier each).
 
-On an H100 (bf16, D 128, GQA 4) this ran 0.95x / 1.02x of cuDNN at 8 x 2048 and 1 x 8192 tokens (457 / 549
-TFLOP/s), where the single-warpgroup Gluon kernel it replaced (two programs an SM, the in-warpgroup overlap
-alone) ran 0.86x / 0.86x. It beat the Triton kernel at every step shape tried, from 1.15x at 16 x 512 to
+On an H100 (bf16, D 128, GQA 4) this ran 0.91-0.95x / 1.02-1.05x of cuDNN at 8 x 2048 and 1 x 8192 tokens
+(455-457 / 549-561 TFLOP/s, two runs), where the single-warpgroup Gluon kernel it replaced (two programs an
+SM, the in-warpgroup overlap alone) ran 0.86x / 0.86x. It beat the Triton kernel at every step shape tried, from 1.15x at 16 x 512 to
 1.75x for 512-token chunks over a 2048-token prefix. Slower, measured: the consumers taking turns at the
 tensor cores (FA3's pingpong), three K/V stages, Q in shared memory with 64-key tiles, and half of the
 exponentials as a polynomial on the FMA pipe.
