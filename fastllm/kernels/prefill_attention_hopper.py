@@ -25,10 +25,10 @@ zeroes, consumer 1 waits on an mbarrier for it (at most two such tiles per progr
 
 On an H100 (bf16, D 128, GQA 4) this ran 0.91-0.95x / 1.02-1.05x of cuDNN at 8 x 2048 and 1 x 8192 tokens
 (455-457 / 549-561 TFLOP/s, two runs), where the single-warpgroup Gluon kernel it replaced (two programs an
-SM, the in-warpgroup overlap alone) ran 0.86x / 0.86x. It beat the Triton kernel at every step shape tried, from 1.15x at 16 x 512 to
-1.75x for 512-token chunks over a 2048-token prefix. Slower, measured: the consumers taking turns at the
-tensor cores (FA3's pingpong), three K/V stages, Q in shared memory with 64-key tiles, and half of the
-exponentials as a polynomial on the FMA pipe.
+SM, the in-warpgroup overlap alone) ran 0.86x / 0.86x. It beat the Triton kernel at every step shape tried,
+from 1.15x at 16 x 512 to 1.75x for 512-token chunks over a 2048-token prefix. Slower, measured: the
+consumers taking turns at the tensor cores (FA3's pingpong), three K/V stages, Q in shared memory with
+64-key tiles, and half of the exponentials as a polynomial on the FMA pipe.
 
 No interpreter runs Gluon, so this kernel is tested on the GPU only; the Triton kernel remains the path for
 every other device, dtype (fp32) and head size, and for steps too small to pay for four TMA descriptors.
@@ -253,7 +253,8 @@ if gluon is not None:
         seq_len = gl.load(seq_lens_ptr + b)
         context = seq_len - q_len
         n_pre = gl.cdiv(context, BLOCK_N)
-        # both consumers walk the same tiles: 2 * BLOCK_Q tokens never straddle a key tile
+        # Both consumers walk all of the program's tiles (they share the ring and the zeroing barriers);
+        # a last tile past consumer 0's rows is fully masked for it, so adds nothing.
         n_tiles = n_pre + gl.cdiv(gl.minimum(tok0 + 2 * BLOCK_Q, q_len), BLOCK_N)
 
         q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], k_desc.layout)
