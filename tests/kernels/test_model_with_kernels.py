@@ -21,6 +21,7 @@ def run(model, mode, prompts, max_tokens, dtype, monkeypatch, outputs=False, max
               max_model_len=max_model_len)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2), use_tqdm=False)
     chosen = {name: fn.__module__ for (name, _), fn in dispatch._chosen.items()}
+    llm.engine.check_kv_pool_whole()
     if outputs:
         return outs, chosen
     return [o.outputs[0].token_ids for o in outs], chosen
