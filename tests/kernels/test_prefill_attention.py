@@ -231,14 +231,11 @@ def test_prefill_gpu_configs_head_dim_256(device, gen, config, chunk_tma):
          config=config, chunk_tma=chunk_tma)
 
 
-def _hopper(device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] == 9
-
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 # The Gluon kernel (sm_90 only) on the same matrix. The default path gives it steps of TMA_MIN_TOKENS or more;
 # here it takes every case, down to single decode rows and empty requests, with both key-tile widths.
-hopper_only = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
-                                 reason="the Gluon prefill kernel needs an sm_90 GPU")
+hopper_only = pytest.mark.skipif(not HOPPER, reason="the Gluon prefill kernel needs an sm_90 GPU")
 
 
 @pytest.fixture(params=[64, 128], ids=lambda n: f"BN{n}")
@@ -280,7 +277,7 @@ def test_prefill_gpu_default_kernel(device):
     qkv = torch.zeros(TMA_MIN_TOKENS, 48, 128, device=device, dtype=torch.bfloat16)
     q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:48]
     cache = torch.zeros(8, 16, 8, 128, device=device, dtype=torch.bfloat16)
-    assert _use_hopper_kernel(q, k, v, cache, cache) == _hopper(device)
+    assert _use_hopper_kernel(q, k, v, cache, cache) == HOPPER
     assert not _use_hopper_kernel(q[:-1], k[:-1], v[:-1], cache, cache)  # a small step: descriptors cost more
     assert not _use_hopper_kernel(q.float(), k.float(), v.float(), cache.float(), cache.float())  # fp32
     d96 = torch.zeros(TMA_MIN_TOKENS, 12, 96, device=device, dtype=torch.bfloat16)
