@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass, field
 
 from fastllm.config import CacheConfig, SchedulerConfig
 from fastllm.core.block_hash import HashFn, hash_block_tokens
@@ -29,6 +30,24 @@ from fastllm.engine.request import Request, RequestStatus
 from fastllm.spec_decode.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepPlan:
+    """What one schedule() call has decided so far."""
+
+    budget: int  # tokens left under max_num_batched_tokens
+    scheduled: dict[str, int] = field(default_factory=dict)  # req id -> tokens to compute
+    # Blocks the runner already has, for running requests (-1: send the whole table).
+    known_blocks: dict[str, int] = field(default_factory=dict)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: bool = False  # nothing new is admitted in a step that had to preempt
+
+    def add(self, request: Request, num_new: int) -> None:
+        self.scheduled[request.request_id] = num_new
+        self.budget -= num_new
 
 
 class Scheduler:
@@ -98,107 +117,99 @@ class Scheduler:
     # one step
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, int] = {}
-        new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
-        swap_out: list[tuple[int, int]] = []
-        swap_in: list[tuple[int, int]] = []
-        known_blocks: dict[str, int] = {}  # blocks the runner already has, for requests scheduled in 1.
-        spec_tokens: dict[str, list[int]] = {}
-        preempted = False
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_swapped(plan)
+            if not self.swapped:
+                self._schedule_waiting(plan)
+        return self._build_output(plan)
 
-        # 1. Running requests: their next chunk or token.
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Running requests first: their next chunk or token. Preempts the newest when blocks run out."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
             if self._ends_with_pending_token(request):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
             num_known = request.num_tokens_with_pending - request.num_computed_tokens
-            num_new = min(num_known + len(request.spec_token_ids), budget)
-            known_blocks[request.request_id] = len(self.kv.req_blocks.get(request.request_id, ()))
+            num_new = min(num_known + len(request.spec_token_ids), plan.budget)
+            plan.known_blocks[request.request_id] = len(self.kv.req_blocks.get(request.request_id, ()))
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self._lookahead(request, num_new)):
                 victim = self.running.pop()
-                swap_out += self._preempt(victim)
-                preempted = True
+                plan.swap_out += self._preempt(victim)
+                plan.preempted = True
                 if victim is request:
-                    break
-            else:
-                scheduled[request.request_id] = num_new
-                if num_new > num_known:  # the draft tokens the budget leaves room for
-                    spec_tokens[request.request_id] = request.spec_token_ids[:num_new - num_known]
-                budget -= num_new
-                i += 1
-                continue
-            break
+                    return
+            plan.add(request, num_new)
+            if num_new > num_known:  # the draft tokens the budget leaves room for
+                plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_new - num_known]
+            i += 1
 
-        # 2. Swapped requests come back before new ones are admitted.
-        while self.swapped and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_swapped(self, plan: _StepPlan) -> None:
+        """Swapped requests come back before new ones are admitted."""
+        while self.swapped and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.swapped[0]
             if request.num_pending_tokens:
                 break  # swapped out while its last token was in flight: resume once it is known
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.budget)
             lookahead = self._lookahead(request, num_new)
             if not self.kv.can_swap_in(request, num_new, lookahead):
                 break
             self.swapped.popleft()
-            swap_in += self.kv.swap_in(request)
+            plan.swap_in += self.kv.swap_in(request)
             # (not inside the assert: python -O drops it)
             allocated = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
             assert allocated, "can_swap_in promised room for the next step"
             self._start_running(request)
-            known_blocks[request.request_id] = -1  # send the whole table
-            scheduled[request.request_id] = num_new
-            budget -= num_new
+            plan.known_blocks[request.request_id] = -1  # send the whole table
+            plan.add(request, num_new)
 
-        # 3. Waiting requests, in arrival order (siblings of n > 1 wait for their first sample's prompt).
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Waiting requests, in arrival order (siblings of n > 1 wait for their first sample's prompt)."""
         skipped: list[Request] = []
-        while self.waiting and not preempted and not self.swapped and budget > 0 \
-                and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break  # preempted while its last token was in flight: recompute once it is known
-            parent = request.fork_of
-            if parent is not None and not parent.is_finished and parent.status != RequestStatus.PREEMPTED \
-                    and parent.num_computed_tokens < parent.num_prompt_tokens and request.num_computed_tokens == 0:
+            if self._waits_for_parent_prompt(request):
                 skipped.append(self.waiting.popleft())  # its prompt is still being computed
                 continue
-            num_new = self._admit(request, budget)
+            num_new = self._admit(request, plan.budget)
             if num_new == 0:
                 break
             self.waiting.popleft()
             self._start_running(request)
-            known_blocks[request.request_id] = -1
-            scheduled[request.request_id] = num_new
-            budget -= num_new
+            plan.known_blocks[request.request_id] = -1
+            plan.add(request, num_new)
         self.waiting.extendleft(reversed(skipped))
 
-        # Build the records, then advance num_computed_tokens (the runner gets the old values).
+    @staticmethod
+    def _waits_for_parent_prompt(request: Request) -> bool:
+        parent = request.fork_of
+        return (parent is not None and not parent.is_finished and parent.status != RequestStatus.PREEMPTED
+                and parent.num_computed_tokens < parent.num_prompt_tokens and request.num_computed_tokens == 0)
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        """The step's records, then num_computed_tokens advanced (the runner gets the old values)."""
         rewritten = self.kv.take_rewritten()
-        req_blocks = self.kv.req_blocks
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
         step_requests: dict[str, Request] = {}
         for request in self.running:
             req_id = request.request_id
-            num_new = scheduled.get(req_id)
+            num_new = plan.scheduled.get(req_id)
             if num_new is None:
                 continue
             step_requests[req_id] = request
-            blocks = req_blocks[req_id]
-            known = known_blocks.get(req_id, -1)
             if req_id not in self._runner_knows:
                 self._runner_knows.add(req_id)
-                new_reqs.append(NewRequestData(req_id, request.prompt_token_ids, request.sampling_params,
-                                               [b.block_id for b in blocks], request.num_computed_tokens,
-                                               request.output_token_ids, request.max_total_tokens))
-            elif known < 0 or req_id in rewritten:
-                cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens, [],
-                                                     [b.block_id for b in blocks]))
-            else:  # the usual case: only the blocks added this step (none for most decodes)
-                cached_reqs.append(CachedRequestData(req_id, request.num_computed_tokens,
-                                                     [b.block_id for b in blocks[known:]] if len(blocks) > known else []))
+                new_reqs.append(self._new_request_data(request))
+            else:
+                cached_reqs.append(self._cached_request_data(request, plan.known_blocks.get(req_id, -1), rewritten))
             request.num_computed_tokens += num_new
-            num_spec = len(spec_tokens.get(req_id, ()))
+            num_spec = len(plan.spec_tokens.get(req_id, ()))
             if num_new and request.num_computed_tokens - num_spec == request.num_tokens_with_pending:
                 request.num_pending_tokens += 1  # caught up: this step samples its next token
 
@@ -208,15 +219,29 @@ class Scheduler:
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=scheduled,
-            total_num_scheduled_tokens=sum(scheduled.values()),
+            num_scheduled_tokens=plan.scheduled,
+            total_num_scheduled_tokens=sum(plan.scheduled.values()),
             finished_req_ids=finished,
-            blocks_to_swap_out=swap_out,
-            blocks_to_swap_in=swap_in,
+            blocks_to_swap_out=plan.swap_out,
+            blocks_to_swap_in=plan.swap_in,
             blocks_to_copy=self.kv.take_copies(),
             step_id=self._step_id,
-            scheduled_spec_tokens=spec_tokens,
+            scheduled_spec_tokens=plan.spec_tokens,
         )
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        block_ids = [b.block_id for b in self.kv.req_blocks[request.request_id]]
+        return NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, block_ids,
+                              request.num_computed_tokens, request.output_token_ids, request.max_total_tokens)
+
+    def _cached_request_data(self, request: Request, known: int, rewritten: set[str]) -> CachedRequestData:
+        """The whole table when the runner's copy is stale (resumed, or rewritten by copy-on-write);
+        otherwise only the blocks added this step (none for most decodes). known < 0: stale."""
+        req_id = request.request_id
+        blocks = self.kv.req_blocks[req_id]
+        if known < 0 or req_id in rewritten:
+            return CachedRequestData(req_id, request.num_computed_tokens, [], [b.block_id for b in blocks])
+        return CachedRequestData(req_id, request.num_computed_tokens, [b.block_id for b in blocks[known:]])
 
     def _admit(self, request: Request, budget: int) -> int:
         """Give a waiting request its blocks; returns the tokens to compute now (0: not now)."""
