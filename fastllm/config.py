@@ -22,6 +22,12 @@ SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
+def arg(default: Any = None, help: str = "", choices: tuple | None = None, **kwargs: Any):
+    """A config field that is an engine argument: a keyword of LLM(...) and a flag of every command,
+    which the CLI builds from the field's name, type, default, help text and choices."""
+    return field(default=default, metadata={"help": help, "choices": choices}, **kwargs)
+
+
 def _check(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{name} {message}")
@@ -48,13 +54,14 @@ def resolve_model_path(model: str | None) -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = DEFAULT_MODEL
-    tokenizer: str | None = None  # defaults to the model directory
-    dtype: str = "auto"
-    load_format: str = "auto"
-    max_model_len: int | None = None  # defaults to the config's max_position_embeddings
-    seed: int = 0  # for dummy weights and the unseeded sampler
-    hf_config: dict = field(default_factory=dict, repr=False, compare=False)
+    model: str = arg(DEFAULT_MODEL, "a Hugging Face model directory, or the name of an embedded model or "
+                     "config (e.g. llama-3.1-8b) (default: the embedded TinyStories stories260K)")
+    tokenizer: str | None = arg(None, "tokenizer directory (default: the model directory)")
+    dtype: str = arg("auto", "weights and activations ('auto': the checkpoint's)", SUPPORTED_DTYPES)
+    load_format: str = arg("auto", "'dummy': random weights of the model's config", LOAD_FORMATS)
+    max_model_len: int | None = arg(None, "context length (default: the model's max_position_embeddings)")
+    seed: int = arg(0, "seed for dummy weights and unseeded sampling")
+    hf_config: dict = field(default_factory=dict, repr=False, compare=False)  # config.json (not an argument)
 
     def __post_init__(self):
         _check(self.dtype in SUPPORTED_DTYPES, "dtype", f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
@@ -88,13 +95,14 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks: int | None = None  # override the profiling run (tests use small pools)
-    cpu_kv_cache_gib: float = 0.25  # KV pool size when the model runs on the CPU
-    swap_space_gib: float = 1.0  # CPU pool for preemption_mode="swap"
-    num_cpu_blocks: int | None = None  # override swap_space_gib
-    enable_prefix_caching: bool = True
+    block_size: int = arg(16, "tokens per KV block")
+    gpu_memory_utilization: float = arg(0.9, "fraction of GPU memory the engine may use")
+    num_gpu_blocks: int | None = arg(None, "KV blocks, overriding the profiling run (default: as many as "
+                                           "fit)")
+    cpu_kv_cache_gib: float = arg(0.25, "KV pool size in GiB when the model runs on the CPU")
+    swap_space_gib: float = arg(1.0, "CPU pool in GiB for preemption_mode swap")
+    num_cpu_blocks: int | None = arg(None, "CPU swap blocks, overriding swap_space_gib")
+    enable_prefix_caching: bool = arg(True, "reuse the KV of prompt blocks seen before (prefix caching)")
 
     def __post_init__(self):
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", f"must be a power of two in [1, 128], got {self.block_size}")
@@ -125,13 +133,16 @@ def default_max_num_seqs(device) -> int:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 8192  # token budget per step
-    max_num_seqs: int | None = None  # None: default_max_num_seqs of the device (EngineConfig.for_device)
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "recompute"  # or "swap"
+    max_num_batched_tokens: int = arg(8192, "token budget of one step")
+    # None: default_max_num_seqs of the device (EngineConfig.for_device)
+    max_num_seqs: int | None = arg(None, f"most requests in one step (default: {LARGE_GPU_MAX_NUM_SEQS} on "
+                                         f"GPUs of {LARGE_GPU_GIB} GiB or more, else {DEFAULT_MAX_NUM_SEQS})")
+    enable_chunked_prefill: bool = arg(True, "split long prompts into chunks so decodes keep flowing")
+    preemption_mode: str = arg("recompute", "what preemption does to a request's KV when blocks run out",
+                               ("recompute", "swap"))
     # Schedule and launch step N+1 before step N's tokens reach the host, so host work overlaps
     # the GPU. False runs each step to completion (the same tokens, one step less lag).
-    async_scheduling: bool = True
+    async_scheduling: bool = arg(True, "schedule and launch step N+1 before step N's tokens reach the host")
 
     def __post_init__(self):
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
@@ -141,7 +152,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = arg(1, "GPUs the model is sharded over (tensor parallelism)")
 
     def __post_init__(self):
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
@@ -149,9 +160,11 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class CompileConfig:
-    enforce_eager: bool = False  # True: no torch.compile, no CUDA graphs (the debug path)
-    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture (default 1,2,4,8,16,24,...)
-    compile_on_cpu: bool = False  # torch.compile is GPU-only by default (a CPU compile takes ~15 s a graph)
+    enforce_eager: bool = arg(False, "no torch.compile, no CUDA graphs (the debug path)")
+    cuda_graph_sizes: tuple[int, ...] | None = arg(None, "decode batch sizes to capture as CUDA graphs "
+                                                   "(default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs)")
+    # torch.compile is GPU-only by default (a CPU compile takes ~15 s a graph)
+    compile_on_cpu: bool = arg(False, "torch.compile on the CPU too (slow to compile)")
 
     def __post_init__(self):
         sizes = self.cuda_graph_sizes
@@ -167,8 +180,9 @@ class SpeculativeConfig:
     """Draft-model speculative decoding: the draft proposes num_speculative_tokens tokens a step and
     the target verifies them in one forward. Off while speculative_model is None."""
 
-    speculative_model: str | None = None  # a model directory or embedded config sharing the target's vocabulary
-    num_speculative_tokens: int = 0
+    speculative_model: str | None = arg(None, "draft model for speculative decoding, sharing the target's "
+                                        "vocabulary (a directory or embedded name, e.g. llama2xs-279K)")
+    num_speculative_tokens: int = arg(0, "draft tokens per step (0 with a speculative_model: 4)")
 
     def __post_init__(self):
         if self.speculative_model is None:
@@ -194,7 +208,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     compile: CompileConfig = CompileConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
-    device: str = "auto"  # "auto" picks cuda when present
+    device: str = arg("auto", "'auto' picks cuda when present", ("auto", "cpu", "cuda"))
 
     def __post_init__(self):
         _check(self.device in ("auto", "cpu", "cuda"), "device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
