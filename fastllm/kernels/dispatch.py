@@ -34,6 +34,8 @@ KERNEL_NAMES = (
     "rotary_kv_cache_write",
     "rotary_decode_attention",
     "linear",
+    "cascade_prefix_attention",
+    "merge_attn_states",
 )
 _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "kv_cache_write": "kv_cache_write",
@@ -47,6 +49,8 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "rotary_kv_cache_write": "rotary_kv_cache_write",
     "rotary_decode_attention": "paged_decode_attention",
     "linear": "skinny_linear",
+    "cascade_prefix_attention": "cascade_attention",
+    "merge_attn_states": "merge_attn_states",
 }
 
 _MODE = os.environ.get("FASTLLM_KERNELS", "auto").strip().lower() or "auto"
@@ -105,20 +109,37 @@ def kv_cache_write(
 
 def paged_decode_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
-    max_seq_len: int, scale: float,
-) -> Tensor:
+    max_seq_len: int, scale: float, window: int | None = None, kv_start: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     return _select("paged_decode_attention", query.device)(
-        query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale
+        query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, window, kv_start, return_lse
     )
 
 
 def prefill_attention(
     query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
-    seq_lens: Tensor, query_start_loc: Tensor, max_query_len: int, scale: float,
-) -> Tensor:
+    seq_lens: Tensor, query_start_loc: Tensor, max_query_len: int, scale: float, window: int | None = None,
+    kv_start: Tensor | None = None, return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     return _select("prefill_attention", query.device)(
-        query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale
+        query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
+        window, kv_start, return_lse,
     )
+
+
+def cascade_prefix_attention(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, prefix_tables: Tensor, prefix_lens: Tensor, rows: Tensor,
+    row_start: Tensor, max_group_rows: int, max_prefix_len: int, scale: float,
+) -> tuple[Tensor, Tensor]:
+    return _select("cascade_prefix_attention", query.device)(
+        query, key_cache, value_cache, prefix_tables, prefix_lens, rows, row_start, max_group_rows, max_prefix_len,
+        scale,
+    )
+
+
+def merge_attn_states(out: Tensor, lse: Tensor, prefix_o: Tensor, prefix_lse: Tensor, rows: Tensor) -> None:
+    return _select("merge_attn_states", out.device)(out, lse, prefix_o, prefix_lse, rows)
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -155,11 +176,11 @@ def rotary_kv_cache_write(
 def rotary_decode_attention(
     positions: Tensor, query: Tensor, key: Tensor, value: Tensor, cos_sin_cache: Tensor, is_neox: bool,
     key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
-    max_seq_len: int, scale: float,
+    max_seq_len: int, scale: float, window: int | None = None,
 ) -> Tensor:
     return _select("rotary_decode_attention", query.device)(
         positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, block_tables,
-        seq_lens, max_seq_len, scale,
+        seq_lens, max_seq_len, scale, window,
     )
 
 

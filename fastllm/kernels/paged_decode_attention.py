@@ -18,6 +18,12 @@ request's sequence (start >= seq_len) return at once and neither count nor write
 from seq_len how many splits hold keys, so a loose max_seq_len bound costs only empty programs. With one
 split the kernel writes `out` directly.
 
+A request may attend only keys kv_lo .. L - 1: kv_lo = L - window under a sliding window, or kv_start[b]
+(cascade attention's suffix, whose shared prefix another kernel reads). The splits then cut kv_base .. L - 1,
+kv_base = kv_lo rounded down to a tile, and the keys below kv_lo are masked (their blocks may be freed): the
+work a request costs, and the split count chosen for a window, follow the keys it attends, not its context.
+return_lse also writes each row's lse (base 2), which merge_attn_states needs to fold in another part.
+
 rotary_decode_attention (APPEND) is the engine's decode step in one launch: q and the step's new key are
 rotated in the kernel (rotary.py's math at full width, each element with its pair partner), split 0 of each
 (request, KV head) writes the new k/v into the cache (skipped for slot < 0), and the split holding position
@@ -127,6 +133,9 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
     counters_ptr,  # int32 [B * Hkv], all 0 between launches (MERGE_IN_KERNEL)
     pos_ptr, k_new_ptr, v_new_ptr, cos_sin_ptr, slot_ptr,  # APPEND: this step's token of each request
+    kv_start_ptr,  # int32 [B] (HAS_KV_START): request b attends no key before kv_start[b]
+    lse_ptr,  # float32 [B, Hq] (RETURN_LSE): log2 of each row's softmax denominator
+    window,  # SLIDING: keys seq_len - window .. seq_len - 1 only
     scale_log2,  # scale * log2(e): softmax runs in base 2
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
@@ -143,14 +152,20 @@ def _decode_split_kernel(
     IS_NEOX: tl.constexpr, HALF: tl.constexpr,  # APPEND's rotary layout
     USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): seq_lens (staged step input) is read before the wait
     OFFSET_64: tl.constexpr,  # a cache of 2^31 elements or more: page offsets in int64, else int32
+    HAS_KV_START: tl.constexpr, SLIDING: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     pdl.wait(USE_PDL)
-    part_len = _split_len(seq_len, num_splits, min_split_len, BLOCK_N)
-    start = split * part_len
+    # Keys [kv_lo, seq_len) are attended; the splits cut [kv_base, seq_len), kv_base the tile boundary at or
+    # below kv_lo, so that tiles stay aligned (see k_in_page below) and the keys before kv_lo are masked.
+    kv_lo = _first_key(seq_len, kv_start_ptr, b, window, HAS_KV_START, SLIDING)
+    kv_base = (kv_lo // BLOCK_N) * BLOCK_N
+    kv_len = seq_len - kv_base
+    part_len = _split_len(kv_len, num_splits, min_split_len, BLOCK_N)
+    start = kv_base + split * part_len
     end = tl.minimum(start + part_len, seq_len)  # start >= end: an empty split
     if not DIRECT_OUT:
         if start >= end:
@@ -160,6 +175,9 @@ def _decode_split_kernel(
                 tl.store(out_ptr + b * stride_ob + (kv_head * GROUP + g0)[:, None] * stride_oh + d0[None, :],
                          tl.zeros([BLOCK_GM, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
                          mask=(g0 < GROUP)[:, None] & (d0 < HEAD_DIM)[None, :])
+                if RETURN_LSE:
+                    tl.store(lse_ptr + b * tl.num_programs(1) * GROUP + kv_head * GROUP + g0,
+                             tl.full([BLOCK_GM], float("-inf"), tl.float32), mask=g0 < GROUP)
             return  # the merge only reads the splits that hold keys
 
     g = tl.arange(0, BLOCK_G)
@@ -212,6 +230,8 @@ def _decode_split_kernel(
     for n0 in range(start, keys_end, BLOCK_N):
         n = n0 + col  # [BLOCK_N] token positions; a tile may span several pages
         n_ok = n < keys_end
+        if HAS_KV_START or SLIDING:
+            n_ok = n_ok & (n >= kv_lo)  # (a freed block's table entry is never read either)
         page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0)
         if OFFSET_64:
             page = page.to(tl.int64)
@@ -246,9 +266,12 @@ def _decode_split_kernel(
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # seq_len 0: o = 0
     row_mask = g_ok[:, None] & d_ok[None, :]
-    if DIRECT_OUT or part_len >= seq_len:  # this request's keys are all in this split: nothing to merge
+    if DIRECT_OUT or part_len >= kv_len:  # this request's keys are all in this split: nothing to merge
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_mask)
+        if RETURN_LSE:
+            tl.store(lse_ptr + b * tl.num_programs(1) * GROUP + heads,
+                     tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")), mask=g_ok)
     else:
         # partials: part_o [B, Hq, splits, HEAD_DIM] fp32, part_lse [B, Hq, splits] fp32
         row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BLOCK_G]
@@ -261,12 +284,13 @@ def _decode_split_kernel(
             tl.debug_barrier()
             counter = counters_ptr + b * tl.num_programs(1) + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            n_active = tl.cdiv(seq_len, part_len)
+            n_active = tl.cdiv(kv_len, part_len)
             if done == n_active - 1:
                 tl.store(counter, 0)  # every other split has counted: ready for the next launch
                 _merge_splits(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
                               (b * tl.num_programs(1) * GROUP + kv_head * GROUP) * num_splits, num_splits,
-                              n_active, kv_head * GROUP, GROUP, HEAD_DIM, BLOCK_GM, BLOCK_S, BLOCK_D)
+                              n_active, kv_head * GROUP, lse_ptr + b * tl.num_programs(1) * GROUP, GROUP,
+                              HEAD_DIM, BLOCK_GM, BLOCK_S, BLOCK_D, RETURN_LSE)
 
 
 @triton.jit
@@ -293,18 +317,30 @@ def _rotate(x, x_pair, cos, sin, sign):
 
 
 @triton.jit
-def _split_len(seq_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
-    """Keys per split for one request: whole tiles, at least min_split_len; splits 0 .. cdiv(seq_len,
-    split_len) - 1 hold keys."""
-    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
+def _split_len(kv_len, num_splits, min_split_len, BLOCK_N: tl.constexpr):
+    """Keys per split for one request of kv_len keys: whole tiles, at least min_split_len; splits
+    0 .. cdiv(kv_len, split_len) - 1 hold keys."""
+    return tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, min_split_len)
+
+
+@triton.jit
+def _first_key(seq_len, kv_start_ptr, b, window, HAS_KV_START: tl.constexpr, SLIDING: tl.constexpr):
+    """The lowest key position request b attends to (its one query sits at seq_len - 1)."""
+    lo = seq_len * 0
+    if HAS_KV_START:
+        lo = tl.load(kv_start_ptr + b)
+    if SLIDING:
+        lo = tl.maximum(lo, seq_len - window)
+    return lo
 
 
 @triton.jit
 def _merge_splits(part_o_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row, num_splits, n_active, first_head,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+                  lse_row_ptr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_GM: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, RETURN_LSE: tl.constexpr):
     """out[h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over splits 0 .. n_active - 1, for the GROUP
-    query heads whose partial rows start at first_row (head-major, num_splits rows each)."""
+    query heads whose partial rows start at first_row (head-major, num_splits rows each); with RETURN_LSE
+    also lse_row[h] = M + log2(sum_s 2^(lse_s - M))."""
     g = tl.arange(0, BLOCK_GM)
     g_ok = g < GROUP
     d = tl.arange(0, BLOCK_D)
@@ -330,25 +366,34 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_row_ptr, stride_oh, first_row, n
     out = acc / tl.where(den > 0.0, den, 1.0)[:, None]
     tl.store(out_row_ptr + (first_head + g)[:, None] * stride_oh + d[None, :],
              out.to(out_row_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        has_keys = den > 0.0
+        tl.store(lse_row_ptr + first_head + g, tl.where(has_keys, m + tl.log2(tl.where(has_keys, den, 1.0)),
+                                                        float("-inf")), mask=g_ok)
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, stride_ob, stride_oh, num_splits, min_split_len,
+    part_o_ptr, part_lse_ptr, out_ptr, seq_lens_ptr, kv_start_ptr, lse_ptr, window, stride_ob, stride_oh,
+    num_splits, min_split_len,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_KV_START: tl.constexpr, SLIDING: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     """Pass 2 of the two-kernel layout: the same merge as the in-kernel one, one program per (b, KV head)."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     # the same split sizes as pass 1: splits 0 .. n_active - 1 hold keys (none when seq_len is 0: out = 0)
-    n_active = tl.cdiv(seq_len, _split_len(seq_len, num_splits, min_split_len, BLOCK_N))
+    kv_lo = _first_key(seq_len, kv_start_ptr, b, window, HAS_KV_START, SLIDING)
+    kv_len = seq_len - (kv_lo // BLOCK_N) * BLOCK_N
+    n_active = tl.cdiv(kv_len, _split_len(kv_len, num_splits, min_split_len, BLOCK_N))
     if n_active == 1:
         return  # pass 1 wrote out
     _merge_splits(part_o_ptr, part_lse_ptr, out_ptr + b * stride_ob, stride_oh,
                   (b * tl.num_programs(1) * GROUP + kv_head * GROUP) * num_splits, num_splits,
-                  n_active, kv_head * GROUP, GROUP, HEAD_DIM, BLOCK_GM, BLOCK_S, BLOCK_D)
+                  n_active, kv_head * GROUP, lse_ptr + b * tl.num_programs(1) * GROUP, GROUP, HEAD_DIM, BLOCK_GM,
+                  BLOCK_S, BLOCK_D, RETURN_LSE)
 
 
 def legacy_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int) -> DecodeConfig:
@@ -412,12 +457,14 @@ def paged_decode_attention_splits(
     query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float, num_splits: int,
     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, merge_in_kernel: bool = True,
     min_split_len: int = 0, append: NewTokens | None = None, offset_64: bool | None = None,
-) -> torch.Tensor:
+    window: int | None = None, kv_start: torch.Tensor | None = None, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """paged_decode_attention with an explicit launch config (tests and tuning); max_seq_len is unused here.
     merge_in_kernel=False merges the splits in a second kernel (the layout before the in-kernel merge).
     min_split_len: keys a split holds at least (rounded up to whole tiles), so that a short request uses
     fewer of the num_splits. append: rotary_decode_attention's step (query is then before rotary).
-    offset_64: int64 page offsets; None decides from the cache size (tests force True on small caches)."""
+    offset_64: int64 page offsets; None decides from the cache size (tests force True on small caches).
+    window, kv_start, return_lse: as in the reference (the splits cut only the keys a request attends)."""
     batch, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
@@ -430,10 +477,14 @@ def paged_decode_attention_splits(
     assert block_tables.stride(1) == 1
     assert seq_lens.shape == (batch,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     assert num_splits >= 1
+    assert window is None or window >= 1, window
+    assert kv_start is None or (kv_start.shape == (batch,) and kv_start.dtype == torch.int32
+                                and kv_start.is_contiguous())
     group = num_q_heads // num_kv_heads
     out = torch.empty((batch, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    lse = torch.empty((batch, num_q_heads), dtype=torch.float32, device=query.device) if return_lse else out
     if batch == 0:
-        return out
+        return (out, lse) if return_lse else out
     block_n = block_n or (32 if head_dim > 128 else 64)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
     min_split_len = max(1, triton.cdiv(min_split_len, block_n)) * block_n
@@ -461,9 +512,10 @@ def paged_decode_attention_splits(
         new_args, new_strides = (seq_lens,) * 5, (0,) * 5  # unused
     block_gm = triton.next_power_of_2(group)
     block_s = max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS // (block_gm * block_d)))  # the merge's tile
+    kv_start_arg = kv_start if kv_start is not None else seq_lens  # unused without it
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_o, part_lse, block_tables, seq_lens, counters, *new_args,
-        scale * _LOG2E,
+        kv_start_arg, lse, window or 0, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
@@ -475,16 +527,18 @@ def paged_decode_attention_splits(
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         APPEND=append is not None, IS_NEOX=append is None or append.is_neox, HALF=head_dim // 2,
-        OFFSET_64=offset_64,
+        OFFSET_64=offset_64, HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(query.device),
     )
     if num_splits > 1 and not merge_in_kernel:
         _decode_reduce_kernel[(batch, num_kv_heads)](
-            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), num_splits, min_split_len,
+            part_o, part_lse, out, seq_lens, kv_start_arg, lse, window or 0, out.stride(0), out.stride(1),
+            num_splits, min_split_len,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_GM=block_gm, BLOCK_S=block_s, BLOCK_D=block_d, BLOCK_N=block_n,
+            HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,
             num_warps=4,
         )
-    return out
+    return (out, lse) if return_lse else out
 
 
 def paged_decode_attention(
@@ -493,21 +547,29 @@ def paged_decode_attention(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [B] int32, each <= max_seq_len
-    max_seq_len: int,  # host-side bound on seq_lens; sizes the KV split
+    max_seq_len: int,  # host-side bound on the keys a request attends (seq_len - kv_start); sizes the KV split
     scale: float,
-) -> torch.Tensor:
-    return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale)
+    window: int | None = None,  # sliding window: keys seq_len - window .. seq_len - 1
+    kv_start: torch.Tensor | None = None,  # [B] int32: keys before it are not attended (a cascade's suffix)
+    return_lse: bool = False,  # also return lse [B, Hq] float32 (base 2)
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale,
+                          window=window, kv_start=kv_start, return_lse=return_lse)
 
 
 def _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float,
-                   append: NewTokens | None = None) -> torch.Tensor:
-    """paged_decode_attention_splits with the host table's launch config (choose_config)."""
+                   append: NewTokens | None = None, window: int | None = None, kv_start: torch.Tensor | None = None,
+                   return_lse: bool = False):
+    """paged_decode_attention_splits with the host table's launch config (choose_config). A window bounds
+    the keys a request attends, and so the splits and tiles its launch walks, whatever the context."""
+    if window is not None:  # (plus up to a tile below the window's first key: splits start on tiles)
+        max_seq_len = min(max_seq_len, window + TILE_CONFIGS[1][0])
     cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2],
                         sm_count.num_sms(query.device), query.element_size())
     return paged_decode_attention_splits(
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,
-        append=append,
+        append=append, window=window, kv_start=kv_start, return_lse=return_lse,
     )
 
 
@@ -525,9 +587,11 @@ def rotary_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32, >= 1: the new token is at position seq_len - 1
     max_seq_len: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A decode step's whole attention in one launch: rotary_kv_cache_write, then paged_decode_attention
     (see the reference for the exact semantics). Saves a launch-bound kernel per layer (~2.5 us on an
     H100) and the rotated q's round trip through memory."""
     append = NewTokens(positions, key, value, cos_sin_cache, is_neox, slot_mapping)
-    return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, append)
+    return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, append,
+                          window=window)

@@ -110,12 +110,13 @@ def _prefix_tile(
     acc, m_i, l_i, q, n0, context, bt_row, k_head_ptr, v_head_ptr,
     stride_kb, stride_ks, stride_vb, stride_vs, scale_log2,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr, lo, q_pos, window, SLIDING: tl.constexpr,
 ):
-    """Cached keys n0 : n0 + BLOCK_N through the block table; with MASKED, only those below `context`."""
+    """Cached keys n0 : n0 + BLOCK_N through the block table; with MASKED, only those in [lo, context), and
+    with SLIDING too, for each row only those above its position q_pos [BLOCK_M] - window."""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
-    n_ok = n < context
+    n_ok = (n < context) & (n >= lo)  # (below lo the blocks may be freed: neither table nor slot is read)
     d_ok = d < HEAD_DIM
     if MASKED:
         page = tl.load(bt_row + n // PAGE, mask=n_ok, other=0).to(tl.int64)  # int64: page * stride > 2^31
@@ -129,18 +130,20 @@ def _prefix_tile(
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if MASKED:
         s = tl.where(n_ok[None, :], s, float("-inf"))
+        if SLIDING:
+            s = tl.where(n[None, :] > q_pos[:, None] - window, s, float("-inf"))
     v = _load_rows(v_ptrs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
     return _softmax_step(acc, m_i, l_i, s, v, scale_log2, PRECISION)
 
 
 @triton.jit
 def _chunk_tile_rows(
-    acc, m_i, l_i, q, j0, q_len, q_tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2,
+    acc, m_i, l_i, q, j0, q_len, q_tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Chunk keys j0 : j0 + BLOCK_N from the contiguous rows; with CAUSAL_MASK, key j only for rows of
-    token q_tok >= j, and no row at or past q_len is read."""
+    token q_tok >= j (and with SLIDING, q_tok - window < j), and no row at or past q_len is read."""
     j = j0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     j_ok = j < q_len
@@ -149,15 +152,25 @@ def _chunk_tile_rows(
                    BLOCK_D != HEAD_DIM)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if CAUSAL_MASK:
-        s = tl.where(j[None, :] <= q_tok[:, None], s, float("-inf"))
+        s = _causal_mask(s, j, q_tok, window, SLIDING)
     v = _load_rows(v_rows + j.to(tl.int64)[:, None] * stride_vt + d[None, :], j_ok, d_ok, CAUSAL_MASK,
                    BLOCK_D != HEAD_DIM)
     return _softmax_step(acc, m_i, l_i, s, v, scale_log2, PRECISION)
 
 
 @triton.jit
-def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q_tok, scale_log2,
-                    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr):
+def _causal_mask(s, j, q_tok, window, SLIDING: tl.constexpr):
+    """Scores of keys j [BLOCK_N] that rows of token q_tok [BLOCK_M] do not see set to -inf."""
+    seen = j[None, :] <= q_tok[:, None]
+    if SLIDING:
+        seen = seen & (j[None, :] > q_tok[:, None] - window)
+    return tl.where(seen, s, float("-inf"))
+
+
+@triton.jit
+def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q_tok, scale_log2, window,
+                    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                    SLIDING: tl.constexpr):
     """Chunk keys j0 : j0 + BLOCK_N through TMA. A diagonal tile (CAUSAL_MASK) may run past the request
     into the next request's rows or padding: those scores are masked and their V rows zeroed (p = 0 times
     a NaN row would still be NaN); rows past the tensor's end load as zeros."""
@@ -166,7 +179,7 @@ def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q
     v = v_desc.load([q_start + j0, col])
     if CAUSAL_MASK:
         j = j0 + tl.arange(0, BLOCK_N)
-        s = tl.where(j[None, :] <= q_tok[:, None], s, float("-inf"))
+        s = _causal_mask(s, j, q_tok, window, SLIDING)
         v = tl.where((j < q_len)[:, None], v, 0.0)
     return _softmax_step(acc, m_i, l_i, s, v, scale_log2, PRECISION)
 
@@ -174,17 +187,29 @@ def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q
 @triton.jit
 def _chunk_tile(
     acc, m_i, l_i, q, j0, q_start, q_len, q_tok, k_desc, v_desc, col, k_rows, v_rows, stride_kt, stride_vt,
-    scale_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, CHUNK_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    scale_log2, window, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, CHUNK_TMA: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Chunk keys j0 : j0 + BLOCK_N through TMA or through pointers (CHUNK_TMA, a compile-time choice)."""
     if CHUNK_TMA:
         acc, m_i, l_i = _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q_tok,
-                                        scale_log2, BLOCK_N, CAUSAL_MASK, PRECISION)
+                                        scale_log2, window, BLOCK_N, CAUSAL_MASK, PRECISION, SLIDING)
     else:
         acc, m_i, l_i = _chunk_tile_rows(acc, m_i, l_i, q, j0, q_len, q_tok, k_rows, v_rows, stride_kt, stride_vt,
-                                         scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL_MASK, PRECISION)
+                                         scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL_MASK, PRECISION,
+                                         SLIDING)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _tile_split(lo, seen_lo, full_end, BLOCK_N: tl.constexpr):
+    """A walk over keys from lo (rounded down to a tile) to a diagonal: tiles below `a` need a mask (some
+    row does not see keys below seen_lo, the highest row's first key), tiles a .. b - 1 none (every row
+    sees them; full_end: where the keys every row sees end, a tile boundary), from b on a mask again.
+    Returns (first tile, a, b)."""
+    start = (lo // BLOCK_N) * BLOCK_N
+    a = tl.maximum(start, tl.minimum(tl.cdiv(seen_lo, BLOCK_N) * BLOCK_N, full_end))
+    return start, a, tl.maximum(a, full_end)
 
 
 # stride_bt (the step's widest block table) changes from step to step: one compiled variant for all.
@@ -193,11 +218,15 @@ def _prefill_kernel(
     q_ptr, key_ptr, value_ptr,  # the chunk's K/V rows, [T, Hkv, D]
     key_desc, value_desc,  # TMA descriptors over the same rows as [T, Hkv * D] (CHUNK_TMA; else unused)
     k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    kv_start_ptr,  # int32 [B] (HAS_KV_START): request b attends no key before kv_start[b] (<= its context)
+    lse_ptr,  # float32 [T, Hq] (RETURN_LSE): log2 of each row's softmax denominator
+    window,  # SLIDING: the row at position p sees keys p - window < k <= p
     scale_log2,  # scale * log2(e)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_KV_START: tl.constexpr, SLIDING: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
     tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-running tiles first
@@ -225,38 +254,66 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # 1. the cached prefix, through the block table
+    # Keys a row may see start at kv_start (0 without it) and, with a window, above its position - window:
+    # lo is the first key of the tile's lowest row, seen_lo that of its highest (last_tok).
+    last_tok = tl.minimum(tok0 + BLOCK_Q, q_len) - 1
+    lo = context * 0
+    if HAS_KV_START:
+        lo = tl.load(kv_start_ptr + b)
+    seen_lo = lo
+    if SLIDING:
+        seen_lo = tl.maximum(lo, context + last_tok - window + 1)
+        lo = tl.maximum(lo, context + tok0 - window + 1)
+
+    # 1. the cached prefix, through the block table: masked tiles at its low end (window, kv_start) and at
+    # its partial last tile, none between
     bt_row = block_tables_ptr + b * stride_bt
     k_head = k_cache_ptr + kv_head * stride_kch
     v_head = v_cache_ptr + kv_head * stride_vch
-    prefix_full = (context // BLOCK_N) * BLOCK_N
-    for n0 in range(0, prefix_full, BLOCK_N):
+    q_pos = context + tok
+    n_start, n_a, n_b = _tile_split(lo, seen_lo, (context // BLOCK_N) * BLOCK_N, BLOCK_N)
+    for n0 in range(n_start, tl.minimum(n_a, context), BLOCK_N):
         acc, m_i, l_i = _prefix_tile(
             acc, m_i, l_i, q, n0, context, bt_row, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
-            scale_log2, HEAD_DIM, PAGE, BLOCK_D, BLOCK_N, False, PRECISION)
-    if prefix_full < context:
+            scale_log2, HEAD_DIM, PAGE, BLOCK_D, BLOCK_N, True, PRECISION, lo, q_pos, window, SLIDING)
+    for n0 in range(n_a, n_b, BLOCK_N):
         acc, m_i, l_i = _prefix_tile(
-            acc, m_i, l_i, q, prefix_full, context, bt_row, k_head, v_head, stride_kb, stride_ks, stride_vb,
-            stride_vs, scale_log2, HEAD_DIM, PAGE, BLOCK_D, BLOCK_N, True, PRECISION)
+            acc, m_i, l_i, q, n0, context, bt_row, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+            scale_log2, HEAD_DIM, PAGE, BLOCK_D, BLOCK_N, False, PRECISION, lo, q_pos, window, SLIDING)
+    for n0 in range(tl.maximum(n_b, n_start), context, BLOCK_N):
+        acc, m_i, l_i = _prefix_tile(
+            acc, m_i, l_i, q, n0, context, bt_row, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
+            scale_log2, HEAD_DIM, PAGE, BLOCK_D, BLOCK_N, True, PRECISION, lo, q_pos, window, SLIDING)
 
-    # 2. chunk tiles every row of this tile sees (keys j <= tok0), 3. the diagonal ones
-    full_end = ((tok0 + 1) // BLOCK_N) * BLOCK_N
+    # 2. the chunk's own keys (chunk-relative j): tiles every row of this tile sees without a mask (keys
+    # j <= tok0, and inside the highest row's window), 3. masked ones below them (window) and the diagonal
     k_rows = key_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     v_rows = value_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
     col = kv_head * HEAD_DIM
-    for j0 in range(0, full_end, BLOCK_N):
+    j_lo = tok0 * 0
+    j_seen = j_lo
+    if SLIDING:
+        j_lo = tl.maximum(tok0 - window + 1, 0)
+        j_seen = tl.maximum(last_tok - window + 1, 0)
+    j_start, j_a, j_b = _tile_split(j_lo, j_seen, ((tok0 + 1) // BLOCK_N) * BLOCK_N, BLOCK_N)
+    for j0 in range(j_start, j_a, BLOCK_N):
         acc, m_i, l_i = _chunk_tile(
             acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
-            stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, False, CHUNK_TMA, PRECISION)
-    last_tok = tl.minimum(tok0 + BLOCK_Q, q_len) - 1
-    for j0 in range(full_end, last_tok + 1, BLOCK_N):
+            stride_vt, scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION, SLIDING)
+    for j0 in range(j_a, j_b, BLOCK_N):
         acc, m_i, l_i = _chunk_tile(
             acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
-            stride_vt, scale_log2, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION)
+            stride_vt, scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, False, CHUNK_TMA, PRECISION, SLIDING)
+    for j0 in range(j_b, last_tok + 1, BLOCK_N):
+        acc, m_i, l_i = _chunk_tile(
+            acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
+            stride_vt, scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION, SLIDING)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (row_t * stride_ot + heads * stride_oh)[:, None] + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:  # every row sees at least its own key: l_i > 0
+        tl.store(lse_ptr + row_t * tl.num_programs(2) * GROUP + heads, m_i + tl.log2(l_i), mask=row_ok)
 
 
 def flops(query_lens: list[int], seq_lens: list[int], num_q_heads: int, head_dim: int) -> int:
@@ -333,24 +390,30 @@ def prefill_attention(
     query_start_loc: torch.Tensor,  # [B + 1] int32
     max_query_len: int,  # host-side bound on q_len (sizes the grid)
     scale: float,
-) -> torch.Tensor:
+    window: int | None = None,  # sliding window: the row at position p sees keys p - window < k <= p
+    kv_start: torch.Tensor | None = None,  # [B] int32, <= each request's context: keys before it are not seen
+    return_lse: bool = False,  # also return lse [T, Hq] float32 (base 2)
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return prefill_attention_config(query, key, value, key_cache, value_cache, block_tables, seq_lens,
-                                    query_start_loc, max_query_len, scale)
+                                    query_start_loc, max_query_len, scale, window=window, kv_start=kv_start,
+                                    return_lse=return_lse)
 
 
-def _hopper_unsupported(query, key, value, key_cache, value_cache) -> str | None:
+def _hopper_unsupported(query, key, value, key_cache, value_cache, masks_keys: bool = False) -> str | None:
     why = prefill_attention_hopper.unsupported(query, key, value, key_cache, value_cache)
+    if why is None and masks_keys:
+        why = "it has no sliding window, key start or LSE output (windowed layers, cascade attention)"
     if why is None and not (_tma_layout_ok(key, key.shape[2]) and _tma_layout_ok(value, value.shape[2])):
         why = f"K/V rows not TMA-compatible (strides {key.stride()})"
     return why
 
 
-def _use_hopper_kernel(query, key, value, key_cache, value_cache) -> bool:
+def _use_hopper_kernel(query, key, value, key_cache, value_cache, masks_keys: bool) -> bool:
     """Whether the step goes to the Gluon kernel of prefill_attention_hopper.py; says once why not on a
-    CUDA device."""
+    CUDA device. masks_keys: the call has a window, a key start or asks for the LSE."""
     if not query.is_cuda or not _tma_pays(query.shape[0]):
         return False
-    why = _hopper_unsupported(query, key, value, key_cache, value_cache)
+    why = _hopper_unsupported(query, key, value, key_cache, value_cache, masks_keys)
     if why and why not in _logged:
         _logged.add(why)
         logger.info("prefill_attention: the Triton kernel, not the Hopper (Gluon) one: %s", why)
@@ -362,10 +425,12 @@ def _use_hopper_kernel(query, key, value, key_cache, value_cache) -> bool:
 
 def prefill_attention_config(query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                              max_query_len: int, scale: float, config: PrefillConfig | None = None,
-                             chunk_tma: bool | None = None, hopper: bool | None = None) -> torch.Tensor:
+                             chunk_tma: bool | None = None, hopper: bool | None = None, window: int | None = None,
+                             kv_start: torch.Tensor | None = None, return_lse: bool = False):
     """prefill_attention with an explicit kernel, tile config and TMA choice (None: the defaults); for tests
     and tune.py. hopper=True forces the Gluon kernel (sm_90 only), False the Triton one; a config or a
-    chunk_tma choice means the Triton kernel. chunk_tma=True also runs the TMA path under TRITON_INTERPRET=1."""
+    chunk_tma choice means the Triton kernel. chunk_tma=True also runs the TMA path under TRITON_INTERPRET=1.
+    A window, a kv_start or return_lse always run the Triton kernel."""
     num_tokens, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     batch = seq_lens.shape[0]
@@ -383,18 +448,24 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
     assert seq_lens.dtype == torch.int32 and seq_lens.is_contiguous()
     assert query_start_loc.shape == (batch + 1,) and query_start_loc.dtype == torch.int32
     assert query_start_loc.is_contiguous()
+    assert window is None or window >= 1, window
+    assert kv_start is None or (kv_start.shape == (batch,) and kv_start.dtype == torch.int32
+                                and kv_start.is_contiguous())
     group = num_q_heads // num_kv_heads
+    masks_keys = window is not None or kv_start is not None or return_lse
     if hopper is None:
-        hopper = config is None and chunk_tma is None and _use_hopper_kernel(query, key, value, key_cache, value_cache)
+        hopper = config is None and chunk_tma is None and _use_hopper_kernel(query, key, value, key_cache, value_cache,
+                                                                             masks_keys)
     elif hopper:  # forced: the default path has just checked the same
-        why = _hopper_unsupported(query, key, value, key_cache, value_cache)
+        why = _hopper_unsupported(query, key, value, key_cache, value_cache, masks_keys)
         assert why is None, f"the Hopper prefill kernel cannot take this call: {why}"
     if hopper:
         return prefill_attention_hopper.prefill_attention_hopper(
             query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    lse = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=query.device) if return_lse else out
     if num_tokens == 0 or batch == 0 or max_query_len <= 0:
-        return out
+        return (out, lse) if return_lse else out
     config = config or choose_config(head_dim, group, query.dtype)
     assert config.block_m >= group, (config, group)
     if chunk_tma is None:
@@ -410,7 +481,7 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
     grid = (triton.cdiv(max_query_len, config.block_m // group), batch, num_kv_heads)
     _prefill_kernel[grid](
         query, key, value, key_desc, value_desc, key_cache, value_cache, out, block_tables, seq_lens,
-        query_start_loc, scale * _LOG2E,
+        query_start_loc, kv_start if kv_start is not None else seq_lens, lse, window or 0, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -419,6 +490,7 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, CHUNK_TMA=chunk_tma,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    return out
+    return (out, lse) if return_lse else out

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+_LOG2E = 1.4426950408889634
+
 
 def kv_cache_write(
     key: torch.Tensor,  # [T, Hkv, D]
@@ -33,11 +35,18 @@ def kv_cache_write(
     value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The K (or V) rows of positions [start, end) through one request's block table: [end - start, Hkv, D].
+    Blocks before start's are never touched (a sliding window may have freed them)."""
     block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, Hkv, D]
-    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]  # [seq_len, Hkv, D]
+    first, last = start // block_size, (end + block_size - 1) // block_size
+    blocks = cache[block_table[first:last].long()]  # [n, block_size, Hkv, D]
+    return blocks.reshape(-1, *cache.shape[2:])[start - first * block_size:end - first * block_size]
+
+
+def _first_key(seq_len: int, q_len: int, window: int | None, kv_start: int) -> int:
+    """The lowest key position any of a request's q_len query rows attends to."""
+    return max(kv_start, seq_len - q_len - window + 1 if window else 0, 0)
 
 
 def paged_attention(
@@ -48,39 +57,55 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
+    window: int | None = None,
+    kv_start: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each request's query tokens over its paged KV.
 
     Request i owns query rows query_start_loc[i]:query_start_loc[i+1]; they are the last q_len
     positions of its seq_lens[i] tokens, whose K/V are already in the cache. This one function
     covers decode (q_len = 1), prefill (q_len = seq_len) and chunked prefill.
+    window: the row at position p sees keys p - window < k <= p (Hugging Face's sliding window);
+    kv_start [B]: request i sees no key before kv_start[i] (cascade attention's suffix).
+    return_lse: also return lse [T, Hq] float32, log2 of each row's softmax denominator
+    sum_k exp(scale q.k) (base 2, as the kernels keep it; -inf where a row sees no key).
     """
     out = torch.empty_like(query)
+    lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    starts = kv_start.tolist() if kv_start is not None else [0] * len(lens)
     for i, seq_len in enumerate(lens):
         start, end = qsl[i], qsl[i + 1]
         q_len = end - start
         if q_len == 0:
             continue
-        k = _gather_kv(key_cache, block_tables[i], seq_len)
-        v = _gather_kv(value_cache, block_tables[i], seq_len)
-        out[start:end] = _attend(query[start:end], k, v, scale)
-    return out
+        first = _first_key(seq_len, q_len, window, starts[i])
+        k = _gather_kv(key_cache, block_tables[i], first, seq_len)
+        v = _gather_kv(value_cache, block_tables[i], first, seq_len)
+        out[start:end], lse[start:end] = _attend(query[start:end], k, v, scale, first, window)
+    return (out, lse) if return_lse else out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [q_len, Hq, D], the last q_len positions of k/v [s, Hkv, D]: causal attention in float32,
-    returned in q's dtype."""
-    q_len, seq_len, group, dtype = q.shape[0], k.shape[0], q.shape[1] // k.shape[1], q.dtype
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, first: int = 0,
+            window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [q_len, Hq, D], the last q_len positions of keys first .. first + s - 1 (k/v [s, Hkv, D]): causal
+    attention (within the window) in float32. Returns the output in q's dtype and lse [q_len, Hq]."""
+    q_len, num_keys, group, dtype = q.shape[0], k.shape[0], q.shape[1] // k.shape[1], q.dtype
+    seq_len = first + num_keys
     q = q.float().transpose(0, 1)  # [Hq, q, D]
     k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, s, D]
     v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = torch.matmul(q, k.transpose(1, 2)) * scale  # [Hq, q, s]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=scores.device).unsqueeze(1)
-    k_pos = torch.arange(seq_len, device=scores.device).unsqueeze(0)
-    scores.masked_fill_(k_pos > q_pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v).transpose(0, 1).to(dtype)
+    k_pos = torch.arange(first, seq_len, device=scores.device).unsqueeze(0)
+    hidden = k_pos > q_pos
+    if window:
+        hidden |= k_pos <= q_pos - window
+    scores.masked_fill_(hidden, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1) * _LOG2E  # [Hq, q]
+    probs = torch.softmax(scores, dim=-1).masked_fill(hidden.all(dim=-1, keepdim=True), 0.0)  # no key: out = 0
+    return torch.matmul(probs, v).transpose(0, 1).to(dtype), lse.transpose(0, 1)
 
 
 def paged_decode_attention(
@@ -91,9 +116,13 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     max_seq_len: int,  # an upper bound on seq_lens (kernels size their KV split from it)
     scale: float,
-) -> torch.Tensor:
+    window: int | None = None,
+    kv_start: torch.Tensor | None = None,  # [B] int32: keys before it are not attended (a cascade's suffix)
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
-    return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
+                           kv_start, return_lse)
 
 
 def prefill_attention(
@@ -107,9 +136,61 @@ def prefill_attention(
     query_start_loc: torch.Tensor,
     max_query_len: int,  # an upper bound on the per-request query lengths (sizes the grid)
     scale: float,
-) -> torch.Tensor:
+    window: int | None = None,
+    kv_start: torch.Tensor | None = None,  # [B] int32, <= each request's cached prefix (seq_len - q_len)
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     assert key.shape == value.shape == (query.shape[0], *key_cache.shape[2:]), (key.shape, query.shape)
-    return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
+                           kv_start, return_lse)
+
+
+def cascade_prefix_attention(
+    query: torch.Tensor,  # [T, Hq, D], rotated
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    prefix_tables: torch.Tensor,  # [G, max_prefix_blocks] int32: each group's shared leading blocks
+    prefix_lens: torch.Tensor,  # [G] int32: tokens of the shared prefix, >= 1
+    rows: torch.Tensor,  # [R] int32: the query rows of group 0, then of group 1, ...
+    row_start: torch.Tensor,  # [G + 1] int32: group g owns rows[row_start[g]:row_start[g + 1]]
+    max_group_rows: int,  # host-side bound on a group's rows (sizes the grid)
+    max_prefix_len: int,  # host-side bound on prefix_lens (sizes the KV split)
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cascade attention's shared part: every query row of a group attends to all of its group's prefix
+    keys (no causal mask: the prefix lies before every row). Returns S partial states per row,
+    o [R, Hq, S, D] float32 (normalized) and lse [R, Hq, S] float32 (base 2; -inf: an empty part), which
+    merge_attn_states folds into the rows' suffix attention. Here S = 1; a kernel may split the prefix."""
+    num_rows, num_heads, head_dim = rows.shape[0], query.shape[1], query.shape[2]
+    o = torch.zeros(num_rows, num_heads, 1, head_dim, dtype=torch.float32, device=query.device)
+    lse = torch.full((num_rows, num_heads, 1), float("-inf"), dtype=torch.float32, device=query.device)
+    bounds, lens = row_start.tolist(), prefix_lens.tolist()
+    for g, prefix_len in enumerate(lens):
+        r0, r1 = bounds[g], bounds[g + 1]
+        k = _gather_kv(key_cache, prefix_tables[g], 0, prefix_len)
+        v = _gather_kv(value_cache, prefix_tables[g], 0, prefix_len)
+        for r in range(r0, r1):  # each row alone: as the last query of a request whose keys end at the prefix
+            out, row_lse = _attend(query[rows[r].long()].unsqueeze(0).float(), k, v, scale)
+            o[r, :, 0], lse[r, :, 0] = out[0], row_lse[0]
+    return o, lse
+
+
+def merge_attn_states(
+    out: torch.Tensor,  # [T, Hq, D]: each row's suffix attention; rows listed in `rows` are overwritten
+    lse: torch.Tensor,  # [T, Hq] float32: its log-sum-exp (base 2)
+    prefix_o: torch.Tensor,  # [R, Hq, S, D] float32
+    prefix_lse: torch.Tensor,  # [R, Hq, S] float32
+    rows: torch.Tensor,  # [R] int: row r of the prefix states belongs to query row rows[r]
+) -> None:
+    """out[rows[r]] <- the softmax-weighted merge of its suffix state and its S prefix states:
+    sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s (states with lse -inf weigh 0)."""
+    idx = rows.long()
+    all_lse = torch.cat([lse[idx].unsqueeze(-1), prefix_lse], dim=-1)  # [R, Hq, S + 1]
+    all_o = torch.cat([out[idx].float().unsqueeze(2), prefix_o], dim=2)  # [R, Hq, S + 1, D]
+    weights = torch.exp2(all_lse - all_lse.amax(dim=-1, keepdim=True))  # [R, Hq, S + 1]
+    all_o = torch.where(weights.unsqueeze(-1) > 0, all_o, 0.0)  # an empty state's o is never read
+    merged = (weights.unsqueeze(-1) * all_o).sum(2) / weights.sum(-1, keepdim=True)
+    out[idx] = merged.to(out.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -185,20 +266,22 @@ def rotary_decode_attention(
     seq_lens: torch.Tensor,  # [B], >= 1: the new token is at position seq_len - 1
     max_seq_len: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """A decode step's attention: rotary_kv_cache_write, then each request attends over its first
-    seq_len - 1 cached tokens and its new token (rotated key and value, in the cache's dtype). Where
-    slot >= 0 this is exactly paged_decode_attention after the write; a padding row (slot < 0) writes
-    nothing and still attends to its own new token."""
+    """A decode step's attention: rotary_kv_cache_write, then each request attends over its cached tokens
+    (the last window - 1 of them with a window) and its new token (rotated key and value, in the cache's
+    dtype). Where slot >= 0 this is exactly paged_decode_attention after the write; a padding row
+    (slot < 0) writes nothing and still attends to its own new token."""
     query, key = rotary_kv_cache_write(positions, query, key, value, cos_sin_cache, is_neox, key_cache,
                                        value_cache, slot_mapping, return_key=True)
     out = torch.empty_like(query)
     for i, seq_len in enumerate(seq_lens.tolist()):
-        cached = seq_len - 1
-        k = torch.cat([_gather_kv(key_cache, block_tables[i], cached), key[i:i + 1].to(key_cache.dtype)])
-        v = torch.cat([_gather_kv(value_cache, block_tables[i], cached),
+        first = _first_key(seq_len, 1, window, 0)
+        k = torch.cat([_gather_kv(key_cache, block_tables[i], first, seq_len - 1),
+                       key[i:i + 1].to(key_cache.dtype)])
+        v = torch.cat([_gather_kv(value_cache, block_tables[i], first, seq_len - 1),
                        value[i:i + 1].to(value_cache.dtype)])
-        out[i:i + 1] = _attend(query[i:i + 1], k, v, scale)
+        out[i:i + 1] = _attend(query[i:i + 1], k, v, scale, first, window)[0]
     return out
 
 

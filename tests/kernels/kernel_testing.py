@@ -45,6 +45,16 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, rel: float, abs_: float, 
     assert err <= rel and mx <= abs_, f"{what}: rel err {err:.3g} (tol {rel:g}), max abs {mx:.3g} ({abs_:g})"
 
 
+def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor, what: str = "lse") -> None:
+    """Log-sum-exps agree: -inf (a row with no key) exactly where the reference has it, else within 1e-4
+    (base-2 logs of O(1)-O(10) sums: an absolute tolerance)."""
+    assert lse.shape == ref.shape and lse.dtype == torch.float32, (lse.shape, ref.shape, lse.dtype)
+    empty = ref == float("-inf")
+    assert torch.equal(lse == float("-inf"), empty), f"{what}: -inf at other rows than the reference's"
+    assert torch.isfinite(lse[~empty]).all(), f"{what}: non-finite"
+    assert max_abs(lse[~empty], ref[~empty]) <= 1e-4, f"{what}: max abs err {max_abs(lse[~empty], ref[~empty]):.3g}"
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

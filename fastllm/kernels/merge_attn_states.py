@@ -1,0 +1,62 @@
+"""Merge partial attention states by their log-sum-exp: cascade attention's last step.
+
+Query row t attended to two disjoint sets of keys: its suffix (out[t], lse[t] from a paged kernel with
+kv_start) and its group's shared prefix, in S parts (prefix_o, prefix_lse from cascade_attention.py). Softmax
+over the union is the weighted mean of the parts:
+    out[t] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s   (base 2, as the kernels)
+over the S + 1 states; an empty part (lse = -inf) weighs 0 and its o is never read. out is updated in place,
+only at the listed rows. Grid: (R, Hq), one (row, head) a program, its S + 1 states of D floats.
+
+Memory traffic: R * Hq * (S * (D + 1) * 4 + 2 * D * out.element_size() + 4) bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_kernel(out_ptr, lse_ptr, prefix_o_ptr, prefix_lse_ptr, rows_ptr, stride_ot, stride_oh, stride_lt,
+                  num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    t = tl.load(rows_ptr + r).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    s = tl.arange(0, BLOCK_S)
+    state = (r * tl.num_programs(1) + h) * num_splits + s  # [BLOCK_S]
+    part_lse = tl.load(prefix_lse_ptr + state, mask=s < num_splits, other=float("-inf"))
+    own_lse = tl.load(lse_ptr + t * stride_lt + h)
+    out_row = out_ptr + t * stride_ot + h * stride_oh + d
+    own = tl.load(out_row, mask=d_ok, other=0.0).to(tl.float32)
+    m = tl.maximum(tl.max(part_lse, axis=0), own_lse)
+    w = tl.exp2(part_lse - m)  # [BLOCK_S]; 0 for empty parts
+    own_w = tl.exp2(own_lse - m)
+    part_o = tl.load(prefix_o_ptr + state[:, None] * HEAD_DIM + d[None, :],
+                     mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)  # an empty part's o is never read
+    merged = (tl.sum(w[:, None] * part_o, axis=0) + own_w * own) / (tl.sum(w, axis=0) + own_w)
+    tl.store(out_row, merged.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def merge_attn_states(
+    out: torch.Tensor,  # [T, Hq, D]: the suffix attention; the listed rows are overwritten
+    lse: torch.Tensor,  # [T, Hq] float32
+    prefix_o: torch.Tensor,  # [R, Hq, S, D] float32
+    prefix_lse: torch.Tensor,  # [R, Hq, S] float32
+    rows: torch.Tensor,  # [R] int32
+) -> None:
+    num_rows, num_heads, num_splits, head_dim = prefix_o.shape
+    assert out.shape[1:] == (num_heads, head_dim) and out.stride(2) == 1, (out.shape, prefix_o.shape)
+    assert lse.shape == out.shape[:2] and lse.dtype == torch.float32 and lse.stride(1) == 1
+    assert prefix_o.dtype == prefix_lse.dtype == torch.float32 and prefix_o.is_contiguous()
+    assert prefix_lse.shape == (num_rows, num_heads, num_splits) and prefix_lse.is_contiguous()
+    assert rows.shape == (num_rows,) and rows.is_contiguous()
+    if num_rows == 0:
+        return
+    _merge_kernel[(num_rows, num_heads)](
+        out, lse, prefix_o, prefix_lse, rows, out.stride(0), out.stride(1), lse.stride(0), num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=1 if head_dim <= 64 else 2,
+    )
