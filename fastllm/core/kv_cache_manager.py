@@ -3,6 +3,16 @@
 The scheduler calls this; it never sees a tensor. Physical work (copying a block for
 copy-on-write, moving blocks to and from the CPU pool) is returned as (src, dst) block-id
 pairs that travel in the SchedulerOutput to the model runner.
+
+Sliding window (every layer of the model has one): the row at position p reads keys p - window < k <= p,
+so a block that ends at or before num_computed_tokens - window is never read again. Each allocation gives
+such blocks back to the pool (as any freed block: cached-free, still findable by its hash) and puts the
+null block in their place, so the table keeps every position where it was; a request holds at most about
+(window + its step's tokens) / block_size blocks, whatever its length. The freed blocks are always a
+leading run of the table (num_freed). Prefix-cache hits behind the window are not taken at all. Blocks
+are registered in the prefix cache before they are freed, and registration walks over freed positions
+through the blocks lookup finds there, so the hash chain (each block registered under the one before it)
+stays whole; if one of those has been evicted, the request registers nothing more (unchained).
 """
 
 from __future__ import annotations
@@ -18,10 +28,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0):
+    def __init__(self, num_gpu_blocks: int, block_size: int, enable_caching: bool = True, num_cpu_blocks: int = 0,
+                 sliding_window: int | None = None):
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window  # every layer's (the widest), or None: see the module docstring
         self.pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.null_block = self.pool.blocks[NULL_BLOCK_ID]  # what the table holds where a block was freed
         self.cpu_pool = BlockPool(num_cpu_blocks, False, reserve_null_block=False) if num_cpu_blocks >= 2 else None
         self.req_blocks: dict[str, list[KVCacheBlock]] = defaultdict(list)
         self.swapped_blocks: dict[str, list[KVCacheBlock]] = {}  # request id -> CPU blocks
@@ -29,6 +42,8 @@ class KVCacheManager:
         self.rewritten: set[str] = set()  # requests whose block table changed in place this step
         self.num_registered: dict[str, int] = defaultdict(int)  # leading blocks already offered to the cache
         self.chain_tail: dict[str, KVCacheBlock] = {}  # the cached block lookup finds at the last of those
+        self.num_freed: dict[str, int] = defaultdict(int)  # leading blocks given back behind the window
+        self.unchained: set[str] = set()  # requests whose hash chain broke at a freed, evicted block
         # Blocks registered by the step being scheduled: that step's forward writes their KV. A
         # prefix hit on one is safe (each layer writes K/V before attending), but a copy-on-write
         # copy runs before the forward, so a fork must not share one (see fork).
@@ -82,6 +97,7 @@ class KVCacheManager:
         num_lookahead_tokens slots after them that a draft model writes (never past the request's
         max_total_tokens). Returns False, changing nothing, when the free blocks do not suffice."""
         if not computed_blocks:
+            self._free_behind_window(request)
             blocks = self.req_blocks.get(request.request_id)
             end = request.num_computed_tokens + num_new_tokens
             last = (self._slots_end(request, end, num_lookahead_tokens) - 1) // self.block_size
@@ -100,14 +116,19 @@ class KVCacheManager:
         cow = [i for i in range(num_computed // self.block_size, min(held, cdiv(slots_end, self.block_size)))
                if i < len(blocks) and blocks[i].ref_cnt > 1]
         num_needed = max(0, cdiv(slots_end, self.block_size) - held) + len(cow)
-        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        behind = min(len(computed_blocks), self._first_needed_block(num_computed))  # hits not to take
+        num_evictable_hits = sum(1 for b in computed_blocks[behind:] if b.ref_cnt == 0)
         if num_needed + num_evictable_hits > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_blocks[request.request_id]
             return False
 
-        self.pool.touch(computed_blocks)
-        blocks.extend(computed_blocks)
+        if computed_blocks:  # (registered already: the chain continues after the last hit)
+            self.num_registered[request.request_id] = len(blocks) + len(computed_blocks)
+            self.chain_tail[request.request_id] = computed_blocks[-1]
+            self.num_freed[request.request_id] += behind
+        self.pool.touch(computed_blocks[behind:])
+        blocks.extend([self.null_block] * behind + computed_blocks[behind:])
         for i in cow:
             [copy] = self.pool.allocate(1)
             self.pending_copies.append((blocks[i].block_id, copy.block_id))
@@ -117,6 +138,34 @@ class KVCacheManager:
         blocks.extend(self.pool.allocate(max(0, cdiv(slots_end, self.block_size) - len(blocks))))
         self._cache_full_blocks(request, blocks, end)
         return True
+
+    def _first_needed_block(self, num_computed: int) -> int:
+        """The first block a request at num_computed_tokens may still read (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
+
+    def _free_behind_window(self, request: Request) -> None:
+        """Give back the request's blocks that its next query (at num_computed_tokens) and every later one
+        see no key of; the null block takes their place in the table, which the runner then gets whole."""
+        req_id = request.request_id
+        blocks = self.req_blocks.get(req_id)
+        if self.sliding_window is None or not blocks:
+            return
+        first, freed = self._first_needed_block(request.num_computed_tokens), self.num_freed[req_id]
+        if first <= freed:
+            return
+        # (registered first, so that the chain runs on past them: after a swap-in or a fork it may lag)
+        self._cache_full_blocks(request, blocks, request.num_computed_tokens)
+        gone = blocks[freed:first]
+        blocks[freed:first] = [self.null_block] * len(gone)
+        self.pool.free(reversed(gone))
+        self.num_freed[req_id] = first
+        self.rewritten.add(req_id)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds in the pool (its table's entries less the freed ones)."""
+        return len(self.req_blocks.get(request_id, ())) - self.num_freed.get(request_id, 0)
 
     @staticmethod
     def _slots_end(request: Request, end: int, num_lookahead_tokens: int) -> int:
@@ -136,7 +185,16 @@ class KVCacheManager:
         # equal block cached earlier, not the request's own copy), so the chain stays reachable.
         parent = self.chain_tail.get(request.request_id)
         for i in range(start, num_full):
+            if request.request_id in self.unchained:
+                break
             tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            if blocks[i] is self.null_block:
+                # Freed behind the window (a fork's or a swapped-in table): the chain goes on from the block
+                # lookup finds here; once that is evicted, nothing after it can be found: stop registering.
+                parent = self.pool.lookup(request.block_hashes[i], tokens, parent)
+                if parent is None:
+                    self.unchained.add(request.request_id)
+                continue
             new = blocks[i].block_hash is None
             parent = self.pool.register(blocks[i], request.block_hashes[i], tokens, parent)
             if new and blocks[i].block_hash is not None:
@@ -149,7 +207,9 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_registered.pop(request.request_id, None)
         self.chain_tail.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
+        freed = self.num_freed.pop(request.request_id, 0)
+        self.unchained.discard(request.request_id)
+        self.pool.free(reversed(blocks[freed:]))
         cpu_blocks = self.swapped_blocks.pop(request.request_id, None)
         if cpu_blocks:
             self.cpu_pool.free(cpu_blocks)
@@ -157,24 +217,32 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request, num_tokens: int) -> bool:
         """Let child share the parent's blocks holding its first num_tokens tokens. False (and
         nothing shared) while one of them is being filled by this step: the child's first write
-        copies the block it writes into, and that copy would run before the block holds its KV."""
+        copies the block it writes into, and that copy would run before the block holds its KV. False
+        too when the parent has already freed a block the child still reads (its window is further on)."""
         shared = self.req_blocks[parent.request_id][:cdiv(num_tokens, self.block_size)]
         if any(b.block_id in self.filled_this_step for b in shared):
             return False
-        self.pool.touch(shared)
+        freed = min(self.num_freed.get(parent.request_id, 0), len(shared))
+        if freed > self._first_needed_block(num_tokens):
+            return False
+        self.pool.touch(shared[freed:])
         self.req_blocks[child.request_id] = list(shared)
+        if freed:
+            self.num_freed[child.request_id] = freed
         return True
 
     # swapping
 
     def can_swap_out(self, request: Request) -> bool:
-        return self.cpu_pool is not None and len(self.req_blocks[request.request_id]) <= self.cpu_pool.num_free_blocks
+        return self.cpu_pool is not None and self.num_held_blocks(request.request_id) <= self.cpu_pool.num_free_blocks
 
     def swap_out(self, request: Request) -> list[tuple[int, int]]:
-        """Move the request's blocks to the CPU pool; returns (gpu, cpu) pairs to copy."""
-        gpu_blocks = self.req_blocks.pop(request.request_id)
+        """Move the request's blocks to the CPU pool; returns (gpu, cpu) pairs to copy. The freed ones
+        (behind the window) stay freed: num_freed is kept for swap_in."""
+        gpu_blocks = self.req_blocks.pop(request.request_id)[self.num_freed.get(request.request_id, 0):]
         self.num_registered.pop(request.request_id, None)
         self.chain_tail.pop(request.request_id, None)
+        self.unchained.discard(request.request_id)
         cpu_blocks = self.cpu_pool.allocate(len(gpu_blocks))
         self.swapped_blocks[request.request_id] = cpu_blocks
         self.pool.free(reversed(gpu_blocks))
@@ -182,14 +250,15 @@ class KVCacheManager:
 
     def can_swap_in(self, request: Request, num_new_tokens: int, num_lookahead_tokens: int = 0) -> bool:
         end = self._slots_end(request, request.num_computed_tokens + num_new_tokens, num_lookahead_tokens)
-        need = max(len(self.swapped_blocks[request.request_id]), cdiv(end, self.block_size))
+        freed = self.num_freed.get(request.request_id, 0)
+        need = max(len(self.swapped_blocks[request.request_id]), cdiv(end, self.block_size) - freed)
         return need <= self.pool.num_free_blocks
 
     def swap_in(self, request: Request) -> list[tuple[int, int]]:
         """Bring a swapped request's blocks back; returns (cpu, gpu) pairs to copy."""
         cpu_blocks = self.swapped_blocks.pop(request.request_id)
         gpu_blocks = self.pool.allocate(len(cpu_blocks))
-        self.req_blocks[request.request_id] = gpu_blocks
+        self.req_blocks[request.request_id] = [self.null_block] * self.num_freed.get(request.request_id, 0) + gpu_blocks
         self.cpu_pool.free(cpu_blocks)
         return [(c.block_id, g.block_id) for c, g in zip(cpu_blocks, gpu_blocks)]
 
@@ -206,11 +275,16 @@ class KVCacheManager:
     # invariants
 
     def check_invariants(self) -> None:
-        """Every block is free or owned, and reference counts equal the number of holders.
+        """Every block is free or owned, and reference counts equal the number of holders; the null block
+        stands only where a window freed a leading run of a table.
         Raises AssertionError describing the first violation."""
         holders: dict[int, int] = defaultdict(int)
-        for blocks in self.req_blocks.values():
-            for b in blocks:
+        for req_id, blocks in self.req_blocks.items():
+            freed = self.num_freed.get(req_id, 0)
+            assert freed == 0 or self.sliding_window is not None, f"{req_id}: blocks freed without a window"
+            assert all(b is self.null_block for b in blocks[:freed]), f"{req_id}: a freed position holds a block"
+            for b in blocks[freed:]:
+                assert b is not self.null_block, f"{req_id}: the null block past the freed run"
                 holders[b.block_id] += 1
         for block in self.pool.blocks:
             if block.block_id == NULL_BLOCK_ID and self.pool.reserve_null_block:
@@ -233,5 +307,6 @@ class KVCacheManager:
         self.check_invariants()
         assert not self.req_blocks and not self.swapped_blocks, (
             f"blocks still held by {sorted(self.req_blocks) + sorted(self.swapped_blocks)}")
+        assert not any(self.num_freed.values()), f"freed-block counts left for {sorted(self.num_freed)}"
         assert self.pool.num_free_blocks == self.pool.num_usable_blocks, (
             f"{self.pool.num_usable_blocks - self.pool.num_free_blocks} blocks leaked")

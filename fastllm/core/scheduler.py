@@ -60,6 +60,7 @@ class Scheduler:
         num_cpu_blocks: int = 0,
         hash_fn: HashFn = hash_block_tokens,
         num_lookahead_tokens: int = 0,
+        sliding_window: int | None = None,  # every layer's window: blocks behind it go back to the pool
     ):
         if scheduler_config.max_num_seqs is None:
             raise ValueError("max_num_seqs is unset: build the scheduler from EngineConfig.for_device(...)")
@@ -68,7 +69,7 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.hash_fn = hash_fn if cache_config.enable_prefix_caching else None
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size, cache_config.enable_prefix_caching,
-                                 num_cpu_blocks if scheduler_config.preemption_mode == "swap" else 0)
+                                 num_cpu_blocks if scheduler_config.preemption_mode == "swap" else 0, sliding_window)
         self.num_lookahead_tokens = num_lookahead_tokens  # the draft model's slots past a step's tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

@@ -50,7 +50,8 @@ class LLMEngine:
                              f"{config.model.max_model_len}: lower max_model_len or give the cache more memory")
         self.worker.init_kv_cache(num_blocks, num_cpu_blocks)
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
-                                   num_blocks, num_cpu_blocks, hash_fn, config.speculative.num_speculative_tokens)
+                                   num_blocks, num_cpu_blocks, hash_fn, config.speculative.num_speculative_tokens,
+                                   config.model.kv_sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.worker.runner.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -59,13 +59,14 @@ def make_scheduler(
     max_model_len: int = 1024,
     hash_fn: HashFn = hash_block_tokens,
     num_lookahead_tokens: int = 0,
+    sliding_window: int | None = None,
 ) -> Scheduler:
     """num_blocks counts the null block: num_blocks - 1 blocks are usable."""
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                         enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-        max_model_len, num_blocks, num_cpu_blocks, hash_fn, num_lookahead_tokens,
+        max_model_len, num_blocks, num_cpu_blocks, hash_fn, num_lookahead_tokens, sliding_window,
     )
 
 
@@ -169,7 +170,7 @@ class FakeRunner:
                 slots, i = self._slot(self.tables[req_id], p)
                 slots[i] = self.sig(request, p)
         for req_id in req_ids:
-            self._check_kv(sched.requests[req_id], self.tables[req_id])
+            self._check_kv(sched.requests[req_id], self.tables[req_id], self.computed[req_id])
         tokens: list[list[int]] = []
         for req_id in req_ids:
             request = sched.requests[req_id]
@@ -178,8 +179,16 @@ class FakeRunner:
             tokens.append([self.token_fn(request)] if caught_up else [])
         return ModelRunnerOutput(req_ids, tokens)
 
-    def _check_kv(self, request: Request, table: list[int]) -> None:
-        for p in range(request.num_computed_tokens):
+    def _first_read(self, first_query: int) -> int:
+        """The first position a query at first_query (or later) reads: all of them, or its sliding window's."""
+        window = self.sched.kv.sliding_window
+        return 0 if window is None else max(0, first_query - window + 1)
+
+    def _check_kv(self, request: Request, table: list[int], first_query: int | None = None) -> None:
+        """Every position the request's queries from first_query on read (default: its next one's) holds
+        its own KV."""
+        first_query = request.num_computed_tokens if first_query is None else first_query
+        for p in range(self._first_read(first_query), request.num_computed_tokens):
             slots, i = self._slot(table, p)
             assert slots[i] == self.sig(request, p), (
                 f"{request.request_id}: wrong KV at position {p} (block {table[p // self.bs]})")
@@ -191,8 +200,9 @@ class FakeRunner:
             self._check_kv(request, kv.block_ids(request.request_id))
         for request in self.sched.swapped:
             cpu_ids = [b.block_id for b in kv.swapped_blocks[request.request_id]]
-            for p in range(request.num_computed_tokens):
-                assert self.cpu[cpu_ids[p // self.bs]][p % self.bs] == self.sig(request, p), (
+            freed = kv.num_freed.get(request.request_id, 0)  # (not swapped: behind the window)
+            for p in range(self._first_read(request.num_computed_tokens), request.num_computed_tokens):
+                assert self.cpu[cpu_ids[p // self.bs - freed]][p % self.bs] == self.sig(request, p), (
                     f"{request.request_id}: wrong swapped KV at position {p}")
 
 
