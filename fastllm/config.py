@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = str(ASSETS / "stories260K")
@@ -72,11 +69,6 @@ class ModelConfig:
         if not self.hf_config:
             object.__setattr__(self, "hf_config", json.loads(config_file.read_text()))
         limit = self.max_position_embeddings
-        window = self.hf_config.get("sliding_window") if self.hf_config.get("use_sliding_window", True) else None
-        if window and window < limit:
-            # Sliding-window attention is not implemented: within the window, full attention is exact.
-            logger.warning("sliding_window=%d is not implemented: max_model_len is limited to it", window)
-            limit = window
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", limit)
         _check(
@@ -91,6 +83,35 @@ class ModelConfig:
     def architecture(self) -> str:
         archs = self.hf_config.get("architectures") or [""]
         return archs[0]
+
+    @property
+    def kv_sliding_window(self) -> int | None:
+        """The window every layer attends within, when all of them have one: KV blocks wholly before it are
+        never read again and go back to the pool while the request runs. None when a layer sees everything."""
+        windows = sliding_windows(self.hf_config)
+        return None if None in windows else max(windows)
+
+
+def sliding_windows(hf_config: dict) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention), read as Hugging Face transformers reads the config.
+    The row at position p then sees keys p - window < k <= p. Mistral applies sliding_window (4096 when the
+    key is absent) to every layer; Qwen2 and Qwen3 only with use_sliding_window, to the layers layer_types
+    marks "sliding_attention" (by default those from max_window_layers on); Llama has none. A window that
+    covers every position the model addresses is full attention."""
+    num_layers = hf_config["num_hidden_layers"]
+    arch = (hf_config.get("architectures") or [""])[0]
+    if arch == "MistralForCausalLM":
+        windows = [hf_config.get("sliding_window", 4096)] * num_layers
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and hf_config.get("use_sliding_window", False):
+        window = hf_config.get("sliding_window", 4096)
+        first = hf_config.get("max_window_layers", 28)
+        types = hf_config.get("layer_types") or [
+            "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)]
+        windows = [window if t == "sliding_attention" else None for t in types]
+    else:
+        windows = [None] * num_layers
+    limit = int(hf_config.get("max_position_embeddings", 2048))
+    return tuple(w if w is not None and w < limit else None for w in windows)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 The layer owns the rotary embedding. A decode step is one kernel: rotary, the cache write of the new
 k and v, and attention over the cache plus the new token. A prefill or mixed step rotates q and k and
-writes the cache in one kernel, then attends over the cached prefix and the rotated chunk."""
+writes the cache in one kernel, then attends over the cached prefix and the rotated chunk. A layer with a
+sliding window passes it to the kernels. A step whose metadata carries cascade groups attends in three
+parts instead (see _cascade), on layers whose window does not bite in that step."""
 
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ from fastllm.worker.attn_metadata import get_attn_metadata
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_index: int,
-                 rotary: RotaryEmbedding):
+                 rotary: RotaryEmbedding, sliding_window: int | None = None):
         super().__init__()
         self.rotary = rotary
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window = sliding_window  # the row at position p sees keys p - window < k <= p (None: all)
         # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.layer_index = layer_index  # its place in the model's attention_layers() (the forward context)
@@ -40,12 +43,39 @@ class Attention(nn.Module):
             return query.clone()
         key_cache, value_cache = self.kv_cache
         cos_sin, is_neox = self.rotary.cos_sin_cache, self.rotary.is_neox
+        window = self.sliding_window
+        if window is not None and metadata.max_seq_len <= window:
+            window = None  # no row of this step reaches past its window: full attention is the same
+        if metadata.cascade is not None and window is None:
+            return self._cascade(positions, query, key, value, metadata)
         if metadata.is_decode_only:  # one kernel: rotary, the cache write and attention
             return ops.rotary_decode_attention(positions, query, key, value, cos_sin, is_neox, key_cache,
                                                value_cache, metadata.slot_mapping, metadata.block_tables,
-                                               metadata.seq_lens, metadata.max_seq_len, self.scale)
+                                               metadata.seq_lens, metadata.max_seq_len, self.scale, window)
         query, key = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox, key_cache,
                                                value_cache, metadata.slot_mapping, return_key=True)
         return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
                                      metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
-                                     self.scale)
+                                     self.scale, window)
+
+    def _cascade(self, positions, query, key, value, metadata) -> torch.Tensor:
+        """Cascade attention: each request's suffix (keys from kv_start) through the paged kernels, with their
+        log-sum-exp; each group's rows against its shared prefix in one pass; the two merged by LSE."""
+        key_cache, value_cache = self.kv_cache
+        cascade = metadata.cascade
+        query, key = ops.rotary_kv_cache_write(positions, query, key, value, self.rotary.cos_sin_cache,
+                                               self.rotary.is_neox, key_cache, value_cache, metadata.slot_mapping,
+                                               return_key=True)
+        if metadata.is_decode_only:
+            out, lse = ops.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
+                                                  metadata.seq_lens, cascade.max_suffix_len, self.scale, None,
+                                                  cascade.kv_start, True)
+        else:
+            out, lse = ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
+                                             metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
+                                             self.scale, None, cascade.kv_start, True)
+        prefix_o, prefix_lse = ops.cascade_prefix_attention(
+            query, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, cascade.rows,
+            cascade.row_start, cascade.max_group_rows, cascade.max_prefix_len, self.scale)
+        ops.merge_attn_states(out, lse, prefix_o, prefix_lse, cascade.rows)
+        return out

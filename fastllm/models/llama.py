@@ -1,7 +1,7 @@
 """One decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3.
 
 Their differences are config switches (LlamaArgs): qkv bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), rope scaling (Llama 3.1), tied embeddings. Parameter names follow Hugging Face's except
+(Qwen3), rope scaling (Llama 3.1), tied embeddings, sliding windows per layer (Mistral, Qwen2/3). Parameter names follow Hugging Face's except
 that q/k/v and gate/up are fused (qkv_proj, gate_up_proj); load_weights maps the checkpoint names.
 
 The forward takes a flat batch: input_ids [T] and positions [T]; attention reads the step's
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fastllm.config import sliding_windows
 from fastllm.kernels import dispatch as kernels
 from fastllm.layers.activation import SiluAndMul
 from fastllm.layers.attention import Attention
@@ -44,6 +45,7 @@ class LlamaArgs:
     qkv_bias: bool = False
     qk_norm: bool = False
     tie_word_embeddings: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # per layer (config.sliding_windows); () for none
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArgs":
@@ -67,6 +69,7 @@ class LlamaArgs:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_windows=sliding_windows(cfg),
         )
 
 
@@ -81,7 +84,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
         self.attn = Attention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim ** -0.5, layer_index,
-                              rotary)
+                              rotary, args.sliding_windows[layer_index] if args.sliding_windows else None)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]

@@ -11,6 +11,20 @@ import torch
 
 
 @dataclass
+class CascadeMetadata:
+    """A cascade step's groups (planned in worker/cascade.py): requests whose block tables start with the same
+    blocks attend to that shared prefix once per group, then each to its own suffix; the parts merge by LSE."""
+    kv_start: torch.Tensor  # [B] int32: where each request's suffix starts (its group's prefix length; 0 alone)
+    prefix_tables: torch.Tensor  # [G, max_prefix_blocks] int32: each group's shared leading blocks
+    prefix_lens: torch.Tensor  # [G] int32: tokens in each group's shared prefix
+    rows: torch.Tensor  # [R] int32: the query rows of group 0's requests, then group 1's, ...
+    row_start: torch.Tensor  # [G + 1] int32: group g owns rows[row_start[g]:row_start[g + 1]]
+    max_group_rows: int  # host-side bounds, for the launch grids: rows of a group,
+    max_prefix_len: int  # tokens of a shared prefix,
+    max_suffix_len: int  # and seq_len - kv_start of a request
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V (block * block_size + offset); -1 skips
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32: physical block ids per request
@@ -18,6 +32,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: request i's query rows are [qsl[i], qsl[i+1])
     max_query_len: int  # host-side bound on the query lengths (1: a pure decode step)
     max_seq_len: int  # host-side bound on seq_lens
+    cascade: CascadeMetadata | None = None  # shared-prefix groups, when the step cascades
 
     @property
     def is_decode_only(self) -> bool:

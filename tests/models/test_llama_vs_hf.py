@@ -39,7 +39,10 @@ TINY = {
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64), rope_theta=500000.0)),
     "mistral": ("MistralConfig", dict(head_dim=64, sliding_window=None)),
+    "mistral-window": ("MistralConfig", dict(head_dim=64, sliding_window=16)),  # prompts + outputs pass it
     "qwen2": ("Qwen2Config", dict()),  # head_dim = hidden / heads = 64, qkv bias
+    # layer 0 full attention, layer 1 a window (Qwen2's use_sliding_window from max_window_layers on)
+    "qwen2-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1)),
     "qwen3": ("Qwen3Config", dict(head_dim=128)),  # q/k norm
 }
 
