@@ -124,8 +124,13 @@ class CacheConfig:
     swap_space_gib: float = arg(1.0, "CPU pool in GiB for preemption_mode swap")
     num_cpu_blocks: int | None = arg(None, "CPU swap blocks, overriding swap_space_gib")
     enable_prefix_caching: bool = arg(True, "reuse the KV of prompt blocks seen before (prefix caching)")
+    # Requests that share leading KV blocks attend to that prefix once per group (worker/cascade.py).
+    cascade_attention: bool | None = arg(None, "read a prefix that requests share once per group: None where "
+                                         "its cost model says it pays, True for every such group, False never")
 
     def __post_init__(self):
+        _check(any(self.cascade_attention is v for v in (None, True, False)), "cascade_attention",
+               f"must be None (where it pays), True or False, got {self.cascade_attention!r}")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", f"must be a power of two in [1, 128], got {self.block_size}")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "num_gpu_blocks", f"must be >= 2, got {self.num_gpu_blocks}")

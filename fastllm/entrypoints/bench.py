@@ -262,6 +262,7 @@ def serve_args(args: argparse.Namespace) -> list[str]:
         if value is not None and value != default:
             out += ["--" + name.replace("_", "-"), str(value)]
     out += ["--no-prefix-caching"] if args.no_prefix_caching else []
+    out += ["--no-cascade-attention"] if args.no_cascade_attention else []
     out += ["--enforce-eager"] if args.enforce_eager else []
     return out
 

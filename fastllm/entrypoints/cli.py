@@ -31,12 +31,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for name, (kind, default, help_text) in ENGINE_ARGS.items():
         parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=help_text)
     parser.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
+    parser.add_argument("--no-cascade-attention", action="store_true",
+                        help="read shared prefixes once per request (default: once per group where it pays)")
     parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {name: getattr(args, name) for name in ENGINE_ARGS}
     kwargs["enable_prefix_caching"] = not args.no_prefix_caching
+    kwargs["cascade_attention"] = False if args.no_cascade_attention else None
     kwargs["enforce_eager"] = args.enforce_eager
     return kwargs
 

@@ -16,7 +16,8 @@ import torch
 from fastllm.layers.sampler import SamplingMetadata, SamplingRow
 from fastllm.sampling_params import SamplingParams
 from fastllm.worker.async_output import AsyncRunnerOutput
-from fastllm.worker.attn_metadata import AttentionMetadata
+from fastllm.worker.attn_metadata import AttentionMetadata, CascadeMetadata
+from fastllm.worker.cascade import CascadePlan
 from fastllm.worker.staging import StepInputStager
 
 
@@ -84,7 +85,7 @@ class StepInputs:
 def build_step_inputs(
     states: list[CachedRequestState], num_scheduled: list[int], block_size: int, vocab_size: int,
     eos_token_id: int | None, stager: StepInputStager, in_flight: AsyncRunnerOutput | None = None,
-    graph=None, spec_tokens: list[list[int]] | None = None,
+    graph=None, spec_tokens: list[list[int]] | None = None, cascade: CascadePlan | None = None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one unpadded batch (or, for a graph, padded to its size).
     in_flight: the last step's output while its tokens are still on the device (rows whose input is
@@ -92,7 +93,8 @@ def build_step_inputs(
     graph: a CUDAGraphRunner that fits this decode step: the inputs are staged straight into its
     static buffers, padded to its replay size.
     spec_tokens: each request's draft tokens, the last of its scheduled tokens (speculative decoding):
-    every row of a sampling request from its last known token on gives logits (verify rows)."""
+    every row of a sampling request from its last known token on gives logits (verify rows).
+    cascade: the step's shared-prefix groups (worker/cascade.py), sent with the rest."""
     num_reqs = len(states)
     counts = np.asarray(num_scheduled, dtype=np.int64)
     start_list = [s.num_computed_tokens for s in states]
@@ -148,14 +150,17 @@ def build_step_inputs(
                                 block_tables, None if every_row else logits_indices, sample_states, vocab_size,
                                 eos_token_id)
     scatter = np.asarray(from_device, dtype=np.int64).reshape(-1, 2).T
-    (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d) = stager.send(
-        [ids, positions, slots, logits_indices, scatter], [block_tables, seq_lens, query_start_loc])
+    (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d, *cascade_d) = stager.send(
+        [ids, positions, slots, logits_indices, scatter],
+        [block_tables, seq_lens, query_start_loc, *(cascade.arrays() if cascade is not None else ())])
     if from_device:
         ids_d.index_copy_(0, scatter_d[0], in_flight.sampled.index_select(0, scatter_d[1]))
 
     metadata = AttentionMetadata(
         slot_mapping=slots_d, block_tables=tables_d, seq_lens=seq_lens_d, query_start_loc=qsl_d,
         max_query_len=int(counts.max()), max_seq_len=int(ends.max()),
+        cascade=None if cascade is None else CascadeMetadata(*cascade_d, cascade.max_group_rows, cascade.max_prefix_len,
+                                                             cascade.max_suffix_len),
     )
     return StepInputs(
         input_ids=ids_d,

@@ -21,6 +21,7 @@ from fastllm.spec_decode.rejection_sampler import accepted_tokens, rejection_sam
 from fastllm.tracing import nvtx_range
 from fastllm.worker.attn_metadata import forward_context
 from fastllm.worker.cache_engine import CacheEngine
+from fastllm.worker.cascade import CascadePlanner
 from fastllm.worker.async_output import AsyncRunnerOutput, collect_logprobs
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
 from fastllm.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
@@ -53,6 +54,7 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.compile_how = None  # "compiled, saved to ..." / "loaded ..." (see compile/aot_cache.py)
         self.stager = StepInputStager(device)
+        self.cascade = CascadePlanner(config.cache.cascade_attention, self.block_size, self.args.sliding_windows)
         self._last_output: AsyncRunnerOutput | None = None  # its tokens may still be on the device
         self._said_penalties_wait = False
         self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are still to come
@@ -154,11 +156,12 @@ class ModelRunner:
         in_flight_tokens = last.sampled if last is not None else None
         scores_prompt = bool(self._scoring_prompts) and any(
             wants_prompt_logprobs(s, s.num_computed_tokens) for s in states)
-        graph = self.graphs if self.graphs is not None and not scores_prompt \
+        cascade = self.cascade.plan(states, num_scheduled)  # shared-prefix groups run outside the graphs
+        graph = self.graphs if self.graphs is not None and not scores_prompt and cascade is None \
             and self.graphs.fits(num_scheduled, in_flight_tokens) else None
         with nvtx_range("prepare_inputs"):
             inputs = build_step_inputs(states, num_scheduled, self.block_size, self.args.vocab_size,
-                                       self.eos_token_id, self.stager, last, graph)
+                                       self.eos_token_id, self.stager, last, graph, cascade=cascade)
         logits = greedy = None
         if inputs.staged_for_graph:
             with nvtx_range("forward_graph"):
@@ -207,7 +210,8 @@ class ModelRunner:
         starts = [s.num_computed_tokens for s in states]
         with nvtx_range("prepare_inputs"):
             inputs = build_step_inputs(states, num_scheduled, self.block_size, self.args.vocab_size,
-                                       self.eos_token_id, self.stager, spec_tokens=spec)
+                                       self.eos_token_id, self.stager, spec_tokens=spec,
+                                       cascade=self.cascade.plan(states, num_scheduled))
         with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
             hidden = self.forward(inputs.input_ids, inputs.positions)
         prompt_logprobs = self._score_prompts(hidden, states, num_scheduled) if self._scoring_prompts else {}

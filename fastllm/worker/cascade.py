@@ -1,0 +1,124 @@
+"""Cascade attention's plan for a step: which requests share leading KV blocks, and whether reading each
+shared prefix once per group pays.
+
+Requests whose block tables start with the same block ids (prefix caching, or the siblings of an n > 1
+request, gave them the same blocks) form a group. Its prefix is the members' longest common run of leading
+blocks among those computed before the step, so every query row of the step comes after it: decode rows,
+prompt chunks and verify rows alike. The attention layer then attends each group's rows to that prefix in one
+pass (the prefix K/V read once per group instead of once per request), each request to its own suffix, and
+merges the two by log-sum-exp (layers/attention.py).
+
+Cost model: a request's plain decode reads its whole context once a layer, so a group of n requests over a
+P-token prefix saves about (n - 1) x P tokens of K/V reads a layer, against two more launches a layer and the
+step leaving its CUDA graph (cascade steps run compiled, without graphs: their group structure changes from
+step to step). A group cascades when it has MIN_GROUP_SIZE requests on a prefix of MIN_PREFIX_TOKENS, and a
+step when its groups save MIN_SAVED_TOKENS. These are estimates to be tuned with `fastllm bench prefix`,
+which times the same workload with cascade on and off. cascade_attention=True cascades every group (any
+size, any shared block), False never.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from fastllm.core.block_pool import NULL_BLOCK_ID
+
+logger = logging.getLogger(__name__)
+
+MIN_GROUP_SIZE = 8
+MIN_PREFIX_TOKENS = 256
+MIN_SAVED_TOKENS = 16384  # e.g. 9 requests on 2,048 shared tokens, or 64 on 256
+
+
+@dataclass
+class CascadePlan:
+    """The groups of one step, host-side (input_batch.py sends them with the step's inputs)."""
+    kv_start: np.ndarray  # [B] int32: each request's suffix start (its group's prefix length, 0 alone)
+    prefix_tables: np.ndarray  # [G, max_prefix_blocks] int32
+    prefix_lens: np.ndarray  # [G] int32
+    rows: np.ndarray  # [R] int32: the flat query rows of group 0's requests, then group 1's, ...
+    row_start: np.ndarray  # [G + 1] int32
+    max_group_rows: int
+    max_prefix_len: int
+    max_suffix_len: int
+
+    def arrays(self) -> list[np.ndarray]:
+        return [self.kv_start, self.prefix_tables, self.prefix_lens, self.rows, self.row_start]
+
+
+class CascadePlanner:
+    def __init__(self, mode: bool | None, block_size: int, layer_windows: tuple[int | None, ...] = ()):
+        self.mode = mode  # None: where the cost model says it pays; True: every group; False: never
+        self.block_size = block_size
+        self.layer_windows = layer_windows
+        self._logged: set[str] = set()
+        if mode is False:
+            logger.info("cascade attention: off (cascade_attention=False); shared prefixes are read per request")
+
+    def plan(self, states, num_scheduled: list[int]) -> CascadePlan | None:
+        """The step's groups when cascading pays (or is forced), else None. states: the runner's
+        CachedRequestState of each scheduled request, before the step (num_computed_tokens, block_table)."""
+        if self.mode is False or len(states) < 2:
+            return None
+        bs = self.block_size
+        # (numpy over the batch: this runs every step, and most steps share nothing)
+        first = np.fromiter((s.block_table[0] for s in states), dtype=np.int64, count=len(states))
+        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        first[(computed < bs) | (first == NULL_BLOCK_ID)] = -1  # no whole block computed, or freed by a window
+        candidates = np.flatnonzero(first >= 0)
+        _, where, counts = np.unique(first[candidates], return_inverse=True, return_counts=True)
+        if not len(counts) or counts.max() < 2:
+            return None
+        groups = []  # (members, shared blocks)
+        for g in np.flatnonzero(counts >= 2):
+            members = candidates[where == g].tolist()
+            cap = int(computed[members].min()) // bs  # blocks computed before the step
+            lead = states[members[0]].block_table[:cap]
+            same = np.stack([states[i].block_table[:cap] for i in members[1:]]) == lead
+            shared = int(np.logical_and.accumulate(same.all(axis=0)).sum())
+            groups.append((members, shared))
+        if not groups:
+            return None
+        if self.mode is None:
+            paying = [(m, n) for m, n in groups if len(m) >= MIN_GROUP_SIZE and n * bs >= MIN_PREFIX_TOKENS]
+            saved = sum((len(m) - 1) * n * bs for m, n in paying)
+            if saved < MIN_SAVED_TOKENS:
+                self._say_once("small", "cascade attention: some requests share leading blocks, too few or too "
+                               "short to pay (a group needs %d requests on %d tokens, a step %d tokens read fewer): "
+                               "plain attention ran", MIN_GROUP_SIZE, MIN_PREFIX_TOKENS, MIN_SAVED_TOKENS)
+                return None
+            groups = paying
+        ends = computed + np.asarray(num_scheduled)
+        if self.layer_windows and all(w is not None and w < ends.max() for w in self.layer_windows):
+            self._say_once("window", "cascade attention: not for steps that reach past every layer's sliding "
+                           "window (each layer reads only its window): plain attention ran")
+            return None
+        return self._build(states, num_scheduled, groups, ends)
+
+    def _build(self, states, num_scheduled, groups, ends) -> CascadePlan:
+        bs = self.block_size
+        first_row = np.concatenate([[0], np.cumsum(num_scheduled)])
+        kv_start = np.zeros(len(states), dtype=np.int32)
+        width = max(n for _, n in groups)
+        prefix_tables = np.zeros((len(groups), width), dtype=np.int32)
+        rows, row_start = [], [0]
+        for g, (members, n) in enumerate(groups):
+            prefix_tables[g, :n] = states[members[0]].block_table[:n]
+            kv_start[members] = n * bs
+            rows += [np.arange(first_row[i], first_row[i + 1]) for i in members]
+            row_start.append(row_start[-1] + sum(num_scheduled[i] for i in members))
+        prefix_lens = np.asarray([n * bs for _, n in groups], dtype=np.int32)
+        self._say_once("on", "cascade attention: on (first step: %d requests in %d groups on up to %d shared "
+                       "tokens); cascade steps run compiled, outside CUDA graphs",
+                       sum(len(m) for m, _ in groups), len(groups), int(prefix_lens.max()))
+        return CascadePlan(kv_start, prefix_tables, prefix_lens, np.concatenate(rows).astype(np.int32),
+                           np.asarray(row_start, dtype=np.int32), int(np.diff(row_start).max()),
+                           int(prefix_lens.max()), int((ends - kv_start).max()))
+
+    def _say_once(self, key: str, message: str, *args) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.info(message, *args)

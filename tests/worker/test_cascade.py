@@ -1,0 +1,95 @@
+"""The cascade planner: groups of requests whose block tables start alike, their shared prefix (whole blocks
+computed before the step), the rows and suffix starts the kernels get, and the cost model's decision."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import fastllm.worker.cascade as cascade
+from fastllm.sampling_params import SamplingParams
+from fastllm.worker.cascade import CascadePlanner
+from fastllm.worker.input_batch import CachedRequestState
+
+BS = 4
+
+
+def state(name: str, block_ids: list[int], num_computed: int) -> CachedRequestState:
+    return CachedRequestState(name, [1] * num_computed, [], SamplingParams(), None, block_ids, num_computed)
+
+
+def test_groups_prefixes_rows_and_suffix_starts():
+    states = [
+        state("a", [5, 6, 7, 8], 14),  # shares 5, 6, 7 with b and c
+        state("x", [20, 21], 6),  # alone
+        state("b", [5, 6, 7, 9, 10], 19),
+        state("c", [5, 6, 7, 11], 13),
+        state("d", [30, 31, 32], 9),  # shares 30 with e: one block
+        state("e", [30, 33], 5),
+        state("f", [5, 40], 3),  # shares block 5 but has no whole block computed before the step
+    ]
+    num_scheduled = [1, 1, 1, 3, 1, 2, 1]
+    plan = CascadePlanner(True, BS).plan(states, num_scheduled)
+    assert plan is not None
+    assert plan.prefix_lens.tolist() == [12, 4]
+    assert plan.prefix_tables.tolist() == [[5, 6, 7], [30, 0, 0]]
+    assert plan.kv_start.tolist() == [12, 0, 12, 12, 4, 4, 0]
+    # flat query rows: a 0, x 1, b 2, c 3-5, d 6, e 7-8, f 9
+    assert plan.rows.tolist() == [0, 2, 3, 4, 5, 6, 7, 8] and plan.row_start.tolist() == [0, 5, 8]
+    assert plan.max_group_rows == 5 and plan.max_prefix_len == 12
+    assert plan.max_suffix_len == max(15 - 12, 7, 20 - 12, 16 - 12, 10 - 4, 7 - 4, 4)
+
+
+def test_prefix_stops_at_the_first_difference_and_at_the_computed_blocks():
+    states = [state("a", [5, 6, 7, 8], 16), state("b", [5, 6, 9, 8], 16), state("c", [5, 6, 7, 8], 9)]
+    plan = CascadePlanner(True, BS).plan(states, [1, 1, 1])
+    assert plan.prefix_lens.tolist() == [8]  # blocks 5, 6: b differs at its third
+    states = [state("a", [5, 6, 7, 8], 16), state("b", [5, 6, 7, 8], 9)]
+    assert CascadePlanner(True, BS).plan(states, [1, 1]).prefix_lens.tolist() == [8]  # b has computed 2 blocks
+
+
+def test_nothing_shared_or_freed_blocks_plan_nothing():
+    assert CascadePlanner(True, BS).plan([state("a", [5, 6], 8), state("b", [7, 8], 8)], [1, 1]) is None
+    # the null block at the head of windowed tables is not a shared block
+    assert CascadePlanner(True, BS).plan([state("a", [0, 6], 8), state("b", [0, 8], 8)], [1, 1]) is None
+    assert CascadePlanner(False, BS).plan([state("a", [5, 6], 8), state("b", [5, 6], 8)], [1, 1]) is None
+
+
+def test_cost_model(caplog):
+    blocks = list(range(1, 1 + 2048 // BS))
+    big = [state(f"r{i}", blocks + [5000 + i], 2048 + 3) for i in range(cascade.MIN_GROUP_SIZE + 1)]
+    assert (len(big) - 1) * 2048 >= cascade.MIN_SAVED_TOKENS
+    planner = CascadePlanner(None, BS)
+    with caplog.at_level(logging.INFO, logger="fastllm.worker.cascade"):
+        plan = planner.plan(big, [1] * len(big))
+        assert plan is not None and plan.prefix_lens.tolist() == [2048]
+        assert planner.plan(big[:cascade.MIN_GROUP_SIZE - 1], [1] * (cascade.MIN_GROUP_SIZE - 1)) is None
+        short = [state(f"s{i}", [7, 8000 + i], 6) for i in range(20)]
+        assert planner.plan(short, [1] * 20) is None  # 4 shared tokens: too short
+        assert planner.plan(big, [1] * len(big)) is not None
+    assert CascadePlanner(True, BS).plan(short, [1] * 20) is not None  # forced
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("cascade attention: on" in m for m in messages) == 1
+    assert sum("too few or too short" in m for m in messages) == 1, messages  # once, not per step
+
+
+def test_windows_that_bite_on_every_layer_plan_nothing():
+    states = [state("a", [5, 6, 7], 12), state("b", [5, 6, 8], 12)]
+    assert CascadePlanner(True, BS, (8, 8)).plan(states, [1, 1]) is None  # every layer reads only 8 keys
+    assert CascadePlanner(True, BS, (8, None)).plan(states, [1, 1]) is not None  # a full layer cascades
+    assert CascadePlanner(True, BS, (64, 64)).plan(states, [1, 1]) is not None  # the window does not bite
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0])
+def test_config_rejects_other_values(bad):
+    from fastllm.config import CacheConfig
+
+    with pytest.raises(ValueError, match="cascade_attention"):
+        CacheConfig(cascade_attention=bad)
+
+
+def test_plan_arrays_are_int32():
+    plan = CascadePlanner(True, BS).plan([state("a", [5, 6], 8), state("b", [5, 6], 8)], [1, 1])
+    assert all(a.dtype == np.int32 for a in plan.arrays())
