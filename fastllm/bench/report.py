@@ -35,7 +35,8 @@ DISPLAY = {
         "total_s": ("total_s", 1), "kv_cache_gib": ("kv_GiB", 1), "cuda_graph_gib": ("graphs_GiB", 1),
     },
 }
-DISPLAY["prefix"] = DISPLAY["throughput"]
+DISPLAY["prefix"] = {**DISPLAY["throughput"], "cascade_attention": ("cascade", 1), "cascade_steps": ("casc_steps", 1),
+                     "decode_step_ms_mean": ("dec_step_ms", 1)}
 DISPLAY["serving"] = {
     "request_rate": ("rate", 1), "num_prompts": ("prompts", 1), "completed": ("done", 1), "failed": ("failed", 1),
     "req_s": ("req/s", 1), "output_tok_s": ("out_tok/s", 1), "ttft_ms_mean": ("ttft_ms", 1),
@@ -116,6 +117,17 @@ def row_line(benchmark: str, row: dict) -> str:
     return (f"[{row['num_prompts']} prompts] {f('total_s')} s, {f('requests_s')} req/s, "
             f"{f('output_tok_s', '.1f')} out tok/s, ttft {f('ttft_ms_mean')} ms, hit rate {f('prefix_hit_rate', '.1f', 100)}%"
             + jit)
+
+
+def cascade_summary(rows: list[dict]) -> str:
+    """`bench prefix`'s comparison: the mean decode step with cascade attention against the step without."""
+    on = next((r for r in rows if r.get("cascade_attention") != "off"), None)
+    off = next((r for r in rows if r.get("cascade_attention") == "off"), None)
+    if on is None or off is None or not on.get("decode_step_ms_mean") or not off.get("decode_step_ms_mean"):
+        return "cascade attention: no comparison (it is off in this run)"
+    ratio = on["decode_step_ms_mean"] / off["decode_step_ms_mean"]
+    return (f"cascade attention ({on['cascade_attention']}, {on['cascade_steps']} steps cascaded): mean decode step "
+            f"{on['decode_step_ms_mean']:.2f} ms against {off['decode_step_ms_mean']:.2f} ms off ({ratio:.2f}x)")
 
 
 def write_json(result: dict, path: str) -> None:

@@ -74,6 +74,7 @@ def throughput_row(run: RunRecord, shared_prefix_len: int, prefix_caching: bool)
         "prefill_steps": sum(1 for s in run.steps if s.num_first_tokens),
         "prefill_steps_s": sum(s.seconds for s in run.steps if s.num_first_tokens),
         "decode_steps_s": sum(s.seconds for s in run.steps if not s.num_first_tokens),
+        "decode_step_ms_mean": _mean_ms([s.seconds for s in run.steps if not s.num_first_tokens]),
         "host_s": sum(s.seconds - s.wait_s for s in run.steps),
         "peak_mem_gib": run.peak_mem_gib,
         "preemptions": run.preemptions,
@@ -82,16 +83,44 @@ def throughput_row(run: RunRecord, shared_prefix_len: int, prefix_caching: bool)
     }
 
 
+def _mean_ms(seconds: list[float]) -> float | None:
+    return 1e3 * sum(seconds) / len(seconds) if seconds else None
+
+
 def run_throughput(engine: LLMEngine, prompts: list, output_len: int, shared_prefix_len: int = 0,
                    progress: bool = True, warmup_len: int = 16) -> dict:
     # Warm-up on prompts that share nothing with the measured ones: short ones, then a slice of the
-    # workload at its prompt length (full prefill chunks, mixed steps, decode batches), so Triton's and
-    # cuBLAS's first-use work at those sizes is not counted in the measured time.
+    # workload at its prompt length (full prefill chunks, mixed steps, decode batches), and with a shared
+    # prefix a group on another prefix (cascade attention's kernels), so Triton's and cuBLAS's first-use
+    # work at those sizes is not counted in the measured time.
     warm_output = 4
     max_len = engine.config.model.max_model_len - warm_output
     full_len = max(len(engine.tokenize(p)[1]) for p in prompts)
     warm = make_prompts(engine, min(8, len(prompts)), max(1, min(warmup_len, max_len)), seed=12345)
     warm += make_prompts(engine, min(32, len(prompts)), max(1, min(full_len, max_len)), seed=54321)
+    if shared_prefix_len and full_len <= max_len:
+        warm += make_prompts(engine, min(16, len(prompts)), full_len - shared_prefix_len, shared_prefix_len, seed=777)
     run_requests(engine, warm, warm_output, "warmup", progress=False)
+    cascade = engine.worker.runner.cascade
+    cascaded = cascade.num_planned
     run = run_requests(engine, prompts, output_len, "req", progress=progress, desc="requests")
-    return throughput_row(run, shared_prefix_len, engine.config.cache.enable_prefix_caching)
+    row = throughput_row(run, shared_prefix_len, engine.config.cache.enable_prefix_caching)
+    row["cascade_attention"] = {None: "auto", True: "on", False: "off"}[cascade.mode]
+    row["cascade_steps"] = cascade.num_planned - cascaded
+    return row
+
+
+def run_prefix(engine: LLMEngine, prompts: list, output_len: int, shared_prefix_len: int, progress: bool = True,
+               warmup_len: int = 16) -> list[dict]:
+    """The prefix-sharing workload twice in the same engine: with cascade attention as configured, then off
+    (unless it is off already); one row each, so their mean decode steps compare directly."""
+    cascade = engine.worker.runner.cascade
+    configured = cascade.mode
+    rows = []
+    try:
+        for mode in [configured, False] if configured is not False else [False]:
+            cascade.mode = mode
+            rows.append(run_throughput(engine, prompts, output_len, shared_prefix_len, progress, warmup_len))
+    finally:
+        cascade.mode = configured
+    return rows

@@ -215,12 +215,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     matmul_floor=args.matmul_floor, progress=progress, on_row=on_row)
         profile_bs = profile_bs or max(args.batch_sizes)
     elif args.mode in ("throughput", "prefix"):
-        from fastllm.bench.throughput import make_prompts, run_throughput
+        from fastllm.bench.throughput import make_prompts, run_prefix, run_throughput
 
         prompts = dataset or make_prompts(engine, args.num_prompts, args.input_len, args.shared_prefix_len,
                                           seed=config.model.seed)
-        on_row(run_throughput(engine, prompts, args.output_len, args.shared_prefix_len, progress,
-                              warmup_len=min(args.input_len, 512)))
+        if args.mode == "prefix":  # with cascade attention as configured, then off: both rows
+            for row in run_prefix(engine, prompts, args.output_len, args.shared_prefix_len, progress,
+                                  warmup_len=min(args.input_len, 512)):
+                on_row(row)
+            print(report.cascade_summary(result["rows"]), flush=True)
+        else:
+            on_row(run_throughput(engine, prompts, args.output_len, args.shared_prefix_len, progress,
+                                  warmup_len=min(args.input_len, 512)))
         profile_bs = profile_bs or min(args.num_prompts, config.scheduler.max_num_seqs)
         profile_len = args.shared_prefix_len + args.input_len
     else:

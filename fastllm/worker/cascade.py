@@ -55,6 +55,7 @@ class CascadePlanner:
         self.block_size = block_size
         self.layer_windows = layer_windows
         self._logged: set[str] = set()
+        self.num_planned = 0  # steps that cascaded (benchmarks read it)
         if mode is False:
             logger.info("cascade attention: off (cascade_attention=False); shared prefixes are read per request")
 
@@ -111,6 +112,7 @@ class CascadePlanner:
             rows += [np.arange(first_row[i], first_row[i + 1]) for i in members]
             row_start.append(row_start[-1] + sum(num_scheduled[i] for i in members))
         prefix_lens = np.asarray([n * bs for _, n in groups], dtype=np.int32)
+        self.num_planned += 1
         self._say_once("on", "cascade attention: on (first step: %d requests in %d groups on up to %d shared "
                        "tokens); cascade steps run compiled, outside CUDA graphs",
                        sum(len(m) for m, _ in groups), len(groups), int(prefix_lens.max()))

@@ -26,8 +26,9 @@ LATENCY_COLUMNS = [
 THROUGHPUT_COLUMNS = [
     "num_prompts", "input_len_mean", "output_len", "shared_prefix_len", "prefix_caching", "total_s", "requests_s",
     "input_tok_s", "output_tok_s", "total_tok_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "prefix_hit_rate",
-    "steps", "prefill_steps", "prefill_steps_s", "decode_steps_s", "host_s", "peak_mem_gib", "preemptions",
-    "jit_compiles", "spec_acceptance_rate", "spec_mean_accepted_len",
+    "steps", "prefill_steps", "prefill_steps_s", "decode_steps_s", "decode_step_ms_mean", "host_s", "peak_mem_gib",
+    "preemptions", "jit_compiles", "spec_acceptance_rate", "spec_mean_accepted_len", "cascade_attention",
+    "cascade_steps",
 ]
 STARTUP_KEYS = ["load_s", "compile_s", "cuda_graph_s", "kv_profile_s", "kv_alloc_s", "total_s", "other_s"]
 
@@ -104,9 +105,14 @@ def test_prefix_sharing_and_profile(tmp_path, capsys):
     result, stdout = run_json(tmp_path, capsys, ["prefix", "--num-prompts", "4", "--shared-prefix-len", "32",
                                                  "--input-len", "8", "--output-len", "4",
                                                  "--profile", str(trace_dir), "--profile-steps", "2"])
-    [row] = result["rows"]
-    assert row["shared_prefix_len"] == 32 and row["input_len_mean"] == 40
-    assert 0 < row["prefix_hit_rate"] <= 0.6  # at most 3 of 4 requests find the 2 prefix blocks
+    auto, off = result["rows"]  # the same workload with cascade attention as configured, then off
+    assert [auto["cascade_attention"], off["cascade_attention"]] == ["auto", "off"]
+    assert auto["cascade_steps"] == off["cascade_steps"] == 0  # 4 requests on 32 tokens do not pay
+    for row in (auto, off):
+        assert row["shared_prefix_len"] == 32 and row["input_len_mean"] == 40
+        assert 0 < row["prefix_hit_rate"] and row["decode_step_ms_mean"] > 0
+    assert auto["prefix_hit_rate"] <= 0.6  # at most 3 of 4 requests find the 2 prefix blocks
+    assert "mean decode step" in stdout and "ms off" in stdout
     [trace] = trace_dir.iterdir()
     assert json.loads(trace.read_text())["traceEvents"]
     assert "top CPU ops" in stdout and "forward" in stdout
