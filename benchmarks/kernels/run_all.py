@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE.parents[1]))
 MODULES = [  # cheap ones first, so a slow compile at the end cannot hide everything else
     "bench_kv_cache_write",
     "bench_paged_decode_attention",
+    "bench_cascade_attention",
     "bench_prefill_attention",
     "bench_fused_add_rms_norm",
     "bench_rotary",
