@@ -26,7 +26,7 @@ PAGE = 16
 
 def shared_prefix_problem(batch: int, prefix: int, own: int):
     """(query, key_cache, value_cache, block_tables, seq_lens, plan): every table starts with the same
-    prefix // PAGE blocks; plan = (kv_start, prefix_tables, prefix_lens, rows, row_start)."""
+    prefix // PAGE blocks; plan = (kv_start, prefix_rows, prefix_lens, rows, row_start)."""
     shared, per_own = prefix // PAGE, -(-own // PAGE)
     num_blocks = shared + batch * per_own
     key_cache = torch.randn(num_blocks, PAGE, HKV, HEAD_DIM, device=DEVICE, dtype=DTYPE)
@@ -37,8 +37,8 @@ def shared_prefix_problem(batch: int, prefix: int, own: int):
     seq_lens = torch.full((batch,), prefix + own, dtype=torch.int32, device=DEVICE)
     query = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     i32 = dict(dtype=torch.int32, device=DEVICE)
-    plan = (torch.full((batch,), prefix, **i32), prefix_ids.view(1, shared).contiguous(),
-            torch.tensor([prefix], **i32), torch.arange(batch, **i32), torch.tensor([0, batch], **i32))
+    plan = (torch.full((batch,), prefix, **i32), torch.zeros(1, **i32), torch.tensor([prefix], **i32),
+            torch.arange(batch, **i32), torch.tensor([0, batch], **i32))
     return query, key_cache, value_cache, block_tables, seq_lens, plan
 
 
@@ -47,11 +47,11 @@ def cascade(query, key_cache, value_cache, block_tables, seq_lens, plan, prefix:
     from fastllm.kernels.merge_attn_states import merge_attn_states
     from fastllm.kernels.paged_decode_attention import paged_decode_attention
 
-    kv_start, prefix_tables, prefix_lens, rows, row_start = plan
+    kv_start, prefix_rows, prefix_lens, rows, row_start = plan
     out, lse = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, own, scale, None,
                                       kv_start, True)
-    prefix_o, prefix_lse = cascade_prefix_attention(query, key_cache, value_cache, prefix_tables, prefix_lens, rows,
-                                                    row_start, query.shape[0], prefix, scale)
+    prefix_o, prefix_lse = cascade_prefix_attention(query, key_cache, value_cache, block_tables, prefix_rows,
+                                                    prefix_lens, rows, row_start, query.shape[0], prefix, scale)
     merge_attn_states(out, lse, prefix_o, prefix_lse, rows)
     return out
 

@@ -91,16 +91,19 @@ def run_throughput(engine: LLMEngine, prompts: list, output_len: int, shared_pre
                    progress: bool = True, warmup_len: int = 16) -> dict:
     # Warm-up on prompts that share nothing with the measured ones: short ones, then a slice of the
     # workload at its prompt length (full prefill chunks, mixed steps, decode batches), and with a shared
-    # prefix a group on another prefix (cascade attention's kernels), so Triton's and cuBLAS's first-use
-    # work at those sizes is not counted in the measured time.
+    # prefix as many requests as run at once on another prefix (cascade attention's kernels, and its CUDA
+    # graphs, captured at each batch size's first cascade step), so Triton's and cuBLAS's first-use work at
+    # those sizes is not counted in the measured time.
     warm_output = 4
     max_len = engine.config.model.max_model_len - warm_output
     full_len = max(len(engine.tokenize(p)[1]) for p in prompts)
     warm = make_prompts(engine, min(8, len(prompts)), max(1, min(warmup_len, max_len)), seed=12345)
     warm += make_prompts(engine, min(32, len(prompts)), max(1, min(full_len, max_len)), seed=54321)
-    if shared_prefix_len and full_len <= max_len:
-        warm += make_prompts(engine, min(16, len(prompts)), full_len - shared_prefix_len, shared_prefix_len, seed=777)
     run_requests(engine, warm, warm_output, "warmup", progress=False)
+    if shared_prefix_len and full_len <= max_len:  # (on their own: their decode batch is the workload's)
+        group = make_prompts(engine, min(len(prompts), engine.config.scheduler.max_num_seqs),
+                             full_len - shared_prefix_len, shared_prefix_len, seed=777)
+        run_requests(engine, group, warm_output, "warmup-shared", progress=False)
     cascade = engine.worker.runner.cascade
     cascaded = cascade.num_planned
     run = run_requests(engine, prompts, output_len, "req", progress=progress, desc="requests")

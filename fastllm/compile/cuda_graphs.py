@@ -11,6 +11,8 @@ A batch of B requests replays the smallest captured size >= B; the padding rows 
 out), so they touch no real KV slot. The step's inputs are staged straight into the static buffers
 (input_batch.py), padding rows included: a replay is one launch after the staging copy (and a
 block-table spread). Prefill and mixed steps do not come here.
+A decode step with cascade attention's groups (worker/cascade.py) replays a third graph of its size, whose
+plan inputs are bounded static buffers (CascadeGraphInputs), captured at that size's first such step.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from fastllm.kernels import dispatch as kernels
 from fastllm.layers.sampler import SamplingMetadata, exponential_noise, filtered_probs
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
+from fastllm.worker.cascade import CascadeGraphInputs
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,9 @@ class CUDAGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The same step followed by the sampler (sampling_params), captured at a size's first such step.
         self.sampling_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The same step with cascade attention's groups (enable_cascade), captured at a size's first such step.
+        self.cascade_inputs: CascadeGraphInputs | None = None
+        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         self.capture_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.capture_seconds = 0.0
@@ -109,14 +115,19 @@ class CUDAGraphRunner:
         # same kernels on the same buffers, so replay can be checked against it token for token.
         self.replay = True
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.seq_lens[:bs],
-                                 self.query_start_loc[:bs + 1], max_query_len=1, max_seq_len=self.max_seq_len)
+    def enable_cascade(self) -> None:
+        """Let decode steps with cascade groups replay graphs too (their plan staged by take_cascade_plan)."""
+        self.cascade_inputs = CascadeGraphInputs(self.max_bs, self.max_seq_len, self.static.device)
 
-    def _run(self, bs: int) -> None:
+    def _metadata(self, bs: int, cascade: bool = False) -> AttentionMetadata:
+        return AttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.seq_lens[:bs],
+                                 self.query_start_loc[:bs + 1], max_query_len=1, max_seq_len=self.max_seq_len,
+                                 cascade=self.cascade_inputs.metadata(bs) if cascade else None)
+
+    def _run(self, bs: int, cascade: bool = False) -> None:
         src = self.token_src[:bs]
         input_ids = torch.where(src >= 0, self.argmax.index_select(0, src.clamp(min=0)), self.input_ids[:bs])
-        with forward_context(self._metadata(bs), self.attention_layers):
+        with forward_context(self._metadata(bs, cascade), self.attention_layers):
             hidden = self.forward(input_ids, self.positions[:bs])
         self.compute_logits(hidden, out=self.logits[:bs])
         kernels.argmax(self.logits[:bs], out=self.argmax[:bs])
@@ -141,6 +152,17 @@ class CUDAGraphRunner:
         graph = self._record(lambda: (self._run(bs), self._sample(bs)))
         self.sampling_graphs[bs] = graph
         logger.info("captured the sampling graph of batch %d in %.0f ms", bs, (time.perf_counter() - start) * 1e3)
+        return graph
+
+    def _capture_cascade(self, bs: int) -> torch.cuda.CUDAGraph:
+        start = time.perf_counter()
+        saved = self.argmax.clone()  # the previous step's tokens, which this step's inputs may read
+        self._run(bs, cascade=True)  # warm up the cascade kernels on this size (rewrites this step's K/V alike)
+        self.argmax.copy_(saved)
+        graph = self._record(lambda: self._run(bs, cascade=True))
+        self.cascade_graphs[bs] = graph
+        logger.info("captured the cascade-attention graph of batch %d in %.0f ms", bs,
+                    (time.perf_counter() - start) * 1e3)
         return graph
 
     @torch.inference_mode()
@@ -204,20 +226,27 @@ class CUDAGraphRunner:
         """Whether a step of num_reqs requests may draw its tokens in a sampling graph."""
         return self.padded_size(num_reqs) <= MAX_SAMPLING_GRAPH_SIZE
 
+    def take_cascade_plan(self, plan, stager) -> None:
+        """Copy a step's cascade plan (worker/cascade.py) into the cascade graphs' inputs, in one copy."""
+        stager.send_into([], [self.cascade_inputs.pack(plan)], self.cascade_inputs.buffer.view(torch.uint8), 0)
+
     def replay_staged(self, num: int, sample_rows: torch.Tensor | None = None,
-                      sampling: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      sampling: bool = False, cascade: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay for a batch of `num` one-token requests whose inputs (padding rows included, up to
         padded_size(num)) are already in the static buffers. Returns (logits [S, vocab], their argmax
         [S]) of the rows that sample: sample_rows, or all num rows when None (views of buffers the
         next replay overwrites, in that case). sampling: the sampling params are staged too, and the
-        second tensor is the sampled tokens."""
+        second tensor is the sampled tokens. cascade: a plan is staged (take_cascade_plan); not with sampling."""
         bs = self.padded_size(num)
         if self.replay:
-            graph = self.graphs[bs] if not sampling else (self.sampling_graphs.get(bs) or self._capture_sampling(bs))
+            if cascade:
+                graph = self.cascade_graphs.get(bs) or self._capture_cascade(bs)
+            else:
+                graph = self.graphs[bs] if not sampling else (self.sampling_graphs.get(bs) or self._capture_sampling(bs))
             graph.replay()
         else:
             with torch.inference_mode():
-                self._run(bs)
+                self._run(bs, cascade)
                 if sampling:
                     self._sample(bs)
         if sample_rows is not None:

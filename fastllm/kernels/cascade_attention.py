@@ -36,11 +36,12 @@ _MAX_SPLITS = 32
 _WAVES = 2  # row tiles x G x Hkv x splits ~ this many programs per SM
 
 
-@triton.jit(do_not_specialize=["stride_pt", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _cascade_prefix_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, prefix_tables_ptr, prefix_lens_ptr, rows_ptr, row_start_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_tables_ptr, prefix_rows_ptr, prefix_lens_ptr, rows_ptr,
+    row_start_ptr,
     scale_log2,  # scale * log2(e)
-    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_pt,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
@@ -79,7 +80,7 @@ def _cascade_prefix_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    bt_row = prefix_tables_ptr + g * stride_pt
+    bt_row = block_tables_ptr + tl.load(prefix_rows_ptr + g).to(tl.int64) * stride_bt  # the leader's table
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
     full_end = start + ((end - start) // BLOCK_N) * BLOCK_N
@@ -111,7 +112,8 @@ def cascade_prefix_attention(
     query: torch.Tensor,  # [T, Hq, D], rotated
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     value_cache: torch.Tensor,
-    prefix_tables: torch.Tensor,  # [G, max_prefix_blocks] int32
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
+    prefix_rows: torch.Tensor,  # [G] int32: the request whose table row holds each group's shared blocks
     prefix_lens: torch.Tensor,  # [G] int32, >= 1
     rows: torch.Tensor,  # [R] int32: the groups' query rows, group by group
     row_start: torch.Tensor,  # [G + 1] int32
@@ -121,12 +123,12 @@ def cascade_prefix_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o [R, Hq, S, D] float32, lse [R, Hq, S] float32): S partial states per row (see the
     reference for the exact semantics)."""
-    return cascade_prefix_attention_splits(query, key_cache, value_cache, prefix_tables, prefix_lens, rows,
-                                           row_start, max_group_rows, max_prefix_len, scale)
+    return cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens,
+                                           rows, row_start, max_group_rows, max_prefix_len, scale)
 
 
-def cascade_prefix_attention_splits(query, key_cache, value_cache, prefix_tables, prefix_lens, rows, row_start,
-                                    max_group_rows: int, max_prefix_len: int, scale: float,
+def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens, rows,
+                                    row_start, max_group_rows: int, max_prefix_len: int, scale: float,
                                     num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cascade_prefix_attention with an explicit split count (None: choose_num_splits); tests and benchmarks."""
     num_rows = rows.shape[0]
@@ -137,8 +139,8 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, prefix_tables
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     assert query.dtype == key_cache.dtype == value_cache.dtype, "tl.dot needs matching operand dtypes"
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
-    assert prefix_tables.dim() == 2 and prefix_tables.shape[0] == num_groups and prefix_tables.stride(1) == 1
-    assert prefix_tables.dtype == prefix_lens.dtype == rows.dtype == row_start.dtype == torch.int32
+    assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and prefix_rows.shape == (num_groups,)
+    assert block_tables.dtype == prefix_rows.dtype == prefix_lens.dtype == rows.dtype == row_start.dtype == torch.int32
     assert row_start.shape == (num_groups + 1,) and rows.is_contiguous() and prefix_lens.is_contiguous()
     group = num_q_heads // num_kv_heads
     block_m = max(64, triton.next_power_of_2(group))
@@ -152,9 +154,9 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, prefix_tables
         return o, lse
     grid = (triton.cdiv(max_group_rows, block_m // group) * num_splits, num_groups, num_kv_heads)
     _cascade_prefix_kernel[grid](
-        query, key_cache, value_cache, o, lse, prefix_tables, prefix_lens, rows, row_start, scale * _LOG2E,
+        query, key_cache, value_cache, o, lse, block_tables, prefix_rows, prefix_lens, rows, row_start, scale * _LOG2E,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), prefix_tables.stride(0), num_splits,
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0), num_splits,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=32 if head_dim > 128 else 64,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.

@@ -129,12 +129,12 @@ def prefill_attention(
 
 
 def cascade_prefix_attention(
-    query: Tensor, key_cache: Tensor, value_cache: Tensor, prefix_tables: Tensor, prefix_lens: Tensor, rows: Tensor,
-    row_start: Tensor, max_group_rows: int, max_prefix_len: int, scale: float,
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, prefix_rows: Tensor,
+    prefix_lens: Tensor, rows: Tensor, row_start: Tensor, max_group_rows: int, max_prefix_len: int, scale: float,
 ) -> tuple[Tensor, Tensor]:
     return _select("cascade_prefix_attention", query.device)(
-        query, key_cache, value_cache, prefix_tables, prefix_lens, rows, row_start, max_group_rows, max_prefix_len,
-        scale,
+        query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens, rows, row_start, max_group_rows,
+        max_prefix_len, scale,
     )
 
 

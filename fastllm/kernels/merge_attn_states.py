@@ -5,7 +5,7 @@ kv_start) and its group's shared prefix, in S parts (prefix_o, prefix_lse from c
 over the union is the weighted mean of the parts:
     out[t] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s   (base 2, as the kernels)
 over the S + 1 states; an empty part (lse = -inf) weighs 0 and its o is never read. out is updated in place,
-only at the listed rows. Grid: (R, Hq), one (row, head) a program, its S + 1 states of D floats.
+only at the listed rows (a row of -1 is padding). Grid: (R, Hq), one (row, head) a program, its S + 1 states of D floats.
 
 Memory traffic: R * Hq * (S * (D + 1) * 4 + 2 * D * out.element_size() + 4) bytes.
 """
@@ -23,6 +23,8 @@ def _merge_kernel(out_ptr, lse_ptr, prefix_o_ptr, prefix_lse_ptr, rows_ptr, stri
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     t = tl.load(rows_ptr + r).to(tl.int64)
+    if t < 0:  # padding (a CUDA graph's plan has room for more rows than a step uses)
+        return
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     s = tl.arange(0, BLOCK_S)
@@ -45,7 +47,7 @@ def merge_attn_states(
     lse: torch.Tensor,  # [T, Hq] float32
     prefix_o: torch.Tensor,  # [R, Hq, S, D] float32
     prefix_lse: torch.Tensor,  # [R, Hq, S] float32
-    rows: torch.Tensor,  # [R] int32
+    rows: torch.Tensor,  # [R] int32 (< 0: padding, skipped)
 ) -> None:
     num_rows, num_heads, num_splits, head_dim = prefix_o.shape
     assert out.shape[1:] == (num_heads, head_dim) and out.stride(2) == 1, (out.shape, prefix_o.shape)

@@ -149,7 +149,8 @@ def cascade_prefix_attention(
     query: torch.Tensor,  # [T, Hq, D], rotated
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    prefix_tables: torch.Tensor,  # [G, max_prefix_blocks] int32: each group's shared leading blocks
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32: the step's tables
+    prefix_rows: torch.Tensor,  # [G] int32: a member of each group, whose table row holds the shared blocks
     prefix_lens: torch.Tensor,  # [G] int32: tokens of the shared prefix, >= 1
     rows: torch.Tensor,  # [R] int32: the query rows of group 0, then of group 1, ...
     row_start: torch.Tensor,  # [G + 1] int32: group g owns rows[row_start[g]:row_start[g + 1]]
@@ -167,8 +168,9 @@ def cascade_prefix_attention(
     bounds, lens = row_start.tolist(), prefix_lens.tolist()
     for g, prefix_len in enumerate(lens):
         r0, r1 = bounds[g], bounds[g + 1]
-        k = _gather_kv(key_cache, prefix_tables[g], 0, prefix_len)
-        v = _gather_kv(value_cache, prefix_tables[g], 0, prefix_len)
+        table = block_tables[int(prefix_rows[g])]
+        k = _gather_kv(key_cache, table, 0, prefix_len)
+        v = _gather_kv(value_cache, table, 0, prefix_len)
         for r in range(r0, r1):  # each row alone: as the last query of a request whose keys end at the prefix
             out, row_lse = _attend(query[rows[r].long()].unsqueeze(0).float(), k, v, scale)
             o[r, :, 0], lse[r, :, 0] = out[0], row_lse[0]
@@ -180,11 +182,12 @@ def merge_attn_states(
     lse: torch.Tensor,  # [T, Hq] float32: its log-sum-exp (base 2)
     prefix_o: torch.Tensor,  # [R, Hq, S, D] float32
     prefix_lse: torch.Tensor,  # [R, Hq, S] float32
-    rows: torch.Tensor,  # [R] int: row r of the prefix states belongs to query row rows[r]
+    rows: torch.Tensor,  # [R] int: row r of the prefix states belongs to query row rows[r] (< 0: padding)
 ) -> None:
     """out[rows[r]] <- the softmax-weighted merge of its suffix state and its S prefix states:
     sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s (states with lse -inf weigh 0)."""
-    idx = rows.long()
+    used = rows >= 0  # (a CUDA graph's plan pads rows with -1)
+    idx, prefix_o, prefix_lse = rows[used].long(), prefix_o[used], prefix_lse[used]
     all_lse = torch.cat([lse[idx].unsqueeze(-1), prefix_lse], dim=-1)  # [R, Hq, S + 1]
     all_o = torch.cat([out[idx].float().unsqueeze(2), prefix_o], dim=2)  # [R, Hq, S + 1, D]
     weights = torch.exp2(all_lse - all_lse.amax(dim=-1, keepdim=True))  # [R, Hq, S + 1]

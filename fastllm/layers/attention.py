@@ -75,7 +75,7 @@ class Attention(nn.Module):
                                              metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
                                              self.scale, None, cascade.kv_start, True)
         prefix_o, prefix_lse = ops.cascade_prefix_attention(
-            query, key_cache, value_cache, cascade.prefix_tables, cascade.prefix_lens, cascade.rows,
+            query, key_cache, value_cache, metadata.block_tables, cascade.prefix_rows, cascade.prefix_lens, cascade.rows,
             cascade.row_start, cascade.max_group_rows, cascade.max_prefix_len, self.scale)
         ops.merge_attn_states(out, lse, prefix_o, prefix_lse, cascade.rows)
         return out

@@ -15,9 +15,9 @@ class CascadeMetadata:
     """A cascade step's groups (planned in worker/cascade.py): requests whose block tables start with the same
     blocks attend to that shared prefix once per group, then each to its own suffix; the parts merge by LSE."""
     kv_start: torch.Tensor  # [B] int32: where each request's suffix starts (its group's prefix length; 0 alone)
-    prefix_tables: torch.Tensor  # [G, max_prefix_blocks] int32: each group's shared leading blocks
+    prefix_rows: torch.Tensor  # [G] int32: a member of each group (its block_tables row holds the shared blocks)
     prefix_lens: torch.Tensor  # [G] int32: tokens in each group's shared prefix
-    rows: torch.Tensor  # [R] int32: the query rows of group 0's requests, then group 1's, ...
+    rows: torch.Tensor  # [R] int32: the query rows of group 0's requests, then group 1's, ... (-1: padding)
     row_start: torch.Tensor  # [G + 1] int32: group g owns rows[row_start[g]:row_start[g + 1]]
     max_group_rows: int  # host-side bounds, for the launch grids: rows of a group,
     max_prefix_len: int  # tokens of a shared prefix,

@@ -9,12 +9,17 @@ pass (the prefix K/V read once per group instead of once per request), each requ
 merges the two by log-sum-exp (layers/attention.py).
 
 Cost model: a request's plain decode reads its whole context once a layer, so a group of n requests over a
-P-token prefix saves about (n - 1) x P tokens of K/V reads a layer, against two more launches a layer and the
-step leaving its CUDA graph (cascade steps run compiled, without graphs: their group structure changes from
-step to step). A group cascades when it has MIN_GROUP_SIZE requests on a prefix of MIN_PREFIX_TOKENS, and a
-step when its groups save MIN_SAVED_TOKENS. These are estimates to be tuned with `fastllm bench prefix`,
-which times the same workload with cascade on and off. cascade_attention=True cascades every group (any
-size, any shared block), False never.
+P-token prefix saves about (n - 1) x P tokens of K/V reads a layer, against three more launches a layer (the
+rotary write apart from attention, the prefix kernel, the merge). A group cascades when it has MIN_GROUP_SIZE
+requests on a prefix of MIN_PREFIX_TOKENS, and a step when its groups save MIN_SAVED_TOKENS; at most
+MAX_GROUPS groups a step, those that save the most. These are estimates to be tuned with `fastllm bench
+prefix`, which times the same workload with cascade on and off. cascade_attention=True cascades every group
+(any size, any shared block), False never.
+
+CUDA graphs: the plan is O(B) integers (no block table of its own: a group's prefix is its first member's
+table row), so a decode step's plan fits bounded static buffers (CascadeGraphInputs: MAX_GROUPS groups, a
+row per request, -1 padding) and a second graph per batch size, captured at that size's first cascade step,
+replays any plan; other steps keep their graphs. Mixed steps run compiled, as they do without cascade.
 """
 
 from __future__ import annotations
@@ -23,21 +28,24 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from fastllm.core.block_pool import NULL_BLOCK_ID
+from fastllm.worker.attn_metadata import CascadeMetadata
 
 logger = logging.getLogger(__name__)
 
 MIN_GROUP_SIZE = 8
 MIN_PREFIX_TOKENS = 256
 MIN_SAVED_TOKENS = 16384  # e.g. 9 requests on 2,048 shared tokens, or 64 on 256
+MAX_GROUPS = 4  # a step's groups (a graph's prefix kernel has a program column per group)
 
 
 @dataclass
 class CascadePlan:
     """The groups of one step, host-side (input_batch.py sends them with the step's inputs)."""
     kv_start: np.ndarray  # [B] int32: each request's suffix start (its group's prefix length, 0 alone)
-    prefix_tables: np.ndarray  # [G, max_prefix_blocks] int32
+    prefix_rows: np.ndarray  # [G] int32: each group's first member (its table row holds the prefix)
     prefix_lens: np.ndarray  # [G] int32
     rows: np.ndarray  # [R] int32: the flat query rows of group 0's requests, then group 1's, ...
     row_start: np.ndarray  # [G + 1] int32
@@ -46,7 +54,7 @@ class CascadePlan:
     max_suffix_len: int
 
     def arrays(self) -> list[np.ndarray]:
-        return [self.kv_start, self.prefix_tables, self.prefix_lens, self.rows, self.row_start]
+        return [self.kv_start, self.prefix_rows, self.prefix_lens, self.rows, self.row_start]
 
 
 class CascadePlanner:
@@ -92,6 +100,7 @@ class CascadePlanner:
                                "plain attention ran", MIN_GROUP_SIZE, MIN_PREFIX_TOKENS, MIN_SAVED_TOKENS)
                 return None
             groups = paying
+        groups = sorted(groups, key=lambda g: -(len(g[0]) - 1) * g[1])[:MAX_GROUPS]  # the largest savings
         ends = computed + np.asarray(num_scheduled)
         if self.layer_windows and all(w is not None and w < ends.max() for w in self.layer_windows):
             self._say_once("window", "cascade attention: not for steps that reach past every layer's sliding "
@@ -103,20 +112,18 @@ class CascadePlanner:
         bs = self.block_size
         first_row = np.concatenate([[0], np.cumsum(num_scheduled)])
         kv_start = np.zeros(len(states), dtype=np.int32)
-        width = max(n for _, n in groups)
-        prefix_tables = np.zeros((len(groups), width), dtype=np.int32)
+        prefix_rows = np.asarray([members[0] for members, _ in groups], dtype=np.int32)
         rows, row_start = [], [0]
-        for g, (members, n) in enumerate(groups):
-            prefix_tables[g, :n] = states[members[0]].block_table[:n]
+        for members, n in groups:
             kv_start[members] = n * bs
             rows += [np.arange(first_row[i], first_row[i + 1]) for i in members]
             row_start.append(row_start[-1] + sum(num_scheduled[i] for i in members))
         prefix_lens = np.asarray([n * bs for _, n in groups], dtype=np.int32)
         self.num_planned += 1
         self._say_once("on", "cascade attention: on (first step: %d requests in %d groups on up to %d shared "
-                       "tokens); cascade steps run compiled, outside CUDA graphs",
+                       "tokens); decode steps replay a cascade CUDA graph of their size, mixed steps run compiled",
                        sum(len(m) for m, _ in groups), len(groups), int(prefix_lens.max()))
-        return CascadePlan(kv_start, prefix_tables, prefix_lens, np.concatenate(rows).astype(np.int32),
+        return CascadePlan(kv_start, prefix_rows, prefix_lens, np.concatenate(rows).astype(np.int32),
                            np.asarray(row_start, dtype=np.int32), int(np.diff(row_start).max()),
                            int(prefix_lens.max()), int((ends - kv_start).max()))
 
@@ -124,3 +131,33 @@ class CascadePlanner:
         if key not in self._logged:
             self._logged.add(key)
             logger.info(message, *args)
+
+
+class CascadeGraphInputs:
+    """A CUDA graph's cascade inputs: a step's plan padded to bounded shapes in one static int32 buffer
+    [kv_start (max_bs) | prefix_rows (MAX_GROUPS) | prefix_lens (MAX_GROUPS) | rows (max_bs) | row_start
+    (MAX_GROUPS + 1)], so one graph per batch size replays any plan that fits. Padding: rows -1, empty groups."""
+
+    def __init__(self, max_bs: int, max_seq_len: int, device: torch.device):
+        self.sizes = [max_bs, MAX_GROUPS, MAX_GROUPS, max_bs, MAX_GROUPS + 1]
+        self.buffer = torch.zeros(sum(self.sizes), dtype=torch.int32, device=device)
+        self.kv_start, self.prefix_rows, self.prefix_lens, self.rows, self.row_start = self.buffer.split(self.sizes)
+        self.max_seq_len = max_seq_len  # the graphs' bound on a prefix and a suffix
+
+    def metadata(self, bs: int) -> CascadeMetadata:
+        """The views a graph of bs rows is captured with (host bounds: the whole batch, max_seq_len)."""
+        return CascadeMetadata(self.kv_start[:bs], self.prefix_rows, self.prefix_lens, self.rows[:bs],
+                               self.row_start, bs, self.max_seq_len, self.max_seq_len)
+
+    def pack(self, plan: CascadePlan) -> np.ndarray:
+        """The plan as the buffer's contents (what the step's staging copies into it)."""
+        groups, num_rows = len(plan.prefix_lens), len(plan.rows)
+        assert groups <= MAX_GROUPS and num_rows <= self.sizes[3], (groups, num_rows)
+        parts = [np.zeros(n, dtype=np.int32) for n in self.sizes]
+        parts[0][:len(plan.kv_start)] = plan.kv_start
+        parts[1][:groups], parts[2][:groups] = plan.prefix_rows, plan.prefix_lens
+        parts[3][:] = -1
+        parts[3][:num_rows] = plan.rows
+        parts[4][:] = num_rows
+        parts[4][:groups + 1] = plan.row_start
+        return np.concatenate(parts)

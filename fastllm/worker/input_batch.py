@@ -77,6 +77,7 @@ class StepInputs:
     sampling_metadata: SamplingMetadata | None  # None: nothing samples, or the graph draws (sampled_in_graph)
     staged_for_graph: bool = False  # inputs are in the CUDA graph runner's static buffers
     sampled_in_graph: bool = False  # and so are the sampling params: the replay draws the tokens
+    cascade_in_graph: bool = False  # and a cascade plan: the replay is the cascade graph
     # Speculative decoding: rows per sample state (its draft tokens + 1, in logits_indices' order), each
     # with the state's params in sampling_metadata; None when draft tokens are not verified (one row each)
     num_verify_rows: list[int] | None = None
@@ -148,7 +149,7 @@ def build_step_inputs(
         assert not spec_tokens, "draft tokens are verified without CUDA graphs"
         return _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slots, seq_lens,
                                 block_tables, None if every_row else logits_indices, sample_states, vocab_size,
-                                eos_token_id)
+                                eos_token_id, cascade)
     scatter = np.asarray(from_device, dtype=np.int64).reshape(-1, 2).T
     (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d, *cascade_d) = stager.send(
         [ids, positions, slots, logits_indices, scatter],
@@ -204,7 +205,7 @@ def _sampling_metadata(sample_states, vocab_size, eos_token_id, device, repeats=
 
 
 def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slots, seq_lens, block_tables,
-                     sample_rows, sample_states, vocab_size, eos_token_id) -> StepInputs:
+                     sample_rows, sample_states, vocab_size, eos_token_id, cascade=None) -> StepInputs:
     """A decode step's inputs copied straight into the graph's static buffers, padded to its replay
     size: int64 [ids | positions | slots | token_src] of max_bs rows each, then the rows that sample
     unless all do (a one-token prefill chunk does not), int32 [seq_lens of max_bs rows | block table
@@ -228,17 +229,19 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
     # is then not needed.
     params = [s.sampling_params for s in sample_states]
     sampling = bool(params) and not all(p.argmax_only for p in params) and all(p.samples_in_graph for p in params) \
-        and graph.samples(num_reqs)
+        and graph.samples(num_reqs) and cascade is None  # (a cascade graph samples no more than the argmax)
     metadata = None if sampling else _sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device)
     int32_arrays = [static_lens, block_tables]
     if sampling:
         int32_arrays.insert(1, _graph_sampling_params(graph, sample_states, sample_rows, vocab_size).view(np.int32))
     stager.send_into(int64_arrays, int32_arrays, graph.static, graph.int32_start)
     graph.take_block_tables(*block_tables.shape, sampling=sampling)
+    if cascade is not None:
+        graph.take_cascade_plan(cascade, stager)
     logits_d = None if sample_rows is None else graph.static_i64[4 * n:4 * n + len(sample_rows)]
     return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=logits_d,
                       sample_states=sample_states, sampling_metadata=metadata, staged_for_graph=True,
-                      sampled_in_graph=sampling)
+                      sampled_in_graph=sampling, cascade_in_graph=cascade is not None)
 
 
 def _graph_sampling_params(graph, sample_states, sample_rows, vocab_size: int) -> np.ndarray:

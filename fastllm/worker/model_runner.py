@@ -107,6 +107,8 @@ class ModelRunner:
         max_blocks = -(-model.max_model_len // self.block_size)
         self.graphs = CUDAGraphRunner(self.forward, self.model.compute_logits, self.attention_layers, sizes,
                                       max_blocks, model.max_model_len, self.args.vocab_size, self.dtype, self.device)
+        if self.cascade.mode is not False:
+            self.graphs.enable_cascade()
         self.graphs.capture()
         logger.info("execution: compiled; decode batches up to %d replay CUDA graphs", self.graphs.max_bs)
 
@@ -156,8 +158,8 @@ class ModelRunner:
         in_flight_tokens = last.sampled if last is not None else None
         scores_prompt = bool(self._scoring_prompts) and any(
             wants_prompt_logprobs(s, s.num_computed_tokens) for s in states)
-        cascade = self.cascade.plan(states, num_scheduled)  # shared-prefix groups run outside the graphs
-        graph = self.graphs if self.graphs is not None and not scores_prompt and cascade is None \
+        cascade = self.cascade.plan(states, num_scheduled)  # shared-prefix groups (worker/cascade.py)
+        graph = self.graphs if self.graphs is not None and not scores_prompt \
             and self.graphs.fits(num_scheduled, in_flight_tokens) else None
         with nvtx_range("prepare_inputs"):
             inputs = build_step_inputs(states, num_scheduled, self.block_size, self.args.vocab_size,
@@ -166,7 +168,8 @@ class ModelRunner:
         if inputs.staged_for_graph:
             with nvtx_range("forward_graph"):
                 logits, greedy = self.graphs.replay_staged(len(states), inputs.logits_indices,
-                                                           sampling=inputs.sampled_in_graph)
+                                                           sampling=inputs.sampled_in_graph,
+                                                           cascade=inputs.cascade_in_graph)
         else:
             with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
                 hidden = self.forward(inputs.input_ids, inputs.positions)

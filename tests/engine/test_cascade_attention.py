@@ -105,3 +105,59 @@ def test_speculative_decoding():
     run(llm)
     on, plans = run(llm)
     assert on == off and plans
+
+
+def test_decode_steps_through_the_graph_inputs():
+    # the engine's decode steps staged for CUDA graphs with their plan padded to the graphs' bounds (the graph
+    # runner in its no-replay mode: the same buffers and code around the forward, without capture, so this
+    # runs on the CPU); the padding (rows -1, empty groups) changes no token
+    from fastllm.compile.cuda_graphs import CUDAGraphRunner
+
+    llm = cached_llm(cascade_attention=True, **BASE)
+    runner = llm.engine.worker.runner
+    sizes = [1, 2, 4, 8]
+    graphs = CUDAGraphRunner(runner.forward, runner.model.compute_logits, runner.attention_layers, sizes,
+                             BASE["max_model_len"] // BASE["block_size"], BASE["max_model_len"],
+                             runner.args.vocab_size, runner.dtype, runner.device)
+    graphs.graphs = dict.fromkeys(sizes)  # as if captured; replay=False never touches them
+    graphs.replay = False
+    graphs.enable_cascade()
+    replayed, replay = [], graphs.replay_staged
+
+    def recording(num, sample_rows=None, sampling=False, cascade=False):
+        replayed.append(cascade)
+        return replay(num, sample_rows, sampling, cascade)
+
+    graphs.replay_staged = recording
+    runner.graphs = graphs
+    try:
+        run(llm)
+        got, plans = run(llm)
+        alone, _ = run(llm, PROMPTS[6:])  # requests that share nothing: plain decode steps
+    finally:
+        runner.graphs = None
+    assert got == [[t] for t in expected()] and alone == [[t] for t in expected(PROMPTS[6:])]
+    assert any(replayed) and not all(replayed), "cascade and plain decode steps should both replay"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_cascade_graphs(dtype):
+    # compiled + CUDA graphs on the GPU: decode steps with groups replay cascade graphs (Triton kernels);
+    # fp32 gives Hugging Face's tokens, bf16 the cascade-off engine's where their margins are clear
+    from fastllm import LLM
+
+    kw = dict(device="cuda", dtype=dtype, num_gpu_blocks=400, **BASE)
+    on_llm = LLM(STORIES, cascade_attention=True, **kw)
+    run(on_llm)
+    on, plans = run(on_llm)
+    graphs = on_llm.engine.worker.runner.graphs
+    assert plans and graphs is not None and graphs.cascade_graphs, "no cascade graph was replayed"
+    on_llm.engine.check_kv_pool_whole()
+    if dtype == "float32":
+        assert on == [[t] for t in expected()]
+    else:
+        off, _ = run(LLM(STORIES, cascade_attention=False, **kw))
+        agree = [next((i for i, (a, b) in enumerate(zip(x[0], y[0])) if a != b), MAX_TOKENS) for x, y in zip(on, off)]
+        print(f"\nbf16 stories260K, cascade on vs off: leading tokens agreeing {agree}")
+        assert sum(a == MAX_TOKENS for a in agree) >= 6, agree

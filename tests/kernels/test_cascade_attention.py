@@ -48,30 +48,29 @@ class SharedPrefixKV:
         self.device = device
 
     def plan(self):
-        """The metadata a cascade step carries: each request's kv_start, the groups' prefix tables and
-        lengths, their query rows (group by group) and where each group's rows start."""
+        """The metadata a cascade step carries: each request's kv_start, a member of each group (any one:
+        its table row holds the shared blocks) and the prefix lengths, the groups' query rows (group by
+        group) and where each group's rows start."""
         kv, bs = self.kv, self.kv.block_size
         kv_start = torch.zeros(len(self.q_lens), dtype=torch.int32)
         qsl = [0, *itertools.accumulate(self.q_lens)]
         rows, row_start = [], [0]
-        width = max(cdiv(p, bs) for p in self.prefix_lens)
-        tables = torch.zeros(len(self.members), width, dtype=torch.int32)
-        for g, (members, prefix) in enumerate(zip(self.members, self.prefix_lens)):
-            tables[g, :cdiv(prefix, bs)] = kv.block_tables[members[0], :cdiv(prefix, bs)].cpu()
+        prefix_rows = [members[len(members) // 2] for members in self.members]
+        for members, prefix in zip(self.members, self.prefix_lens):
             for i in members:
                 kv_start[i] = prefix
                 rows += range(qsl[i], qsl[i + 1])
             row_start.append(len(rows))
         as_dev = dict(dtype=torch.int32, device=self.device)
         max_rows = max(b - a for a, b in zip(row_start, row_start[1:]))
-        return (kv_start.to(self.device), tables.to(self.device), torch.tensor(self.prefix_lens, **as_dev),
+        return (kv_start.to(self.device), torch.tensor(prefix_rows, **as_dev), torch.tensor(self.prefix_lens, **as_dev),
                 torch.tensor(rows, **as_dev), torch.tensor(row_start, **as_dev), max_rows, max(self.prefix_lens))
 
 
 def cascade(impl, query, skv: SharedPrefixKV, scale, key=None, value=None):
     """Cascade attention with one implementation's kernels ("triton" or "reference"): prefix, suffix, merge."""
     kv = skv.kv
-    kv_start, tables, prefix_lens, rows, row_start, max_rows, max_prefix = skv.plan()
+    kv_start, prefix_rows, prefix_lens, rows, row_start, max_rows, max_prefix = skv.plan()
     get = triton_impl if impl == "triton" else reference_impl
     if key is None:  # decode rows
         max_suffix = int((kv.seq_lens - kv_start).max())
@@ -81,8 +80,9 @@ def cascade(impl, query, skv: SharedPrefixKV, scale, key=None, value=None):
         qsl = torch.tensor([0, *itertools.accumulate(skv.q_lens)], dtype=torch.int32, device=query.device)
         out, lse = get("prefill_attention")(query, key, value, kv.key_cache, kv.value_cache, kv.block_tables,
                                             kv.seq_lens, qsl, max(skv.q_lens), scale, None, kv_start, True)
-    prefix_o, prefix_lse = get("cascade_prefix_attention")(query, kv.key_cache, kv.value_cache, tables, prefix_lens,
-                                                           rows, row_start, max_rows, max_prefix, scale)
+    prefix_o, prefix_lse = get("cascade_prefix_attention")(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                                           prefix_rows, prefix_lens, rows, row_start, max_rows,
+                                                           max_prefix, scale)
     get("merge_attn_states")(out, lse, prefix_o, prefix_lse, rows)
     return out
 
@@ -141,10 +141,11 @@ def test_prefix_kernel_splits(device, gen, num_splits):
     from fastllm.kernels.cascade_attention import cascade_prefix_attention_splits
 
     skv = SharedPrefixKV([3, 2], [200, 9], [1, 1, 1, 1, 1], 2, 32, 8, torch.float32, device, gen)
-    _, tables, prefix_lens, rows, row_start, max_rows, max_prefix = skv.plan()
+    _, prefix_rows, prefix_lens, rows, row_start, max_rows, max_prefix = skv.plan()
     kv = skv.kv
     query = torch.randn(5, 8, 32, device=device)
-    args = (query, kv.key_cache, kv.value_cache, tables, prefix_lens, rows, row_start, max_rows, max_prefix, 0.2)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, prefix_rows, prefix_lens, rows, row_start,
+            max_rows, max_prefix, 0.2)
     o, lse = cascade_prefix_attention_splits(*args, num_splits=num_splits)
     assert o.shape == (5, 8, num_splits, 32) and lse.shape == (5, 8, num_splits)
     ref_o, ref_lse = reference_impl("cascade_prefix_attention")(*args)
@@ -154,6 +155,19 @@ def test_prefix_kernel_splits(device, gen, num_splits):
     triton_impl("merge_attn_states")(merged, none, o, lse, rows)
     assert_close(merged[rows.long()], ref_o[:, :, 0], *TOL[torch.float32], what="prefix splits")
     assert_lse_close(torch.logsumexp(lse * 0.6931471805599453, -1) * 1.4426950408889634, ref_lse[:, :, 0])
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_merge_skips_padding_rows(device, impl):
+    # a CUDA graph's plan pads rows with -1: nothing is read or written for them
+    out = torch.randn(3, 2, 16, device=device)
+    before = out.clone()
+    prefix_o = torch.full((2, 2, 1, 16), float("nan"), device=device)
+    prefix_lse = torch.zeros(2, 2, 1, device=device)
+    rows = torch.tensor([-1, -1], dtype=torch.int32, device=device)
+    (triton_impl if impl == "triton" else reference_impl)("merge_attn_states")(
+        out, torch.zeros(3, 2, device=device), prefix_o, prefix_lse, rows)
+    assert torch.equal(out, before)
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])

@@ -17,7 +17,9 @@ BS = 4
 
 
 def state(name: str, block_ids: list[int], num_computed: int) -> CachedRequestState:
-    return CachedRequestState(name, [1] * num_computed, [], SamplingParams(), None, block_ids, num_computed)
+    """A request about to compute the token after its num_computed ones (the last of its prompt)."""
+    return CachedRequestState(name, [1] * (num_computed + 1), [], SamplingParams(temperature=0), None, block_ids,
+                              num_computed)
 
 
 def test_groups_prefixes_rows_and_suffix_starts():
@@ -34,7 +36,7 @@ def test_groups_prefixes_rows_and_suffix_starts():
     plan = CascadePlanner(True, BS).plan(states, num_scheduled)
     assert plan is not None
     assert plan.prefix_lens.tolist() == [12, 4]
-    assert plan.prefix_tables.tolist() == [[5, 6, 7], [30, 0, 0]]
+    assert plan.prefix_rows.tolist() == [0, 4]  # a's table row holds its group's prefix, d's the other
     assert plan.kv_start.tolist() == [12, 0, 12, 12, 4, 4, 0]
     # flat query rows: a 0, x 1, b 2, c 3-5, d 6, e 7-8, f 9
     assert plan.rows.tolist() == [0, 2, 3, 4, 5, 6, 7, 8] and plan.row_start.tolist() == [0, 5, 8]
@@ -93,3 +95,39 @@ def test_config_rejects_other_values(bad):
 def test_plan_arrays_are_int32():
     plan = CascadePlanner(True, BS).plan([state("a", [5, 6], 8), state("b", [5, 6], 8)], [1, 1])
     assert all(a.dtype == np.int32 for a in plan.arrays())
+
+
+def test_graph_inputs_hold_a_padded_plan():
+    # a decode step's plan through the graph runner's staging (no-replay mode: the same buffers and code
+    # around the forward, without capture) gives the forward the plain path's plan, padded
+    import torch
+
+    from fastllm.worker.attn_metadata import get_attn_metadata
+    from fastllm.worker.input_batch import build_step_inputs
+    from fastllm.worker.staging import StepInputStager
+    from tests.worker.test_graph_staging import graph_runner
+
+    dev = torch.device("cpu")
+    runner, seen = graph_runner(dev)
+    runner.enable_cascade()
+    forward = runner.forward
+
+    def recording(input_ids, positions):
+        seen["cascade"] = get_attn_metadata().cascade
+        return forward(input_ids, positions)
+
+    runner.forward = recording
+    states = [state("a", [5, 6, 7], 10), state("b", [9], 3), state("c", [5, 6, 8], 9)]
+    plan = CascadePlanner(True, BS).plan(states, [1, 1, 1])
+    staged = build_step_inputs(states, [1, 1, 1], BS, 50, None, StepInputStager(dev), graph=runner, cascade=plan)
+    assert staged.cascade_in_graph and not staged.sampled_in_graph
+    runner.replay_staged(3, staged.logits_indices, cascade=True)
+    got = seen["cascade"]
+    bs = runner.padded_size(3)
+    assert got.kv_start.tolist() == [8, 0, 8] + [0] * (bs - 3)
+    assert got.rows.tolist() == [0, 2] + [-1] * (bs - 2)
+    assert got.prefix_rows.tolist()[:1] == [0] and got.prefix_lens.tolist() == [8] + [0] * (cascade.MAX_GROUPS - 1)
+    assert got.row_start.tolist() == [0, 2] + [2] * (cascade.MAX_GROUPS - 1)  # empty groups after the first
+    assert got.max_group_rows == bs
+    runner.replay_staged(3, staged.logits_indices)  # a plain step after it: no cascade metadata
+    assert seen["cascade"] is None
