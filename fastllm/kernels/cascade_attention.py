@@ -161,6 +161,6 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
         BLOCK_M=block_m, BLOCK_N=32 if head_dim > 128 else 64,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=3 if query.element_size() <= 2 else 2,
+        num_warps=8 if head_dim > 128 else 4, num_stages=3 if query.element_size() <= 2 else 2,
     )
     return o, lse

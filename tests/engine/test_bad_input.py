@@ -116,10 +116,10 @@ def test_invalid_engine_config(kwargs, field):
         LLMEngine.from_kwargs(None, **kwargs)
 
 
-def test_sliding_window_limits_max_model_len():
+def test_sliding_window_models_run_to_their_full_context():
     from fastllm.config import EngineConfig
 
     config = EngineConfig.from_kwargs("mistral-7b-v0.1", load_format="dummy")
-    assert config.model.max_model_len == 4096  # sliding_window: full attention is exact inside it
-    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 4096\]"):
-        EngineConfig.from_kwargs("mistral-7b-v0.1", load_format="dummy", max_model_len=8192)
+    assert config.model.max_model_len == 32768  # the window (4096) is attended within, not a cap
+    with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 32768\]"):
+        EngineConfig.from_kwargs("mistral-7b-v0.1", load_format="dummy", max_model_len=32769)

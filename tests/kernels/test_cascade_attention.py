@@ -67,10 +67,10 @@ class SharedPrefixKV:
                 torch.tensor(rows, **as_dev), torch.tensor(row_start, **as_dev), max_rows, max(self.prefix_lens))
 
 
-def cascade(impl, query, skv: SharedPrefixKV, scale, key=None, value=None):
+def cascade(impl, query, skv: SharedPrefixKV, scale, key=None, value=None, plan=None):
     """Cascade attention with one implementation's kernels ("triton" or "reference"): prefix, suffix, merge."""
     kv = skv.kv
-    kv_start, prefix_rows, prefix_lens, rows, row_start, max_rows, max_prefix = skv.plan()
+    kv_start, prefix_rows, prefix_lens, rows, row_start, max_rows, max_prefix = plan or skv.plan()
     get = triton_impl if impl == "triton" else reference_impl
     if key is None:  # decode rows
         max_suffix = int((kv.seq_lens - kv_start).max())
@@ -217,12 +217,13 @@ def test_cascade_decode_gpu(device, gen, dtype, hq, hkv, d):
 def test_cascade_decode_gpu_graph_replay(device, gen):
     # replayed launches with fresh queries: the three kernels in one graph give the same as run eagerly
     skv = SharedPrefixKV([16], [512], [64] * 16, 8, 128, 16, torch.bfloat16, device, gen)
+    plan = skv.plan()  # (its device tensors are made outside the capture)
     query = torch.randn(16, 32, 128, device=device, dtype=torch.bfloat16)
-    cascade("triton", query, skv, 128**-0.5)
+    cascade("triton", query, skv, 128**-0.5, plan=plan)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = cascade("triton", query, skv, 128**-0.5)
+        out = cascade("triton", query, skv, 128**-0.5, plan=plan)
     for _ in range(5):
         query.copy_(torch.randn_like(query))
         graph.replay()
-        assert_close(out, cascade("triton", query, skv, 128**-0.5), 0, 0, what="replay")
+        assert_close(out, cascade("triton", query, skv, 128**-0.5, plan=plan), 0, 0, what="replay")
