@@ -70,27 +70,26 @@ class CascadePlanner:
     def plan(self, states, num_scheduled: list[int]) -> CascadePlan | None:
         """The step's groups when cascading pays (or is forced), else None. states: the runner's
         CachedRequestState of each scheduled request, before the step (num_computed_tokens, block_table)."""
-        if self.mode is False or len(states) < 2:
+        if self.mode is False or len(states) < (2 if self.mode else MIN_GROUP_SIZE):
             return None
         bs = self.block_size
-        # (numpy over the batch: this runs every step, and most steps share nothing)
-        first = np.fromiter((s.block_table[0] for s in states), dtype=np.int64, count=len(states))
-        computed = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
-        first[(computed < bs) | (first == NULL_BLOCK_ID)] = -1  # no whole block computed, or freed by a window
-        candidates = np.flatnonzero(first >= 0)
-        _, where, counts = np.unique(first[candidates], return_inverse=True, return_counts=True)
-        if not len(counts) or counts.max() < 2:
-            return None
+        # This runs every step, and most steps share nothing: one pass in plain Python finds the candidates
+        # (a request with a whole block computed, whose first block is no window's freed one).
+        by_first: dict[int, list[int]] = {}
+        for i, s in enumerate(states):
+            if s.num_computed_tokens >= bs and s.block_ids[0] != NULL_BLOCK_ID:
+                by_first.setdefault(s.block_ids[0], []).append(i)
+        if len(by_first) == sum(map(len, by_first.values())):
+            return None  # no first block is shared
         groups = []  # (members, shared blocks)
-        for g in np.flatnonzero(counts >= 2):
-            members = candidates[where == g].tolist()
-            cap = int(computed[members].min()) // bs  # blocks computed before the step
+        for members in by_first.values():
+            if len(members) < 2:
+                continue
+            cap = min(states[i].num_computed_tokens for i in members) // bs  # blocks computed before the step
             lead = states[members[0]].block_table[:cap]
             same = np.stack([states[i].block_table[:cap] for i in members[1:]]) == lead
             shared = int(np.logical_and.accumulate(same.all(axis=0)).sum())
             groups.append((members, shared))
-        if not groups:
-            return None
         if self.mode is None:
             paying = [(m, n) for m, n in groups if len(m) >= MIN_GROUP_SIZE and n * bs >= MIN_PREFIX_TOKENS]
             saved = sum((len(m) - 1) * n * bs for m, n in paying)
@@ -101,7 +100,7 @@ class CascadePlanner:
                 return None
             groups = paying
         groups = sorted(groups, key=lambda g: -(len(g[0]) - 1) * g[1])[:MAX_GROUPS]  # the largest savings
-        ends = computed + np.asarray(num_scheduled)
+        ends = np.asarray([s.num_computed_tokens for s in states]) + np.asarray(num_scheduled)
         if self.layer_windows and all(w is not None and w < ends.max() for w in self.layer_windows):
             self._say_once("window", "cascade attention: not for steps that reach past every layer's sliding "
                            "window (each layer reads only its window): plain attention ran")
