@@ -199,31 +199,99 @@ class CompileConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_METHODS = ("draft_model", "ngram")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Draft-model speculative decoding: the draft proposes num_speculative_tokens tokens a step and
-    the target verifies them in one forward. Off while speculative_model is None."""
+    """Speculative decoding, vLLM's `speculative_config`: a proposer drafts up to
+    num_speculative_tokens tokens after each request's newest one and the target verifies them in one
+    forward. The proposer is a draft model sharing the target's vocabulary (method "draft_model",
+    implied by `model`) or prompt lookup (method "ngram": the last n tokens, n from prompt_lookup_max
+    down to prompt_lookup_min, matched earlier in the request's tokens; what followed is proposed).
+    Off while method is None."""
 
-    speculative_model: str | None = arg(None, "draft model for speculative decoding, sharing the target's "
-                                        "vocabulary (a directory or embedded name, e.g. llama2xs-279K)")
-    num_speculative_tokens: int = arg(0, "draft tokens per step (0 with a speculative_model: 4)")
+    method: str | None = None
+    model: str | None = None  # the draft: a model directory or embedded name sharing the target's vocabulary
+    num_speculative_tokens: int = 0  # k; 0 with a method: 4
+    prompt_lookup_max: int | None = None  # ngram only (default 4)
+    prompt_lookup_min: int | None = None  # ngram only (default 2)
+    # Lower k (to 0) while proposals do not pay for themselves, from measured step costs and acceptance.
+    adaptive: bool = True
+    # Benchmark only (fastllm.bench.spec_decode): the verifier accepts each draft token with this
+    # probability whatever its value, so that random-weight models show the cost of speculation at a
+    # chosen acceptance rate. Not reachable from LLM(...), the CLI or the server.
+    synthetic_acceptance_rate: float | None = None
 
     def __post_init__(self):
-        if self.speculative_model is None:
+        if self.method is None and self.model is not None:
+            object.__setattr__(self, "method", "draft_model")
+        if self.method is None:
+            for name in ("model", "prompt_lookup_max", "prompt_lookup_min", "synthetic_acceptance_rate"):
+                _check(getattr(self, name) is None, f"speculative_config.{name}", "needs a method or a model")
             _check(self.num_speculative_tokens == 0, "num_speculative_tokens",
-                   f"needs speculative_model, got {self.num_speculative_tokens}")
+                   f"needs a speculative model or method, got {self.num_speculative_tokens}")
             return
-        object.__setattr__(self, "speculative_model", resolve_model_path(self.speculative_model))
+        _check(self.method in SPECULATIVE_METHODS, "speculative_config.method",
+               f"must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.method == "draft_model":
+            _check(self.model is not None, "speculative_config.model", "is required by method 'draft_model'")
+            object.__setattr__(self, "model", resolve_model_path(self.model))
+            for name in ("prompt_lookup_max", "prompt_lookup_min"):
+                _check(getattr(self, name) is None, f"speculative_config.{name}", "applies to method 'ngram' only")
+        else:
+            _check(self.model is None, "speculative_config.model", "applies to method 'draft_model' only")
+            lookup_max = 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
+            lookup_min = min(2, lookup_max) if self.prompt_lookup_min is None else self.prompt_lookup_min
+            _check(isinstance(lookup_min, int) and lookup_min >= 1, "speculative_config.prompt_lookup_min",
+                   f"must be an integer >= 1, got {lookup_min!r}")
+            _check(isinstance(lookup_max, int) and lookup_max >= lookup_min, "speculative_config.prompt_lookup_max",
+                   f"must be an integer >= prompt_lookup_min ({lookup_min}), got {lookup_max!r}")
+            object.__setattr__(self, "prompt_lookup_max", lookup_max)
+            object.__setattr__(self, "prompt_lookup_min", lookup_min)
         if self.num_speculative_tokens == 0:
             object.__setattr__(self, "num_speculative_tokens", 4)
-        _check(isinstance(self.num_speculative_tokens, int) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
-               "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens!r}")
+        k = self.num_speculative_tokens
+        _check(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+               "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        _check(isinstance(self.adaptive, bool), "speculative_config.adaptive", f"must be a bool, got {self.adaptive!r}")
+        alpha = self.synthetic_acceptance_rate
+        _check(alpha is None or (isinstance(alpha, (int, float)) and 0 <= alpha <= 1),
+               "synthetic_acceptance_rate", f"must be in [0, 1], got {alpha!r}")
 
     @property
     def enabled(self) -> bool:
-        return self.speculative_model is not None
+        return self.method is not None
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
+
+    @classmethod
+    def from_user(cls, spec: dict | str | None, model: str | None = None,
+                  num_speculative_tokens: int | None = None) -> "SpeculativeConfig":
+        """From `speculative_config` (a dict, or its JSON text as the CLI gives it) and the shorthands
+        speculative_model / num_speculative_tokens. Unknown keys, and the benchmark-only
+        synthetic_acceptance_rate, are a ValueError."""
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        _check(spec is None or isinstance(spec, dict), "speculative_config",
+               f"must be a dict (or its JSON text), got {type(spec).__name__}")
+        values = dict(spec or {})
+        known = {f.name for f in dataclasses.fields(cls)} - {"synthetic_acceptance_rate"}
+        unknown = sorted(set(values) - known)
+        _check(not unknown, "speculative_config", f"has unknown keys {unknown} (known: {sorted(known)})")
+        for key, value in (("model", model), ("num_speculative_tokens", num_speculative_tokens)):
+            if value is None:
+                continue
+            shorthand = "speculative_model" if key == "model" else key
+            _check(values.get(key, value) == value, shorthand,
+                   f"disagrees with speculative_config[{key!r}] ({values.get(key)!r} != {value!r})")
+            values[key] = value
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -256,9 +324,11 @@ class EngineConfig:
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":
         """Build from flat keyword arguments (LLM(...), the CLI); unknown names are an error."""
         parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "parallel": ParallelConfig, "compile": CompileConfig, "speculative": SpeculativeConfig}
+                 "parallel": ParallelConfig, "compile": CompileConfig}
         values: dict[str, dict[str, Any]] = {name: {} for name in parts}
-        top: dict[str, Any] = {}
+        top: dict[str, Any] = {"speculative": SpeculativeConfig.from_user(
+            kwargs.pop("speculative_config", None), kwargs.pop("speculative_model", None),
+            kwargs.pop("num_speculative_tokens", None))}
         for key, value in kwargs.items():
             owner = next((p for p, c in parts.items() if key in {f.name for f in dataclasses.fields(c)}), None)
             if owner is not None and key != "hf_config":
