@@ -1,13 +1,14 @@
-"""The rejection sampler: greedy rows keep the drafts the argmax agrees with; sampled rows emit
-tokens distributed as the target's own samples, whatever the draft proposed (checked by counting)."""
+"""accept_drafts: greedy rows keep the drafts the argmax agrees with; sampled rows emit tokens
+distributed as the target's own samples, whatever the draft proposed (checked by counting); padding
+drafts are never accepted; a synthetic acceptance rate accepts at that rate whatever the values."""
 
 from __future__ import annotations
 
 import torch
 
-from fastllm.layers.sampler import SamplingMetadata, SamplingRow
+from fastllm.layers.sampler import SamplingMetadata, SamplingRow, filtered_probs
 from fastllm.sampling_params import SamplingParams
-from fastllm.spec_decode.rejection_sampler import accepted_tokens, rejection_sample
+from fastllm.spec_decode.rejection_sampler import accept_drafts
 
 V = 6
 
@@ -17,16 +18,22 @@ def metadata(params: list[SamplingParams]) -> SamplingMetadata:
 
 
 def test_greedy_keeps_the_drafts_up_to_the_first_mismatch():
-    logits = torch.randn(7, V)
-    argmax = logits.argmax(-1)
-    # Request 0: 3 drafts (rows 0-3), the second wrong; request 1: 2 drafts (rows 4-6), both right.
-    drafts = [[int(argmax[0]), (int(argmax[1]) + 1) % V, int(argmax[2])], [int(argmax[4]), int(argmax[5])]]
-    draft_ids = torch.tensor([*drafts[0], -1, *drafts[1], -1])
-    meta = metadata([SamplingParams(temperature=0)] * 7)
-    accepted, token = rejection_sample(logits, meta, argmax, draft_ids, None)
-    assert accepted.tolist() == [True, False, True, False, True, True, False]
-    out = accepted_tokens(accepted.tolist(), token.tolist(), drafts)
-    assert out == [[int(argmax[0]), int(argmax[1])], [int(argmax[4]), int(argmax[5]), int(argmax[6])]]
+    target = torch.randint(0, V, (3, 4))
+    drafts = target[:, :3].clone()
+    drafts[0, 1] = (drafts[0, 1] + 1) % V  # request 0: the second draft is wrong
+    drafts[2, 2] = (drafts[2, 2] + 1) % V  # request 2: the third is wrong, but only two are real
+    num_drafts = torch.tensor([3, 3, 2])
+    tokens, num = accept_drafts(target, drafts, num_drafts)
+    assert num.tolist() == [2, 4, 3]
+    assert tokens[0, :2].tolist() == target[0, :2].tolist()  # the right draft, then the argmax
+    assert tokens[1].tolist() == target[1].tolist()  # all three drafts and the bonus token
+    assert tokens[2, :3].tolist() == target[2, :3].tolist()  # two real drafts, then the argmax at row 2
+
+
+def test_no_drafts_emit_the_targets_token():
+    target = torch.randint(0, V, (2, 3))
+    tokens, num = accept_drafts(target, target[:, :2], torch.tensor([0, 0]))
+    assert num.tolist() == [1, 1] and tokens[:, 0].tolist() == target[:, 0].tolist()
 
 
 def tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -35,23 +42,19 @@ def tv(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 def test_sampled_tokens_follow_the_target_not_the_draft():
     torch.manual_seed(0)
-    n = 40000  # requests of 2 drafts each: rows 3i (p0, q0), 3i+1 (p1, q1), 3i+2 (bonus p2)
+    n = 40000  # requests of 2 drafts each: rows (p0, q0), (p1, q1), bonus p2
     target = torch.randn(3, V) * 1.5
     draft = torch.randn(2, V) * 1.5
     params = SamplingParams(temperature=0.8, top_k=5)
-    meta = metadata([params] * (3 * n))
-    from fastllm.layers.sampler import filtered_probs
     p = filtered_probs(target, metadata([params] * 3))
     q = filtered_probs(draft, metadata([params] * 2))
     assert tv(q[0] * 1.0, p[0]) > 0.15  # the draft is far from the target: a sampler that kept drafts would fail
-    logits = target.repeat(n, 1)
-    draft_probs = torch.cat([q, torch.zeros(1, V)]).repeat(n, 1)
     proposals = torch.stack([torch.multinomial(q[0], n, replacement=True),
                              torch.multinomial(q[1], n, replacement=True)], dim=1)  # [n, 2]
-    draft_ids = torch.cat([proposals, torch.full((n, 1), -1)], dim=1).flatten()
-    target_sampled = torch.multinomial(p[torch.arange(3).repeat(n)], 1).squeeze(1)  # the sampler's own draws
-    accepted, token = rejection_sample(logits, meta, target_sampled, draft_ids, draft_probs)
-    out = accepted_tokens(accepted.tolist(), token.tolist(), proposals.tolist())
+    target_sampled = torch.multinomial(p.repeat(n, 1), 1).view(n, 3)  # the sampler's own draws
+    tokens, num = accept_drafts(target_sampled, proposals, torch.full((n,), 2), sampled_rows=torch.ones(n, dtype=torch.bool),
+                                target_probs=p.expand(n, 3, V), draft_probs=q.expand(n, 2, V))
+    out = [row[:k] for row, k in zip(tokens.tolist(), num.tolist())]
     assert all(1 <= len(o) <= 3 for o in out)
     for position in range(3):
         emitted = torch.tensor([o[position] for o in out if len(o) > position])
@@ -61,4 +64,32 @@ def test_sampled_tokens_follow_the_target_not_the_draft():
         assert counts[p[position] == 0].sum() == 0  # nothing top-k removed
     # Acceptance is min(1, p/q) in expectation: sum_x min(p, q).
     expected = float(torch.minimum(p[0], q[0]).sum())
-    assert abs(float(accepted.view(n, 3)[:, 0].float().mean()) - expected) < 0.02
+    assert abs(float((num >= 2).float().mean()) - expected) < 0.02
+
+
+def test_one_hot_drafts_follow_the_target():
+    """n-gram proposals come from no distribution: q is one-hot on the proposal, and the emitted
+    tokens are still the target's samples."""
+    torch.manual_seed(1)
+    n = 40000
+    p = torch.softmax(torch.randn(2, V), dim=-1)
+    proposals = torch.full((n, 1), 3)
+    sampled = torch.multinomial(p.repeat(n, 1), 1).view(n, 2)
+    tokens, num = accept_drafts(sampled, proposals, torch.ones(n, dtype=torch.int64),
+                                sampled_rows=torch.ones(n, dtype=torch.bool), target_probs=p.expand(n, 2, V),
+                                draft_probs=torch.nn.functional.one_hot(proposals, V).float())
+    first = torch.bincount(tokens[:, 0], minlength=V).float()
+    assert tv(first, p[0]) < 0.02
+    assert abs(float((num == 2).float().mean()) - float(p[0, 3])) < 0.02
+
+
+def test_synthetic_acceptance_keeps_drafts_at_its_rate():
+    torch.manual_seed(2)
+    n, k = 20000, 4
+    target = torch.randint(0, V, (n, k + 1))
+    drafts = (target[:, :k] + 1) % V  # never the target's: without the synthetic rate none would be kept
+    tokens, num = accept_drafts(target, drafts, torch.full((n,), k), synthetic_acceptance_rate=0.8)
+    mean_tokens = float(num.float().mean())
+    assert abs(mean_tokens - sum(0.8 ** i for i in range(k + 1))) < 0.03
+    row = int((num == 3).nonzero()[0])  # two drafts kept, then the target's own token
+    assert tokens[row, :3].tolist() == [*drafts[row, :2].tolist(), int(target[row, 2])]
