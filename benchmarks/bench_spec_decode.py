@@ -1,29 +1,43 @@
-"""Speculative decoding (DESIGN.md "Speculative decoding"): batch 1 and small batches of real prompts,
-greedy, the same engine with and without the draft model. Reports output tokens/s of each, the
-speedup, the draft tokens' acceptance rate and the mean tokens a verification gives a request.
+"""Speculative decoding against plain decode, in one run (DESIGN.md "Speculative decoding").
 
-    python benchmarks/bench_spec_decode.py                       # stories260K, llama2xs-279K drafting
-    python benchmarks/bench_spec_decode.py --batch-sizes 1,4 --num-speculative-tokens 3 --output-json spec.json
+For each batch size: the plain engine's decode tokens/s, then each speculative configuration's
+(a draft model and/or n-gram prompt lookup, each k), the speedup, the acceptance rate, the mean
+tokens a verify step gives a request, the share of steps that speculated, and a speculative step's
+time split into verify (the target's forward and the acceptance), draft (the draft model's rounds)
+and host (everything else: scheduling, staging, the copy back, detokenizing), from CUDA events
+around the graphs' parts.
 
-Random prompts or random weights would make acceptance meaningless, so the prompts are story
-openings and the models real; --model / --speculative-model take any pair sharing a vocabulary.
+    # the real tiny pair (stories260K drafted by llama2xs-279K), story prompts:
+    python benchmarks/bench_spec_decode.py
+    # 8B-class pairs have random weights, so acceptance is set: --synthetic-acceptance 0.8,0
+    python benchmarks/bench_spec_decode.py --model qwen3-8b --draft qwen3-0.6b --ngram --load-format dummy \\
+        --dtype bfloat16 --synthetic-acceptance 0.8,0 --batch-sizes 1,8,32 --k 4 --output-json spec.json
+
+--synthetic-acceptance A makes the verifier accept each draft token with probability A whatever its
+value (a rejected position takes the target's own token): every cost stays real, only acceptance is
+set. It exists only here (LLM(...), the CLI and the server refuse it); rows that use it say so.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
+import logging
 import sys
 
+import numpy as np
 import pandas as pd
+import torch
 
 from fastllm.bench import ceilings, report
 from fastllm.bench.runner import run_requests
+from fastllm.config import EngineConfig, SpeculativeConfig
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.entrypoints.bench import parse_batch_sizes
 
-PROMPTS = [
+STORY_PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
     "Tom and his dog went to the park.",
     "One day, a big bird flew over the town.",
@@ -35,56 +49,129 @@ PROMPTS = [
 ]
 
 
-def measure(engine: LLMEngine, batch_size: int, output_len: int) -> dict:
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch_size)]
-    run_requests(engine, prompts[:1], 4, f"warmup{batch_size}", progress=False)
-    run = run_requests(engine, prompts, output_len, f"bs{batch_size}", progress=False)
-    return {"output_tok_s": batch_size * output_len / run.total_s, "steps": len(run.steps), **run.spec_columns()}
+def build_engine(args, spec: SpeculativeConfig | None) -> LLMEngine:
+    config = EngineConfig.from_kwargs(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+                                      enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
+    if spec is not None:
+        config = dataclasses.replace(config, speculative=spec)
+    return LLMEngine(config)
+
+
+def with_engine(args, spec: SpeculativeConfig | None, measure_all):
+    """measure_all(engine)'s result, the engine's memory freed before the next one is built (it froze its
+    startup objects out of the garbage collector's reach)."""
+    engine = build_engine(args, spec)
+    try:
+        return measure_all(engine)
+    finally:
+        del engine
+        gc.unfreeze()
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def prompts(engine: LLMEngine, batch_size: int, input_len: int, seed: int) -> list:
+    if engine.tokenizer is not None and not input_len:
+        return [STORY_PROMPTS[i % len(STORY_PROMPTS)] for i in range(batch_size)]
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(0, engine.vocab_size, input_len).tolist()} for _ in range(batch_size)]
+
+
+def measure(engine: LLMEngine, batch_size: int, args) -> dict:
+    """Decode tokens/s of one batch (the steps after its prefill), after a warm-up batch."""
+    spec = engine.worker.runner.spec
+    run_requests(engine, prompts(engine, batch_size, args.input_len, 1), args.output_len, f"warm{batch_size}",
+                 progress=False)
+    if spec is not None:
+        spec.step_timings.clear()
+        spec.step.timing = spec.step.replay  # CUDA events only where there are graphs
+    run = run_requests(engine, prompts(engine, batch_size, args.input_len, 2), args.output_len, f"bs{batch_size}",
+                       progress=False)
+    decode = run.steps[1:]  # the first step is the prompts' prefill
+    row = {"decode_tok_s": sum(s.num_tokens for s in decode) / sum(s.seconds for s in decode),
+           "steps": len(run.steps), "jit_in_window": len(run.jit_compiles)}
+    if spec is not None:
+        spec.step.timing = False
+        timed = spec.step_timings  # (verify, draft) ms of each step that ran the batched step's graphs
+        step_ms = 1e3 * float(np.mean([s.seconds for s in decode]))
+        verify_ms = float(np.mean([t[0] for t in timed])) if timed else None
+        draft_ms = float(np.mean([t[1] for t in timed])) if timed else None
+        graphed = len(timed) / len(decode)
+        row.update(**run.spec_columns(), graphed_spec_steps=graphed, step_ms=step_ms, verify_ms=verify_ms,
+                   draft_ms=draft_ms, host_ms=step_ms - verify_ms - draft_ms if graphed == 1.0 else None)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="target (default: the embedded stories260K)")
-    p.add_argument("--speculative-model", default="llama2xs-279K")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--batch-sizes", default="1,2,4,8")
+    p.add_argument("--draft", default="llama2xs-279K", help="draft model ('none': no draft-model rows)")
+    p.add_argument("--ngram", action="store_true", help="also n-gram prompt lookup rows")
+    p.add_argument("--k", default="4", help="num_speculative_tokens values, comma-separated")
+    p.add_argument("--batch-sizes", default="1,4")
+    p.add_argument("--input-len", type=int, default=0, help="random prompts of this length (0: story prompts)")
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--synthetic-acceptance", default=None,
+                   help="comma-separated acceptance rates to force (benchmark only; random-weight models)")
+    p.add_argument("--no-adaptive", action="store_true", help="speculate every step (the policy off)")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--output-json", default=None)
     p.add_argument("--output-csv", default=None)
+    p.add_argument("-v", "--verbose", action="store_true", help="the engine's log (paths taken, policy decisions)")
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     batch_sizes = parse_batch_sizes(args.batch_sizes)
-    common = {"dtype": args.dtype, "device": args.device, "enforce_eager": args.enforce_eager}
-    results = {}
-    for name, extra in (("baseline", {}), ("spec", dict(speculative_model=args.speculative_model,
-                                                        num_speculative_tokens=args.num_speculative_tokens))):
-        engine = LLMEngine.from_kwargs(args.model, **common, **extra)
-        results[name] = {b: measure(engine, b, args.output_len) for b in batch_sizes}
-        device = engine.worker.device
-        del engine
-        gc.collect()
+    ks = parse_batch_sizes(args.k)
+    alphas = [float(a) for a in args.synthetic_acceptance.split(",")] if args.synthetic_acceptance else [None]
+    methods = ([] if args.draft == "none" else [("draft_model", args.draft)]) + ([("ngram", None)] if args.ngram else [])
+
+    meta = {"model": args.model or "stories260K", "dtype": args.dtype}
+
+    def plain(engine):
+        meta.update(ceilings.environment(engine.worker.device))
+        return {b: measure(engine, b, args) for b in batch_sizes}
+
+    baseline = with_engine(args, None, plain)
     rows = []
-    for b in batch_sizes:
-        base, spec = results["baseline"][b], results["spec"][b]
-        rows.append({"batch_size": b, "output_len": args.output_len, "k": args.num_speculative_tokens,
-                     "baseline_tok_s": base["output_tok_s"], "spec_tok_s": spec["output_tok_s"],
-                     "speedup": spec["output_tok_s"] / base["output_tok_s"],
-                     "baseline_steps": base["steps"], "spec_steps": spec["steps"],
-                     "acceptance_rate": spec["spec_acceptance_rate"],
-                     "mean_accepted_len": spec["spec_mean_accepted_len"]})
+
+    def speculative(method, draft, k):
+        def run(engine):
+            for alpha in alphas:
+                if alpha is not None:
+                    engine.worker.runner.spec.set_synthetic_acceptance_rate(alpha)
+                for b in batch_sizes:
+                    got = measure(engine, b, args)
+                    rows.append({"method": method if method == "ngram" else f"draft {draft}", "k": k, "batch_size": b,
+                                 "acceptance": "measured" if alpha is None else f"synthetic {alpha}",
+                                 "plain_tok_s": baseline[b]["decode_tok_s"], "spec_tok_s": got.pop("decode_tok_s"),
+                                 **got})
+                    rows[-1]["speedup"] = rows[-1]["spec_tok_s"] / rows[-1]["plain_tok_s"]
+        return run
+
+    for method, draft in methods:
+        for k in ks:
+            spec = SpeculativeConfig(method=method, model=draft, num_speculative_tokens=k, adaptive=not args.no_adaptive,
+                                     synthetic_acceptance_rate=alphas[0])
+            with_engine(args, spec, speculative(method, draft, k))
     frame = pd.DataFrame(rows)
-    meta = {**ceilings.environment(device), "model": args.model or "stories260K",
-            "speculative_model": args.speculative_model, "dtype": args.dtype, "enforce_eager": args.enforce_eager}
-    print(f"speculative decoding: {meta['model']} drafted by {args.speculative_model} on {meta['device']} "
-          f"(commit {meta.get('commit')})")
-    print(report.format_frame(frame))
+    cols = ["method", "k", "batch_size", "acceptance", "plain_tok_s", "spec_tok_s", "speedup", "spec_acceptance_rate",
+            "spec_mean_accepted_len", "graphed_spec_steps", "step_ms", "verify_ms", "draft_ms", "host_ms",
+            "jit_in_window"]
+    print(f"speculative decoding: {meta['model']} on {meta['device']} (commit {meta.get('commit')}), "
+          f"{args.input_len or 'story'} in / {args.output_len} out, {args.dtype}")
+    print(report.format_frame(frame[[c for c in cols if c in frame]]))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"benchmark": "spec_decode", "meta": meta, "rows": rows}, f, indent=2, default=str)
+            json.dump({"benchmark": "spec_decode", "meta": meta, "baseline": baseline, "rows": rows}, f, indent=2,
+                      default=str)
     if args.output_csv:
-        frame.assign(**{k: meta[k] for k in ("device", "torch", "commit") if k in meta}).to_csv(args.output_csv, index=False)
+        frame.to_csv(args.output_csv, index=False)
     return 0
 
 

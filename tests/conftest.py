@@ -60,7 +60,7 @@ def cached_llm(model: str = STORIES, **kwargs) -> LLM:
     kwargs.setdefault("dtype", "float32")
     # FASTLLM_TEST_DEVICE=cuda reruns the engine tests on a GPU, with the Triton kernels on.
     kwargs.setdefault("device", os.environ.get("FASTLLM_TEST_DEVICE", "cpu"))
-    key = (model, tuple(sorted(kwargs.items())))
+    key = (model, repr(sorted(kwargs.items())))  # (repr: dict values, e.g. speculative_config)
     if key not in _cache:
         _cache[key] = LLM(model, **kwargs)
         _live_engines.append(_cache[key])

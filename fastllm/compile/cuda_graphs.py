@@ -59,6 +59,43 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sizes
 
 
+def graph_sampling_metadata(params: torch.Tensor) -> SamplingMetadata:
+    """The sampler's metadata from a graph's float32 [temperature, top_k, top_p, min_p] x rows
+    (temperature 0: a greedy row)."""
+    temperature, top_k, top_p, min_p = params
+    greedy = temperature == 0
+    return SamplingMetadata(temperature=torch.where(greedy, 1.0, temperature), greedy=greedy, top_k=top_k.long(),
+                            top_p=top_p, min_p=min_p, all_greedy=False, generators={}, penalty_rows=[], banned=[],
+                            max_num_logprobs=None)
+
+
+def record_graph(step, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """step()'s launches captured into a new graph whose memory comes from `pool` (None: a new pool).
+    torch.cuda.graph would also empty the allocator's cache before each capture, so that every
+    size's warm-up had to cudaMalloc its activations afresh."""
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()  # the capture stream starts after everything queued before it
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            step()
+        finally:
+            graph.capture_end()
+    return graph
+
+
+def time_graph(graph: torch.cuda.CUDAGraph, repeats: int = 5) -> float:
+    """Milliseconds of one replay (after one untimed replay), by CUDA events."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    begin.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / repeats
+
+
 class CUDAGraphRunner:
     def __init__(self, forward, compute_logits, attention_layers, sizes: list[int], max_blocks_per_seq: int,
                  max_seq_len: int, vocab_size: int, dtype: torch.dtype, device: torch.device):
@@ -135,14 +172,10 @@ class CUDAGraphRunner:
     def _sample(self, bs: int) -> None:
         """Replace the non-greedy rows' argmax with a draw under their temperature, top-k, top-p and
         min-p: the sampler's math on the static logits, with the default generator (capture-safe)."""
-        temperature, top_k, top_p, min_p = self.sampling_params[:, :bs]
-        greedy = temperature == 0
-        metadata = SamplingMetadata(
-            temperature=torch.where(greedy, 1.0, temperature), greedy=greedy, top_k=top_k.long(), top_p=top_p,
-            min_p=min_p, all_greedy=False, generators={}, penalty_rows=[], banned=[], max_num_logprobs=None)
+        metadata = graph_sampling_metadata(self.sampling_params[:, :bs])
         probs = filtered_probs(self.logits[:bs].float(), metadata)
         drawn = (probs / exponential_noise(probs, {})).argmax(dim=-1)
-        self.argmax[:bs].copy_(torch.where(greedy, self.argmax[:bs], drawn))
+        self.argmax[:bs].copy_(torch.where(metadata.greedy, self.argmax[:bs], drawn))
 
     def _capture_sampling(self, bs: int) -> torch.cuda.CUDAGraph:
         start = time.perf_counter()
@@ -181,18 +214,13 @@ class CUDAGraphRunner:
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
                     len(self.graphs), self.sizes[0], self.max_bs, self.capture_seconds, self.pool_bytes / 2**30)
 
+    def time_replays(self, sizes: list[int], repeats: int = 5) -> dict[int, float]:
+        """Milliseconds of one replay per captured size in `sizes`. Only before the first step: the
+        static inputs still hold capture's padding (no KV written)."""
+        return {bs: time_graph(self.graphs[bs], repeats) for bs in sizes if bs in self.graphs}
+
     def _record(self, step) -> torch.cuda.CUDAGraph:
-        """step()'s launches captured into a new graph whose memory comes from the shared pool.
-        torch.cuda.graph would also empty the allocator's cache before each capture, so that every
-        size's warm-up had to cudaMalloc its activations afresh."""
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()  # the capture stream starts after everything queued before it
-        with torch.cuda.stream(self.capture_stream):
-            graph.capture_begin(pool=self.pool)
-            try:
-                step()
-            finally:
-                graph.capture_end()
+        graph = record_graph(step, self.pool, self.capture_stream)
         self.pool = self.pool or graph.pool()
         return graph
 

@@ -11,9 +11,11 @@ that will sample counts its in-flight token as pending (num_tokens_with_pending)
 scheduled for that token's KV at once; the runner reads the token itself from the device.
 
 With speculative decoding a decode request is also scheduled for its draft tokens (spec_token_ids),
-which the target verifies in the same forward, and holds num_lookahead_tokens more slots for the
-draft model's own KV writes. The KV of rejected draft tokens is given back by lowering
-num_computed_tokens when the step's output comes back.
+which the target verifies in the same forward. Each step also says how many tokens the proposer
+drafts after it (num_spec_proposals: k, or 0 while the policy finds that speculation does not pay);
+a request that will draft after the step holds that many more slots for a draft model's own KV
+writes. The KV of rejected draft tokens is given back by lowering num_computed_tokens when the
+step's output comes back.
 """
 
 from __future__ import annotations
@@ -25,8 +27,14 @@ from dataclasses import dataclass, field
 from fastllm.config import CacheConfig, SchedulerConfig
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.kv_cache_manager import KVCacheManager
-from fastllm.core.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from fastllm.core.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from fastllm.engine.request import Request, RequestStatus
+from fastllm.spec_decode.policy import SpecPolicy
 from fastllm.spec_decode.stats import SpecDecodingStats
 
 logger = logging.getLogger(__name__)
@@ -59,7 +67,8 @@ class Scheduler:
         num_gpu_blocks: int,
         num_cpu_blocks: int = 0,
         hash_fn: HashFn = hash_block_tokens,
-        num_lookahead_tokens: int = 0,
+        spec_policy: SpecPolicy | None = None,
+        draft_writes_kv: bool = False,
         sliding_window: int | None = None,  # every layer's window: blocks behind it go back to the pool
     ):
         if scheduler_config.max_num_seqs is None:
@@ -70,7 +79,9 @@ class Scheduler:
         self.hash_fn = hash_fn if cache_config.enable_prefix_caching else None
         self.kv = KVCacheManager(num_gpu_blocks, self.block_size, cache_config.enable_prefix_caching,
                                  num_cpu_blocks if scheduler_config.preemption_mode == "swap" else 0, sliding_window)
-        self.num_lookahead_tokens = num_lookahead_tokens  # the draft model's slots past a step's tokens
+        self.spec_policy = spec_policy  # None: no speculative decoding
+        self.draft_writes_kv = draft_writes_kv  # a draft model (not n-gram lookup) writes KV past a step's tokens
+        self.num_lookahead_tokens = 0  # this step's: the draft's slots past a request's tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -118,13 +129,15 @@ class Scheduler:
     # one step
 
     def schedule(self) -> SchedulerOutput:
+        num_proposals = self.spec_policy.num_to_propose(len(self.running)) if self.spec_policy else 0
+        self.num_lookahead_tokens = num_proposals if self.draft_writes_kv else 0
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_swapped(plan)
             if not self.swapped:
                 self._schedule_waiting(plan)
-        return self._build_output(plan)
+        return self._build_output(plan, num_proposals)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Running requests first: their next chunk or token. Preempts the newest when blocks run out."""
@@ -192,8 +205,9 @@ class Scheduler:
         return (parent is not None and not parent.is_finished and parent.status != RequestStatus.PREEMPTED
                 and parent.num_computed_tokens < parent.num_prompt_tokens and request.num_computed_tokens == 0)
 
-    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
-        """The step's records, then num_computed_tokens advanced (the runner gets the old values)."""
+    def _build_output(self, plan: _StepPlan, num_proposals: int) -> SchedulerOutput:
+        """The step's records, then num_computed_tokens advanced (the runner gets the old values);
+        num_proposals: the tokens to draft after the step."""
         rewritten = self.kv.take_rewritten()
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
@@ -228,6 +242,7 @@ class Scheduler:
             blocks_to_copy=self.kv.take_copies(),
             step_id=self._step_id,
             scheduled_spec_tokens=plan.spec_tokens,
+            num_spec_proposals=num_proposals,
         )
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -326,6 +341,7 @@ class Scheduler:
             if num_spec:  # the KV of the rejected draft tokens is computed again
                 request.num_computed_tokens -= num_spec + 1 - len(tokens)
                 self.spec_stats.record(num_spec, len(tokens) - 1)
+                self.spec_policy.record(num_spec, len(tokens) - 1)
             request.num_pending_tokens -= 1
             status = None
             for num_appended, token in enumerate(tokens, 1):

@@ -46,6 +46,8 @@ class SchedulerOutput:
     step_id: int = 0  # the scheduler's count of steps; update_from_output pairs the output with it
     # req id -> draft tokens to verify this step: the last of its num_scheduled_tokens (speculative decoding)
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # tokens the proposer drafts after this step for each request that samples and may speculate (0: none)
+    num_spec_proposals: int = 0
 
     @property
     def is_empty(self) -> bool:

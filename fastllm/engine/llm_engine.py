@@ -15,6 +15,7 @@ from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request, RequestStatus
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import SamplingParams
+from fastllm.spec_decode.policy import SpecPolicy
 from fastllm.tracing import nvtx_range
 from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.worker import Worker
@@ -49,8 +50,15 @@ class LLMEngine:
             raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
                              f"{config.model.max_model_len}: lower max_model_len or give the cache more memory")
         self.worker.init_kv_cache(num_blocks, num_cpu_blocks)
+        spec = config.speculative
+        policy = SpecPolicy(spec.num_speculative_tokens, spec.adaptive) if spec.enabled else None
+        if policy is not None:
+            spec_ms, plain_ms = self.worker.runner.step_costs()
+            policy.set_step_costs(spec_ms, plain_ms)
+            logger.info("speculative decoding: step ms by batch size, speculative %s, plain %s",
+                        {b: round(t, 3) for b, t in spec_ms.items()}, {b: round(t, 3) for b, t in plain_ms.items()})
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
-                                   num_blocks, num_cpu_blocks, hash_fn, config.speculative.num_speculative_tokens,
+                                   num_blocks, num_cpu_blocks, hash_fn, policy, spec.uses_draft_model,
                                    config.model.kv_sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.worker.runner.eos_token_id
@@ -58,10 +66,6 @@ class LLMEngine:
             self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = self.worker.runner.args.vocab_size
         self.async_scheduling = config.scheduler.async_scheduling
-        if self.async_scheduling and config.speculative.enabled:
-            # A step's draft tokens come from the step before it, which must have ended first.
-            logger.info("speculative decoding: steps run one at a time (async_scheduling is off)")
-            self.async_scheduling = False
         self._in_flight: tuple[SchedulerOutput, AsyncRunnerOutput] | None = None
         self.last_step_wait_s = 0.0  # time the last step() spent waiting for the GPU (bench: host = step - wait)
         prepare_gc_for_serving(gc_threshold)
@@ -138,7 +142,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step before it (async
         scheduling: its tokens were copied back while this one was being prepared) or of this
-        one (async_scheduling=False)."""
+        one (async_scheduling=False, and speculative steps, which end before they return: the
+        next step is scheduled from their proposals)."""
+        outputs = []
+        if self._in_flight is not None and self._in_flight[1].done:  # a speculative step
+            outputs = self._finish(*self._in_flight)
+            self._in_flight = None
         with nvtx_range("schedule"):
             scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and self._in_flight is None and self.scheduler.has_unfinished_requests() \
@@ -148,10 +157,9 @@ class LLMEngine:
         launched = (scheduler_output, self.worker.execute_model(scheduler_output))
         if self.async_scheduling and not scheduler_output.is_empty:
             done, self._in_flight = self._in_flight, launched
-            return self._finish(*done) if done is not None else []
-        outputs = []
+            return outputs + (self._finish(*done) if done is not None else [])
         if self._in_flight is not None:  # nothing new was launched: nothing to overlap with
-            outputs = self._finish(*self._in_flight)
+            outputs += self._finish(*self._in_flight)
             self._in_flight = None
         return outputs + self._finish(*launched)
 

@@ -3,11 +3,12 @@ the next tokens of each request.
 
 Its KV cache has its own tensors but the target's block ids: a request's block table addresses
 both, so the scheduler's allocation, prefix caching, copy-on-write and swapping cover the draft
-with no bookkeeping of its own. To keep its KV whole, the draft runs over every token the target
-accepted each step (and over each prompt chunk), then drafts autoregressively after the newest
-token, writing into the lookahead slots the scheduler reserved (Scheduler.num_lookahead_tokens).
-The KV it wrote for tokens that were later rejected is overwritten when those positions are
-computed again, exactly as the target's is.
+with no bookkeeping of its own. The runner keeps each request's draft_len (the positions whose
+draft KV is valid): propose() runs the draft over the tokens from there to the newest one, then
+drafts autoregressively after it, writing into the lookahead slots the scheduler reserved. Decode
+steps run batched_step.py instead, which keeps the same invariant on the device. The KV written
+for tokens later rejected is overwritten when those positions are computed again, exactly as the
+target's is.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def draft_model_config(config: EngineConfig, dtype: torch.dtype) -> ModelConfig:
     """The draft's ModelConfig: the target's dtype, load format and context length. A draft trained
     on shorter contexts gets a longer rotary table: past its training length it only drafts worse."""
     target = config.model
-    draft = ModelConfig(model=config.speculative.speculative_model, load_format=target.load_format)
+    draft = ModelConfig(model=config.speculative.model, load_format=target.load_format)
     hf_config = dict(draft.hf_config)
     if draft.max_position_embeddings < target.max_model_len:
         logger.info("draft model: max_position_embeddings %d < max_model_len %d; its rotary table is extended "
@@ -58,18 +59,17 @@ class DraftModel:
     def __init__(self, config: EngineConfig, target_dtype: torch.dtype, target_vocab_size: int, device: torch.device):
         self.device = device
         self.block_size = config.cache.block_size
-        self.num_speculative_tokens = config.speculative.num_speculative_tokens
         self.model_config = draft_model_config(config, target_dtype)
+        vocab_size = self.model_config.hf_config.get("vocab_size")
+        if vocab_size != target_vocab_size:  # before any weights load
+            raise ValueError(f"speculative_config.model: the draft's vocabulary ({vocab_size} tokens) differs from "
+                             f"the target's ({target_vocab_size}); speculative decoding needs the same tokenizer")
         self.model = load_model(self.model_config, device)
         self.args = self.model.args
         self.dtype = target_dtype
-        if self.args.vocab_size != target_vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({self.args.vocab_size} tokens) differs from the "
-                             f"target's ({target_vocab_size}): speculative decoding needs the same tokenizer")
         self.attention_layers = self.model.attention_layers()
         self.cache: CacheEngine | None = None
-        logger.info("speculative decoding: %s drafts %d tokens a step, eager (no torch.compile, no CUDA graphs)",
-                    self.model_config.model, self.num_speculative_tokens)
+        self.forward = self.model.forward  # the compiled forward once the runner compiles it
 
     def kv_bytes_per_block(self) -> int:
         a = self.args
@@ -143,7 +143,7 @@ class DraftModel:
         )
         input_ids = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(ids, device=device)
         with forward_context(metadata, self.attention_layers):
-            return self.model(input_ids, torch.as_tensor(positions, device=device))
+            return self.forward(input_ids, torch.as_tensor(positions, device=device))
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         """Draft tokens with the requests' own temperature / top-k / top-p / min-p: the argmax for

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from fastllm.compile.cuda_graphs import SAMPLING_ROWS
 from fastllm.layers.sampler import SamplingMetadata, SamplingRow
 from fastllm.sampling_params import SamplingParams
 from fastllm.worker.async_output import AsyncRunnerOutput
@@ -33,8 +34,10 @@ class CachedRequestState:
     max_total_tokens: int = 0  # prompt + max_tokens, within max_model_len (speculative decoding reads it)
     num_pending: int = field(default=0, init=False)  # sampled on the device, not yet appended here
     block_table: np.ndarray = field(init=False, repr=False)  # block_ids as int32, with spare capacity
-    # The draft's probabilities [n, V] for its last proposals, when it sampled them (speculative decoding)
-    draft_probs: torch.Tensor | None = field(default=None, init=False, repr=False)
+    # Speculative decoding (spec_decode/spec_runner.py): leading positions whose draft-model KV is valid,
+    # and the row of the draft's probabilities for this request's pending drafts (-1: none)
+    draft_len: int = field(default=0, init=False)
+    prob_slot: int = field(default=-1, init=False)
 
     def __post_init__(self):
         self.set_block_ids(self.block_ids)
@@ -233,7 +236,8 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
     metadata = None if sampling else _sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device)
     int32_arrays = [static_lens, block_tables]
     if sampling:
-        int32_arrays.insert(1, _graph_sampling_params(graph, sample_states, sample_rows, vocab_size).view(np.int32))
+        params = graph_sampling_params(sample_states, graph.sampling_params.shape[1], vocab_size, sample_rows)
+        int32_arrays.insert(1, params.view(np.int32))
     stager.send_into(int64_arrays, int32_arrays, graph.static, graph.int32_start)
     graph.take_block_tables(*block_tables.shape, sampling=sampling)
     if cascade is not None:
@@ -244,10 +248,11 @@ def _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slot
                       sampled_in_graph=sampling, cascade_in_graph=cascade is not None)
 
 
-def _graph_sampling_params(graph, sample_states, sample_rows, vocab_size: int) -> np.ndarray:
-    """float32 [temperature, top_k, top_p, min_p] x max_bs rows for graph.sampling_params: greedy
-    (temperature 0) where a row does not sample, as the sampler's metadata sets them where it does."""
-    params = np.zeros(tuple(graph.sampling_params.shape), dtype=np.float32)
+def graph_sampling_params(sample_states, num_rows: int, vocab_size: int, sample_rows=None) -> np.ndarray:
+    """float32 [temperature, top_k, top_p, min_p] x num_rows for a graph's sampling params, state i's in
+    row sample_rows[i] (default i): greedy (temperature 0) where a row does not sample, as the sampler's
+    metadata sets them where it does."""
+    params = np.zeros((SAMPLING_ROWS, num_rows), dtype=np.float32)
     params[1], params[2] = vocab_size, 1.0
     rows = range(len(sample_states)) if sample_rows is None else sample_rows
     for row, state in zip(rows, sample_states):

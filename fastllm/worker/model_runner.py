@@ -3,7 +3,6 @@ built in input_batch.py, attention inputs live in attn_metadata.py, KV tensors i
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 
@@ -12,17 +11,17 @@ import torch
 from fastllm.compile.backend import compile_forward, mark_tokens_unbacked
 from fastllm.compile.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from fastllm.config import EngineConfig
-from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fastllm.core.scheduler_output import SchedulerOutput
 from fastllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from fastllm.models.loader import load_model
 from fastllm.sampling_params import SamplingParams
-from fastllm.spec_decode.draft_model import DraftModel, DraftRequest
-from fastllm.spec_decode.rejection_sampler import accepted_tokens, rejection_sample
+from fastllm.spec_decode.spec_runner import SpecDecodeRunner
 from fastllm.tracing import nvtx_range
+from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.attn_metadata import forward_context
 from fastllm.worker.cache_engine import CacheEngine
 from fastllm.worker.cascade import CascadePlanner
-from fastllm.worker.async_output import AsyncRunnerOutput, collect_logprobs
+from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
 from fastllm.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fastllm.worker.staging import StepInputStager
@@ -43,9 +42,9 @@ class ModelRunner:
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
         self.sampler = Sampler()
-        self.drafter = None  # speculative decoding's draft model
-        if config.speculative.enabled:
-            self.drafter = DraftModel(config, self.dtype, self.args.vocab_size, device)
+        self.stager = StepInputStager(device)
+        self.spec = SpecDecodeRunner(self) if config.speculative.enabled else None
+        self.drafter = self.spec.drafter if self.spec is not None else None  # speculative decoding's draft model
         self.cache: CacheEngine | None = None
         self.caches: list[CacheEngine] = []  # the target's, then the draft's: swaps and copies apply to both
         self.requests: dict[str, CachedRequestState] = {}
@@ -53,7 +52,6 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None
         self.compile_seconds = 0.0
         self.compile_how = None  # "compiled, saved to ..." / "loaded ..." (see compile/aot_cache.py)
-        self.stager = StepInputStager(device)
         self.cascade = CascadePlanner(config.cache.cascade_attention, self.block_size, self.args.sliding_windows)
         self._last_output: AsyncRunnerOutput | None = None  # its tokens may still be on the device
         self._said_penalties_wait = False
@@ -82,28 +80,33 @@ class ModelRunner:
         """torch.compile the forward and capture decode CUDA graphs, unless enforce_eager or the
         device rules them out (said once in the log, with the path that runs instead)."""
         cfg = self.config.compile
-        if cfg.enforce_eager:
-            logger.info("execution: eager (enforce_eager=True): no torch.compile, no CUDA graphs")
-            return
-        if self.device.type != "cuda" and not cfg.compile_on_cpu:
-            logger.info("execution: eager on %s: torch.compile and CUDA graphs are used on GPUs "
-                        "(compile_on_cpu=True compiles here too)", self.device.type)
+        sched, model = self.config.scheduler, self.config.model
+        sizes = list(cfg.cuda_graph_sizes or default_capture_sizes(sched.max_num_seqs))
+        draft_forward = self.drafter.forward if self.drafter is not None else None
+        if cfg.enforce_eager or (self.device.type != "cuda" and not cfg.compile_on_cpu):
+            why = "enforce_eager=True" if cfg.enforce_eager else \
+                f"torch.compile and CUDA graphs are used on GPUs (compile_on_cpu=True compiles on {self.device.type} too)"
+            logger.info("execution: eager on %s (%s): no torch.compile, no CUDA graphs", self.device.type, why)
+            if self.spec is not None:
+                self.spec.build_step(self.forward, draft_forward, sizes, capture=False)
             return
         start = time.perf_counter()
         with torch.inference_mode(), forward_context(None, self.attention_layers):
             ids = torch.zeros(2, dtype=torch.int64, device=self.device)
             self.forward, self.compile_how = compile_forward(self.model, mark_tokens_unbacked(ids, ids.clone()))
+        if self.drafter is not None:
+            with torch.inference_mode(), forward_context(None, self.drafter.attention_layers):
+                ids = torch.zeros(2, dtype=torch.int64, device=self.device)
+                draft_forward, how = compile_forward(self.drafter.model, mark_tokens_unbacked(ids, ids.clone()))
+                self.drafter.forward = draft_forward
+            self.compile_how += f"; draft model {how}"
         self.compile_seconds = time.perf_counter() - start
         logger.info("torch.compile: %.1f s (%s)", self.compile_seconds, self.compile_how)
         if self.device.type != "cuda":
             logger.info("execution: compiled, without CUDA graphs (device %s)", self.device.type)
+            if self.spec is not None:
+                self.spec.build_step(self.forward, draft_forward, sizes, capture=False)
             return
-        if self.drafter is not None:
-            logger.info("execution: speculative decoding: the target runs compiled without CUDA graphs (its "
-                        "verify steps are several tokens a request), the draft model eager")
-            return
-        sched, model = self.config.scheduler, self.config.model
-        sizes = list(cfg.cuda_graph_sizes or default_capture_sizes(sched.max_num_seqs))
         max_blocks = -(-model.max_model_len // self.block_size)
         self.graphs = CUDAGraphRunner(self.forward, self.model.compute_logits, self.attention_layers, sizes,
                                       max_blocks, model.max_model_len, self.args.vocab_size, self.dtype, self.device)
@@ -111,6 +114,16 @@ class ModelRunner:
             self.graphs.enable_cascade()
         self.graphs.capture()
         logger.info("execution: compiled; decode batches up to %d replay CUDA graphs", self.graphs.max_bs)
+        if self.spec is not None:
+            self.spec.build_step(self.forward, draft_forward, sizes, capture=True)
+
+    def step_costs(self) -> tuple[dict[int, float], dict[int, float]]:
+        """Measured milliseconds of a speculative and of a plain decode graph's replay, by batch size
+        (empty without CUDA graphs): the speculation policy's cost model."""
+        if self.spec is None or self.graphs is None or not self.spec.step.graphs:
+            return {}, {}
+        spec_ms = self.spec.step.step_ms
+        return spec_ms, self.graphs.time_replays(sorted(spec_ms))
 
     @torch.inference_mode()
     def profile_run(self) -> None:
@@ -143,8 +156,8 @@ class ModelRunner:
         req_ids = list(sched.num_scheduled_tokens)
         if sched.is_empty:
             return AsyncRunnerOutput(req_ids, [])
-        if self.drafter is not None:
-            return self._execute_speculative(sched, req_ids)
+        if self.spec is not None and (sched.scheduled_spec_tokens or sched.num_spec_proposals):
+            return self.spec.execute(sched, req_ids)
         states = [self.requests[r] for r in req_ids]
         last = self._last_output if self._last_output is not None and not self._last_output.done else None
         if last is not None and any(s.num_pending and s.sampling_params.has_penalties for s in states):
@@ -202,99 +215,16 @@ class ModelRunner:
                 self._scoring_prompts.discard(state.req_id)
         return out
 
-    def _execute_speculative(self, sched: SchedulerOutput, req_ids: list[str]) -> AsyncRunnerOutput:
-        """A step of speculative decoding, run to its end: the target verifies each request's draft
-        tokens in one forward (with the prompt chunks and plain decodes of the batch), the rejection
-        sampler keeps what the target agrees with, then the draft catches up on the accepted tokens
-        and drafts the next ones."""
-        states = [self.requests[r] for r in req_ids]
-        num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
-        spec = [sched.scheduled_spec_tokens.get(r, []) for r in req_ids]
-        starts = [s.num_computed_tokens for s in states]
-        with nvtx_range("prepare_inputs"):
-            inputs = build_step_inputs(states, num_scheduled, self.block_size, self.args.vocab_size,
-                                       self.eos_token_id, self.stager, spec_tokens=spec,
-                                       cascade=self.cascade.plan(states, num_scheduled))
-        with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
-            hidden = self.forward(inputs.input_ids, inputs.positions)
-        prompt_logprobs = self._score_prompts(hidden, states, num_scheduled) if self._scoring_prompts else {}
-        for state, n in zip(states, num_scheduled):
-            state.num_computed_tokens += n
-        new_tokens: dict[str, list[int]] = {}
-        logprobs = {}
-        if inputs.sample_states:
-            with nvtx_range("verify"):
-                new_tokens, logprobs = self._verify(hidden, inputs, dict(zip(req_ids, spec)))
-        with nvtx_range("draft"):
-            proposals = self._draft(states, starts, num_scheduled, new_tokens)
-        return AsyncRunnerOutput.ready(ModelRunnerOutput(req_ids, [new_tokens.get(r, []) for r in req_ids],
-                                                         logprobs, proposals, prompt_logprobs))
-
     def _logits(self, hidden: torch.Tensor, inputs) -> torch.Tensor:
         """The logits of the step's rows that sample (all of them when logits_indices is None)."""
         return self.model.compute_logits(hidden if inputs.logits_indices is None else hidden[inputs.logits_indices])
 
-    def _verify(self, hidden: torch.Tensor, inputs, spec_of: dict[str, list[int]]):
-        """Each sampling request's new tokens (appended to its state) and the logprobs of those that
-        asked (which verify no draft tokens: one row each)."""
-        logits = self._logits(hidden, inputs)
-        out = self.sampler(logits, inputs.sampling_metadata)
-        states = inputs.sample_states
-        drafts = [spec_of[s.req_id] for s in states]
-        num_rows = inputs.num_verify_rows
-        if any(drafts):
-            draft_ids = torch.tensor([t for d in drafts for t in [*d, -1]], dtype=torch.int64, device=self.device)
-            draft_probs = None
-            if not inputs.sampling_metadata.all_greedy:
-                draft_probs = logits.new_zeros(logits.shape, dtype=torch.float32)
-                row = 0
-                for state, d in zip(states, drafts):
-                    if d and state.draft_probs is not None:
-                        draft_probs[row:row + len(d)] = state.draft_probs[:len(d)]
-                    row += len(d) + 1
-            accepted, token = rejection_sample(logits, inputs.sampling_metadata, out.sampled, draft_ids, draft_probs)
-            tokens = accepted_tokens(accepted.tolist(), token.tolist(), drafts)
-        else:
-            tokens = [[t] for t in out.sampled.tolist()]
-        logprobs = {}
-        if out.logprobs is not None:
-            first_rows = torch.as_tensor([0, *itertools.accumulate(num_rows)][:-1], device=self.device) \
-                if num_rows is not None else None
-            per_state = out.logprobs if first_rows is None else tuple(t[first_rows] for t in out.logprobs)
-            logprobs = collect_logprobs(states, tuple(t.cpu() for t in per_state))
-        for state, t in zip(states, tokens):
-            state.output_token_ids.extend(t)
-        return {s.req_id: t for s, t in zip(states, tokens)}, logprobs
-
-    def _draft(self, states, starts, num_scheduled, new_tokens: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Run the draft over what the target accepted this step and draft each speculating
-        request's next tokens (no more than the request can still use)."""
-        k = self.drafter.num_speculative_tokens
-        requests = []
-        for state, start, count in zip(states, starts, num_scheduled):
-            end = start + count
-            num_proposals = 0
-            if state.req_id in new_tokens:  # it sampled: its tokens are known up to the newest
-                end = state.num_tokens
-                if state.sampling_params.speculates:
-                    num_proposals = max(0, min(k, state.max_total_tokens - state.num_tokens - 1))
-                if num_proposals == 0:
-                    end -= 1  # the newest token's KV is only needed to draft after it
-            row = SamplingRow(state.sampling_params, None, [], [], None) if num_proposals else None
-            requests.append(DraftRequest(state.token_slice(start, end), start,
-                                         state.block_table[:len(state.block_ids)], num_proposals, row))
-        tokens, probs = self.drafter.propose(requests)
-        proposals = {}
-        for state, request, t, p in zip(states, requests, tokens, probs):
-            if request.num_proposals:
-                proposals[state.req_id] = t
-                state.draft_probs = p
-        return proposals
-
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
-            self.requests.pop(req_id, None)
+            state = self.requests.pop(req_id, None)
             self._scoring_prompts.discard(req_id)
+            if state is not None and self.spec is not None:
+                self.spec.remove_request(state)
         for new in sched.scheduled_new_reqs:
             params = new.sampling_params
             generator = None
@@ -305,10 +235,13 @@ class ModelRunner:
                 list(new.block_ids), new.num_computed_tokens, new.max_total_tokens)
             if params.prompt_logprobs is not None:
                 self._scoring_prompts.add(new.req_id)
+            if self.spec is not None:
+                self.spec.add_request(self.requests[new.req_id])
         for cached in sched.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.num_computed_tokens = cached.num_computed_tokens
             if cached.block_ids is not None:
                 state.set_block_ids(cached.block_ids)
+                state.draft_len = min(state.draft_len, cached.num_computed_tokens)  # recomputed after preemption
             elif cached.new_block_ids:
                 state.append_block_ids(cached.new_block_ids)

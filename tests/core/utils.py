@@ -20,6 +20,7 @@ from fastllm.core.scheduler import Scheduler
 from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fastllm.engine.request import Request, RequestStatus
 from fastllm.sampling_params import SamplingParams
+from fastllm.spec_decode.policy import SpecPolicy
 
 EOS = 2
 TOKEN = 7  # what FakeRunner samples unless told otherwise
@@ -58,15 +59,17 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     max_model_len: int = 1024,
     hash_fn: HashFn = hash_block_tokens,
-    num_lookahead_tokens: int = 0,
+    num_speculative_tokens: int = 0,
     sliding_window: int | None = None,
 ) -> Scheduler:
-    """num_blocks counts the null block: num_blocks - 1 blocks are usable."""
+    """num_blocks counts the null block: num_blocks - 1 blocks are usable. num_speculative_tokens: a
+    draft model proposes that many tokens every step (the policy never turns it off)."""
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                         enable_chunked_prefill=enable_chunked_prefill, preemption_mode=preemption_mode),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
-        max_model_len, num_blocks, num_cpu_blocks, hash_fn, num_lookahead_tokens, sliding_window,
+        max_model_len, num_blocks, num_cpu_blocks, hash_fn,
+        SpecPolicy(num_speculative_tokens, adaptive=False) if num_speculative_tokens else None, True, sliding_window,
     )
 
 

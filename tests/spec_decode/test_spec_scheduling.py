@@ -17,7 +17,7 @@ def prefill(sched, req_id, prompt_len, max_tokens, first_token=7, drafts=()):
 
 
 def test_drafts_are_verified_and_rejected_ones_recomputed():
-    sched = make_scheduler(block_size=4, num_lookahead_tokens=3)
+    sched = make_scheduler(block_size=4, num_speculative_tokens=3)
     a = prefill(sched, "a", 6, max_tokens=20, drafts=[11, 12, 13])
     assert a.spec_token_ids == [11, 12, 13] and a.num_computed_tokens == 6
     out = sched.schedule()
@@ -36,7 +36,7 @@ def test_drafts_are_verified_and_rejected_ones_recomputed():
 
 
 def test_drafts_trimmed_to_the_budget_and_to_the_tokens_left():
-    sched = make_scheduler(block_size=4, budget=3, num_lookahead_tokens=4)
+    sched = make_scheduler(block_size=4, budget=3, num_speculative_tokens=4)
     a = prefill(sched, "a", 2, max_tokens=10, drafts=[11, 12, 13, 14])
     out = sched.schedule()
     assert scheduled(out) == {"a": 3} and out.scheduled_spec_tokens == {"a": [11, 12]}
@@ -56,7 +56,7 @@ def test_drafts_trimmed_to_the_budget_and_to_the_tokens_left():
 
 
 def test_a_stop_among_accepted_drafts_drops_the_tokens_after_it():
-    sched = make_scheduler(num_lookahead_tokens=4)
+    sched = make_scheduler(num_speculative_tokens=4)
     a = prefill(sched, "a", 5, max_tokens=30, drafts=[11, 2, 13])  # 2 is the test requests' EOS
     out = sched.schedule()
     updated = sched.update_from_output(out, ModelRunnerOutput(["a"], [[11, 2, 13, 14]]))
@@ -65,12 +65,12 @@ def test_a_stop_among_accepted_drafts_drops_the_tokens_after_it():
 
 
 def test_lookahead_only_for_a_step_after_which_the_request_drafts():
-    sched = make_scheduler(block_size=4, budget=5, num_lookahead_tokens=4)
+    sched = make_scheduler(block_size=4, budget=5, num_speculative_tokens=4)
     add(sched, "chunked", 12, max_tokens=20)
     sched.schedule()
     assert len(sched.kv.req_blocks["chunked"]) == 2  # 5 of its 12 prompt tokens: no draft after this step
     sched.finish_requests(["chunked"], RequestStatus.FINISHED_ABORTED)
-    sched = make_scheduler(block_size=4, num_lookahead_tokens=4)
+    sched = make_scheduler(block_size=4, num_speculative_tokens=4)
     add(sched, "seeded", 4, max_tokens=20, seed=1)  # a seed: it decodes without drafts
     add(sched, "plain", 4, max_tokens=20)
     sched.schedule()

@@ -1,0 +1,325 @@
+"""The model runner's speculative steps (DESIGN.md "Speculative decoding").
+
+A step that verifies draft tokens or proposes new ones comes here. Two paths, one result:
+- decode steps (every request verifies its newest token and its drafts, the batch fits a captured
+  size, sampling the graphs can do) run batched_step.py: replayed from a CUDA graph on GPUs, the
+  same code as it is elsewhere;
+- every other step (prompt chunks, a draft that must catch up, seeds / penalties / logprobs, more
+  requests than the largest graph) runs eagerly over the flat batch: the target's forward, the
+  sampler, accept_drafts on the padded verify rows, then the proposer.
+Either way the step ends with its tokens and the next proposals on the host (the scheduler needs
+the proposals to schedule the next step), so speculative steps run one at a time; the engine
+overlaps the steps that neither verify nor propose, as without speculation.
+
+Each request's draft_len (draft model) says how many of its leading positions hold valid draft KV;
+prob_slot (draft model, sampled requests) is its row of the step's draft_probs, where the q of its
+last proposals waits for the step that verifies them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import numpy as np
+import torch
+
+from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fastllm.layers.sampler import SamplingRow, filtered_probs
+from fastllm.spec_decode.batched_step import ModelFns, SpecDecodeStep
+from fastllm.spec_decode.draft_model import DraftModel, DraftRequest
+from fastllm.spec_decode.ngram import NgramProposer
+from fastllm.spec_decode.rejection_sampler import accept_drafts
+from fastllm.tracing import nvtx_range
+from fastllm.worker.async_output import AsyncRunnerOutput, collect_logprobs
+from fastllm.worker.attn_metadata import forward_context
+from fastllm.worker.input_batch import build_step_inputs, graph_sampling_params
+
+logger = logging.getLogger(__name__)
+
+# Decode steps of up to this many requests replay speculative graphs; larger batches are compute-bound,
+# where speculation rarely pays (the adaptive rule turns it off there).
+MAX_SPEC_GRAPH_SIZE = 128
+# Sampled (not greedy) steps keep the target's and the draft's probabilities, [rows, vocab] float32 and
+# the sort of top-k / top-p, in the graphs' memory pool, which the KV sizing did not see: sampled steps
+# of more verify rows (batch x (k + 1)) than this run eagerly.
+MAX_SAMPLED_GRAPH_ROWS = 64
+# The memory for the q of sampled requests' pending drafts (k x vocab float32 each); requests beyond it
+# decode without drafts.
+DRAFT_PROBS_BYTES = 256 << 20
+
+
+class SpecDecodeRunner:
+    def __init__(self, runner):
+        self.runner = runner
+        config = runner.config
+        spec = config.speculative
+        self.k = spec.num_speculative_tokens
+        self.synthetic_acceptance_rate = spec.synthetic_acceptance_rate
+        self.drafter = DraftModel(config, runner.dtype, runner.args.vocab_size, runner.device) \
+            if spec.uses_draft_model else None
+        self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram" else None
+        self.step: SpecDecodeStep | None = None
+        self._free_slots: list[int] = []
+        self._logged: set[str] = set()
+        self.step_timings: list[tuple[float, float]] = []  # (verify, propose) ms of steps timed (benchmarks)
+
+    def set_synthetic_acceptance_rate(self, rate: float) -> None:
+        """Benchmarks: change the forced acceptance rate (the engine was built with one)."""
+        assert self.synthetic_acceptance_rate is not None, "the engine was built without a synthetic acceptance rate"
+        self.synthetic_acceptance_rate = rate
+        self.step.synthetic_rate.fill_(rate)
+
+    def _log_once(self, key: str, message: str, *args) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.info(message, *args)
+
+    # setup
+
+    def build_step(self, target_forward, draft_forward, sizes: list[int], capture: bool) -> None:
+        """The batched step over the compiled (or eager) forwards; capture its graphs when asked."""
+        runner, model_config = self.runner, self.runner.config.model
+        largest = min(MAX_SPEC_GRAPH_SIZE, runner.config.scheduler.max_num_seqs)
+        sizes = sorted({s for s in sizes if s <= largest} | {largest})
+        target = ModelFns(target_forward, runner.model.compute_logits, runner.attention_layers)
+        draft = None
+        num_slots = 0
+        vocab = runner.args.vocab_size
+        if self.drafter is not None:
+            draft = ModelFns(draft_forward, self.drafter.model.compute_logits, self.drafter.attention_layers)
+            num_slots = max(1, min(runner.config.scheduler.max_num_seqs, DRAFT_PROBS_BYTES // (4 * self.k * vocab)))
+        self.step = SpecDecodeStep(target, draft, self.k, sizes, -(-model_config.max_model_len // runner.block_size),
+                                   model_config.max_model_len, runner.block_size, vocab, runner.device,
+                                   self.synthetic_acceptance_rate, num_slots)
+        self._free_slots = list(range(num_slots - 1, -1, -1))
+        if capture:
+            self.step.capture()
+        else:
+            self.step.replay = False
+        how = "replay CUDA graphs" if capture else "run eagerly (no CUDA graphs here)"
+        logger.info("speculative decoding (%s, k=%d): decode steps of up to %d requests %s",
+                    runner.config.speculative.method, self.k, self.step.max_bs, how)
+
+    # request states
+
+    def add_request(self, state) -> None:
+        state.draft_len = state.num_computed_tokens  # prefix-cache hits and forks share the draft's KV too
+        params = state.sampling_params
+        if self.drafter is not None and params.speculates and not params.greedy:
+            if self._free_slots:
+                state.prob_slot = self._free_slots.pop()
+            else:
+                self._log_once("slots", "speculative decoding: more sampled requests than draft-probability "
+                               "slots; the rest decode without drafts (logged once)")
+
+    def remove_request(self, state) -> None:
+        if state.prob_slot >= 0:
+            self._free_slots.append(state.prob_slot)
+            state.prob_slot = -1
+
+    def proposes_for(self, state) -> bool:
+        params = state.sampling_params
+        return params.speculates and (self.drafter is None or params.greedy or state.prob_slot >= 0)
+
+    # one step
+
+    def execute(self, sched: SchedulerOutput, req_ids: list[str]) -> AsyncRunnerOutput:
+        runner = self.runner
+        last = runner._last_output
+        if last is not None and not last.done:
+            last.result()  # the tokens of the step before are inputs here (and go to the proposer)
+        states = [runner.requests[r] for r in req_ids]
+        num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
+        spec = [sched.scheduled_spec_tokens.get(r, []) for r in req_ids]
+        sampled = self._fits_step(sched, states, num_scheduled, spec)
+        if sampled is not None:
+            with nvtx_range("spec_step"):
+                out = self._execute_step(sched, req_ids, states, spec, sampled)
+        else:
+            out = self._execute_eager(sched, req_ids, states, num_scheduled, spec)
+        return AsyncRunnerOutput.ready(out)
+
+    def _fits_step(self, sched, states, num_scheduled, spec) -> bool | None:
+        """None unless the batched step can run this step; else whether some request samples."""
+        step = self.step
+        if step is None or len(states) > step.max_bs or self.runner._scoring_prompts:
+            return None
+        if self.drafter is not None and sched.num_spec_proposals != self.k:
+            return None
+        sampled = False
+        for state, count, drafts in zip(states, num_scheduled, spec):
+            params = state.sampling_params
+            if count != 1 + len(drafts) or state.num_computed_tokens + 1 != state.num_tokens:
+                return None
+            if self.drafter is not None and (state.draft_len < state.num_computed_tokens + len(drafts)
+                                             or not self.proposes_for(state)):
+                return None
+            if not params.argmax_only:
+                if not params.samples_in_graph:
+                    return None
+                sampled = True
+        if sampled and step.padded_size(len(states)) * (self.k + 1) > MAX_SAMPLED_GRAPH_ROWS:
+            return None
+        return sampled
+
+    def _execute_step(self, sched, req_ids, states, spec, sampled: bool) -> ModelRunnerOutput:
+        step, k, block_size = self.step, self.k, self.runner.block_size
+        num_reqs = len(states)
+        tokens = np.zeros((num_reqs, k + 1), dtype=np.int64)
+        num_drafts = np.fromiter((len(d) for d in spec), dtype=np.int64, count=num_reqs)
+        for i, (state, drafts) in enumerate(zip(states, spec)):
+            tokens[i, 0] = state.output_token_ids[-1] if state.output_token_ids else state.prompt_token_ids[-1]
+            tokens[i, 1:1 + len(drafts)] = drafts
+        start = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+        held = np.fromiter((len(s.block_ids) for s in states), dtype=np.int64, count=num_reqs)
+        tables = np.zeros((step.padded_size(num_reqs), int(held.max())), dtype=np.int32)
+        for i, state in enumerate(states):
+            tables[i, :held[i]] = state.block_table[:held[i]]
+        slots = np.fromiter((max(s.prob_slot, 0) for s in states), dtype=np.int64, count=num_reqs) \
+            if self.drafter is not None else np.zeros(num_reqs, dtype=np.int64)
+        params = graph_sampling_params(states, step.max_bs, self.runner.args.vocab_size) if sampled else None
+        step.stage(self.runner.stager, tokens, start, num_drafts, held * block_size, slots, params, tables)
+        out = step.execute(num_reqs, sampled).cpu().numpy()
+        if step.timing:
+            self.step_timings.append(step.last_ms())
+        new_tokens, proposals = [], {}
+        for i, state in enumerate(states):
+            count = int(out[i, k + 1])
+            emitted = out[i, :count].tolist()
+            state.output_token_ids.extend(emitted)
+            new_tokens.append(emitted)
+            if self.drafter is not None:
+                state.draft_len = min(int(start[i]) + count + k, int(held[i]) * block_size)
+                if sched.num_spec_proposals and self.proposes_for(state):
+                    proposals[state.req_id] = out[i, k + 2:].tolist()
+        if self.ngram is not None:
+            proposals = self._ngram_proposals(states, sched.num_spec_proposals)
+        return ModelRunnerOutput(req_ids, new_tokens, spec_token_ids=proposals)
+
+    def _execute_eager(self, sched, req_ids, states, num_scheduled, spec) -> ModelRunnerOutput:
+        runner = self.runner
+        starts = [s.num_computed_tokens for s in states]
+        with nvtx_range("prepare_inputs"):
+            inputs = build_step_inputs(states, num_scheduled, runner.block_size, runner.args.vocab_size,
+                                       runner.eos_token_id, runner.stager, spec_tokens=spec,
+                                       cascade=runner.cascade.plan(states, num_scheduled))
+        with nvtx_range("forward"), forward_context(inputs.attn_metadata, runner.attention_layers):
+            hidden = runner.forward(inputs.input_ids, inputs.positions)
+        prompt_logprobs = runner._score_prompts(hidden, states, num_scheduled) if runner._scoring_prompts else {}
+        for state, count in zip(states, num_scheduled):
+            state.num_computed_tokens += count
+        new_tokens: dict[str, list[int]] = {}
+        logprobs = {}
+        if inputs.sample_states:
+            with nvtx_range("verify"):
+                new_tokens, logprobs = self._verify(hidden, inputs, dict(zip(req_ids, spec)))
+        with nvtx_range("propose"):
+            proposals = self._propose(states, starts, num_scheduled, new_tokens, sched.num_spec_proposals)
+        return ModelRunnerOutput(req_ids, [new_tokens.get(r, []) for r in req_ids], logprobs, proposals,
+                                 prompt_logprobs)
+
+    def _verify(self, hidden: torch.Tensor, inputs, spec_of: dict[str, list[int]]):
+        """Each sampling request's new tokens (appended to its state) and the logprobs of those that
+        asked (which verify no drafts: one row each)."""
+        runner = self.runner
+        logits = runner._logits(hidden, inputs)
+        metadata = inputs.sampling_metadata
+        out = runner.sampler(logits, metadata)
+        states = inputs.sample_states
+        drafts = [spec_of[s.req_id] for s in states]
+        if any(drafts):
+            tokens = self._accept(logits, metadata, out.sampled, states, drafts)
+        else:
+            tokens = [[t] for t in out.sampled.tolist()]
+        logprobs = {}
+        if out.logprobs is not None:
+            num_rows = inputs.num_verify_rows
+            first_rows = torch.as_tensor([0, *itertools.accumulate(num_rows)][:-1], device=runner.device) \
+                if num_rows is not None else None
+            per_state = out.logprobs if first_rows is None else tuple(t[first_rows] for t in out.logprobs)
+            logprobs = collect_logprobs(states, tuple(t.cpu() for t in per_state))
+        for state, t in zip(states, tokens):
+            state.output_token_ids.extend(t)
+        return {s.req_id: t for s, t in zip(states, tokens)}, logprobs
+
+    def _accept(self, logits, metadata, sampled, states, drafts) -> list[list[int]]:
+        """accept_drafts over the flat verify rows (request i's len(drafts[i]) + 1 of them), padded."""
+        device = logits.device
+        counts = np.asarray([len(d) for d in drafts], dtype=np.int64)
+        k = int(counts.max())
+        first = np.concatenate([[0], np.cumsum(counts + 1)[:-1]])
+        index = torch.as_tensor(first[:, None] + np.minimum(np.arange(k + 1), counts[:, None]), device=device)
+        padded = np.zeros((len(drafts), k), dtype=np.int64)
+        for i, d in enumerate(drafts):
+            padded[i, :len(d)] = d
+        draft_ids = torch.as_tensor(padded, device=device)
+        num_drafts = torch.as_tensor(counts, device=device)
+        kwargs = {}
+        if not metadata.all_greedy and self.synthetic_acceptance_rate is None:
+            p = filtered_probs(logits.float(), metadata)[index]
+            kwargs = dict(sampled_rows=~metadata.greedy[torch.as_tensor(first, device=device)], target_probs=p,
+                          draft_probs=self._draft_probs(states, draft_ids, p.shape[-1]),
+                          generators={i: s.generator for i, (s, d) in enumerate(zip(states, drafts))
+                                      if s.generator is not None and d})
+        tokens, num_tokens = accept_drafts(sampled[index], draft_ids, num_drafts,
+                                           synthetic_acceptance_rate=self.synthetic_acceptance_rate, **kwargs)
+        rows = torch.cat([tokens, num_tokens.unsqueeze(1)], dim=1).tolist()
+        return [row[:row[-1]] for row in rows]
+
+    def _draft_probs(self, states, draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+        """q [S, k, V] of the drafts being verified: the draft model's, kept in the prob slots, or
+        one-hot for n-gram proposals (drawn from nothing but the text)."""
+        if self.drafter is None:
+            return torch.nn.functional.one_hot(draft_ids, vocab).float()
+        slots = torch.as_tensor([max(s.prob_slot, 0) for s in states], device=draft_ids.device)
+        return self.step.draft_probs[slots, :draft_ids.shape[1]]
+
+    def _propose(self, states, starts, num_scheduled, new_tokens: dict[str, list[int]], k: int) -> dict[str, list[int]]:
+        if self.ngram is not None:
+            return self._ngram_proposals([s for s in states if s.req_id in new_tokens], k)
+        return self._draft_proposals(states, starts, num_scheduled, new_tokens, k)
+
+    def _ngram_proposals(self, states, k: int) -> dict[str, list[int]]:
+        if not k:
+            return {}
+        proposals = {}
+        for state in states:
+            if self.proposes_for(state):
+                found = self.ngram.propose(np.asarray(state.prompt_token_ids + state.output_token_ids), k)
+                if found:
+                    proposals[state.req_id] = found
+        return proposals
+
+    def _draft_proposals(self, states, starts, num_scheduled, new_tokens, k: int) -> dict[str, list[int]]:
+        """Run the draft from each request's draft_len over what the target computed this step and
+        draft k tokens after the newest token of each request that sampled (and may speculate)."""
+        requests, owners = [], []
+        for state, start, count in zip(states, starts, num_scheduled):
+            end = start + count
+            num_proposals = 0
+            if state.req_id in new_tokens:  # it sampled: its tokens are known up to the newest
+                end = state.num_tokens
+                # (no more than it can use: the target's own next token is one of those left)
+                num_proposals = max(0, min(k, state.max_total_tokens - end - 1)) if self.proposes_for(state) else 0
+                if num_proposals == 0:
+                    end -= 1  # the newest token's KV is only needed to draft after it
+            begin = min(state.draft_len, start)
+            if begin >= end:
+                continue
+            row = SamplingRow(state.sampling_params, None, [], [], None) if num_proposals else None
+            requests.append(DraftRequest(state.token_slice(begin, end), begin,
+                                         state.block_table[:len(state.block_ids)], num_proposals, row))
+            owners.append(state)
+            state.draft_len = end + max(0, num_proposals - 1)
+        if not requests:
+            return {}
+        tokens, probs = self.drafter.propose(requests)
+        proposals = {}
+        for state, request, t, p in zip(owners, requests, tokens, probs):
+            if request.num_proposals:
+                proposals[state.req_id] = t
+                if p is not None:
+                    self.step.draft_probs[state.prob_slot, :len(t)] = p
+        return proposals
+

@@ -1,0 +1,210 @@
+"""The two paths of a speculative step (spec_runner.py) and the policy that turns speculation on and
+off: decode steps run the batched step (the CUDA graphs' code, run as it is on the CPU), every other
+step the eager path; each keeps greedy output the target's own, token for token, for any k, for the
+draft model and n-gram lookup, whatever the policy decides step by step."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastllm import LLM, SamplingParams
+from fastllm.spec_decode import batched_step, spec_runner
+from fastllm.spec_decode.policy import SpecPolicy
+from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm, tokenize
+from tests.models.test_llama_vs_hf import TINY, make_tiny_model
+from tests.spec_decode.test_spec_decode import assert_third_token_follows_target
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+# Text that repeats itself, so that prompt lookup finds something to propose.
+REPEATING = ["Once upon a time there was a cat. The cat sat on a mat. The cat sat on a",
+             "Tom had a ball. Tom had a ball and a dog. Tom had a ball and a dog and a"]
+
+
+def token_ids(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture
+def path_counts(monkeypatch):
+    """How many steps ran the batched step and how many the eager path."""
+    counts = {"batched": 0, "eager": 0}
+
+    def counting(name, original):
+        def wrapper(self, *args, **kwargs):
+            counts[name] += 1
+            return original(self, *args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(batched_step.SpecDecodeStep, "run",
+                        counting("batched", batched_step.SpecDecodeStep.run))
+    monkeypatch.setattr(spec_runner.SpecDecodeRunner, "_execute_eager",
+                        counting("eager", spec_runner.SpecDecodeRunner._execute_eager))
+    return counts
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_decode_steps_take_the_batched_step_and_keep_the_targets_tokens(k, path_counts):
+    reference = cached_llm().generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = cached_llm(speculative_config={"model": DRAFT, "num_speculative_tokens": k})
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(outputs) == token_ids(reference)
+    assert path_counts["batched"] > 3 * path_counts["eager"] > 0  # the prefill step (and the ends) are eager
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_ngram_lookup_keeps_the_targets_tokens(k, path_counts):
+    prompts = REPEATING + PROMPTS[:3]
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=30), GREEDY, GREEDY.clone(max_tokens=9), GREEDY]
+    reference = cached_llm().generate(prompts, params, use_tqdm=False)
+    llm = cached_llm(speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3})
+    stats = llm.engine.scheduler.spec_stats
+    accepted = stats.num_accepted_tokens
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(reference)
+    assert stats.num_accepted_tokens > accepted  # the lookups found text the target agreed with
+    assert path_counts["batched"] > 0
+
+
+@pytest.mark.parametrize("engine", [
+    dict(max_num_batched_tokens=16),  # chunked prefill; drafts trimmed to the budget
+    dict(num_gpu_blocks=24, block_size=8, max_model_len=128),  # preemption by recompute
+    dict(num_gpu_blocks=20, block_size=8, max_model_len=128, preemption_mode="swap", num_cpu_blocks=128),
+])
+def test_ngram_under_scheduling_pressure(engine):
+    prompts = REPEATING * 3
+    reference = cached_llm().generate(prompts, GREEDY, use_tqdm=False)
+    llm = cached_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **engine)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == token_ids(reference)
+
+
+class _Cycle(SpecPolicy):
+    """Proposes k, 0, k, k, 0, 0, ...: every switch on and off, so the draft catches up after
+    plain steps (eager) and verifies drafts proposed before a plain step."""
+
+    def __init__(self, k):
+        super().__init__(k, adaptive=True)
+        self._pattern = itertools.cycle([k, 0, k, k, 0, 0, k, 0, 0, 0])
+
+    def num_to_propose(self, batch_size):
+        return next(self._pattern)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_switching_speculation_on_and_off_every_few_steps_keeps_the_targets_tokens(method):
+    prompts = PROMPTS + REPEATING
+    reference = cached_llm().generate(prompts, GREEDY, use_tqdm=False)
+    spec = {"method": method, "num_speculative_tokens": 3, **({"model": DRAFT} if method == "draft_model" else {})}
+    llm = LLM(STORIES, dtype="float32", device="cpu", speculative_config=spec, num_gpu_blocks=256)
+    llm.engine.scheduler.spec_policy = _Cycle(3)
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == token_ids(reference)
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    llm.engine.check_kv_pool_whole()
+
+
+def test_measured_costs_turn_speculation_off_and_probes_turn_it_back_on():
+    """With step costs where drafts cannot pay (the speculative step 10x a plain one), the engine
+    stops proposing after its first measurements and decodes plainly but for a probe every
+    PROBE_INTERVAL steps; the output stays the target's."""
+    reference = cached_llm().generate(PROMPTS[:2], GREEDY.clone(max_tokens=120), use_tqdm=False)
+    llm = LLM(STORIES, dtype="float32", device="cpu", speculative_model=DRAFT, num_gpu_blocks=256)
+    policy = llm.engine.scheduler.spec_policy
+    policy.set_step_costs({b: 10.0 for b in (1, 2, 4)}, {b: 1.0 for b in (1, 2, 4)})
+    outputs = llm.generate(PROMPTS[:2], GREEDY.clone(max_tokens=120), use_tqdm=False)
+    assert token_ids(outputs) == token_ids(reference)
+    stats = llm.engine.scheduler.spec_stats
+    assert 0 < stats.num_drafts < 30  # 2 requests x ~120 steps: verifications only at the start and in probes
+    llm.engine.check_kv_pool_whole()
+
+
+def test_policy_decides_from_costs_and_acceptance():
+    policy = SpecPolicy(4, adaptive=True)
+    assert policy.num_to_propose(1) == 4  # no costs measured: always
+    policy.set_step_costs({1: 8.0, 8: 10.0}, {1: 5.0, 8: 6.0, 64: 9.0})
+    for _ in range(20):
+        policy.record(4, 4)
+    assert policy.num_to_propose(1) == 4  # ~5 tokens for 8 ms against 1 for 5 ms
+    assert policy.num_to_propose(64) == 0  # past the largest speculative graph
+    for _ in range(200):
+        policy.record(4, 0)
+    assert policy.acceptance_rate < 0.05
+    decisions = [policy.num_to_propose(1) for _ in range(64)]
+    assert decisions.count(4) == 2  # off, but for a probe every PROBE_INTERVAL steps
+
+
+def test_spec_tiny_random_configs(tmp_path_factory):
+    """Each architecture drafted by another of the same vocabulary: the target's greedy tokens."""
+    models = {name: make_tiny_model(tmp_path_factory, name) for name in TINY}
+    generator = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=generator).tolist()} for n in (5, 17, 33)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    names = sorted(models)
+    for target, draft in zip(names, names[1:] + names[:1]):
+        reference = cached_llm(models[target]).generate(prompts, params, use_tqdm=False)
+        llm = cached_llm(models[target], speculative_config={"model": models[draft], "num_speculative_tokens": 3})
+        assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(reference), (target, draft)
+
+
+def test_sampled_tokens_through_the_batched_step_follow_the_target(path_counts):
+    """The third token of 'Once upon a time' + 2 sampled tokens comes from verifying drafts in the
+    batched step (waves of 8 requests: a prefill step, then decode steps of the 8); given the most
+    common first pair, its distribution is the target's softmax(logits / T) over the top-k."""
+    params = SamplingParams(temperature=1.0, top_k=6, max_tokens=3)
+    prompt = tokenize([PROMPTS[0]])[0]
+    llm = cached_llm(speculative_model=DRAFT, num_speculative_tokens=4)
+    stats = llm.engine.scheduler.spec_stats
+    drafts = stats.num_drafts
+    outputs = []
+    for _ in range(80):
+        outputs += llm.generate([{"prompt_token_ids": prompt}] * 8, params, use_tqdm=False)
+    assert stats.num_drafts - drafts >= 640 and path_counts["batched"] >= path_counts["eager"] == 80
+    assert_third_token_follows_target(outputs, prompt, params)
+
+
+def test_a_request_aborted_mid_speculation_frees_both_models_kv():
+    llm = LLM(STORIES, dtype="float32", device="cpu", speculative_model=DRAFT, num_gpu_blocks=128)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS[:4]):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    assert engine.scheduler.spec_stats.num_drafts > 0
+    engine.abort_request(["0", "2"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.abort_request(["1", "3"])
+    engine.check_kv_pool_whole()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(speculative_config={"model": DRAFT, "num_speculative_tokens": 17}), "num_speculative_tokens"),
+    (dict(speculative_config={"method": "eagle", "num_speculative_tokens": 2}), "speculative_config.method"),
+    (dict(speculative_config={"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}),
+     "speculative_config.prompt_lookup_max"),
+    (dict(speculative_config={"model": DRAFT, "bogus": 1}), "speculative_config"),
+    (dict(speculative_config={"model": DRAFT, "synthetic_acceptance_rate": 0.5}), "speculative_config"),
+    (dict(speculative_config='{"model": "llama2xs-279K",'), "speculative_config"),
+    (dict(speculative_config={"model": DRAFT, "num_speculative_tokens": 2}, num_speculative_tokens=3),
+     "num_speculative_tokens"),
+    (dict(num_speculative_tokens=3), "num_speculative_tokens"),
+])
+def test_bad_speculative_config_is_a_value_error_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        LLM(STORIES, device="cpu", **kwargs)
+
+
+def test_a_draft_of_another_vocabulary_is_refused(tmp_path):
+    config = json.loads((Path(STORIES) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    with pytest.raises(ValueError, match=r"speculative_config\.model: the draft's vocabulary \(1000"):
+        LLM(STORIES, device="cpu", speculative_config={"model": str(tmp_path)})
+
+
+def test_json_speculative_config_as_the_cli_gives_it():
+    llm = cached_llm(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    spec = llm.engine.config.speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == \
+        ("ngram", 2, 4, 2)
