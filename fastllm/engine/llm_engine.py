@@ -144,6 +144,7 @@ class LLMEngine:
         scheduling: its tokens were copied back while this one was being prepared) or of this
         one (async_scheduling=False, and speculative steps, which end before they return: the
         next step is scheduled from their proposals)."""
+        start = time.perf_counter()
         outputs = []
         if self._in_flight is not None and self._in_flight[1].done:  # a speculative step
             outputs = self._finish(*self._in_flight)
@@ -157,11 +158,16 @@ class LLMEngine:
         launched = (scheduler_output, self.worker.execute_model(scheduler_output))
         if self.async_scheduling and not scheduler_output.is_empty:
             done, self._in_flight = self._in_flight, launched
-            return outputs + (self._finish(*done) if done is not None else [])
-        if self._in_flight is not None:  # nothing new was launched: nothing to overlap with
-            outputs += self._finish(*self._in_flight)
-            self._in_flight = None
-        return outputs + self._finish(*launched)
+            outputs += self._finish(*done) if done is not None else []
+        else:
+            if self._in_flight is not None:  # nothing new was launched: nothing to overlap with
+                outputs += self._finish(*self._in_flight)
+                self._in_flight = None
+            outputs += self._finish(*launched)
+        decode_step = self.worker.runner.last_decode_step
+        if decode_step is not None and self.scheduler.spec_policy is not None:
+            self.scheduler.spec_policy.observe(*decode_step, time.perf_counter() - start)
+        return outputs
 
     def _finish(self, scheduler_output: SchedulerOutput, runner_output: AsyncRunnerOutput) -> list[RequestOutput]:
         with nvtx_range("wait_tokens"):

@@ -1,14 +1,21 @@
 """When speculation pays: the number of tokens to propose each step, k or 0 (pure Python).
 
-A step that verifies k drafts costs T_k(B) at batch B (the speculative graph's measured replay time)
-against T_0(B) for a plain decode step, and gives each request E_k = (1 - a^(k+1)) / (1 - a) tokens
-on average when each draft is accepted with probability a (the acceptance rate measured over the
-last drafts). Speculation pays while E_k / T_k(B) beats 1 / T_0(B); a 5% margin keeps the choice
-from flapping. While it is off nothing measures a, so every PROBE_INTERVAL plain steps one step
-proposes again, and the step that verifies those drafts refreshes the estimate.
+A decode step that verifies k drafts takes T_k(B) at batch B against T_0(B) for a plain decode step,
+and gives each request E_k = 1 + a + ... + a^k tokens on average when each draft is accepted with
+probability a given the ones before it were. Speculation pays while E_k / T_k(B) beats 1 / T_0(B);
+a 5% margin keeps the choice from flapping.
 
-Without measured step costs (no CUDA graphs: the CPU, enforce_eager) or with adaptive=False the
-policy always proposes k.
+- T is wall-clock time per step, as the engine sees it (observe()): a plain step overlaps its host
+  work with the GPU (async scheduling) while a speculative one cannot, so a small model whose plain
+  steps are host-bound gains from drafts that its GPU time alone would reject. Until a size has been
+  observed, the CUDA graphs' replay times measured at startup stand in.
+- a is measured as accepted / tried: a verification of n drafts that keeps m tried m + 1 of them
+  (m if m = n); the drafts after the first rejection were never tried.
+- While speculation is off nothing measures a, so a step proposes again after PROBE_INTERVAL plain
+  steps; each probe that finds it still not paying doubles the interval (up to MAX_PROBE_INTERVAL).
+
+Without step costs (no CUDA graphs: the CPU, enforce_eager) or with adaptive=False the policy always
+proposes k.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ logger = logging.getLogger(__name__)
 
 MARGIN = 1.05
 PROBE_INTERVAL = 32
-WINDOW_DRAFT_TOKENS = 256  # the acceptance estimate covers about this many recent draft tokens
+MAX_PROBE_INTERVAL = 1024
+WINDOW_DRAFT_TOKENS = 64  # the acceptance estimate follows about this many recent tried drafts
+STEP_TIME_WEIGHT = 0.2  # of each observed step in its size's running average
 
 
 def expected_tokens(acceptance_rate: float, k: int) -> float:
@@ -33,52 +42,65 @@ class SpecPolicy:
     def __init__(self, k: int, adaptive: bool):
         self.k = k
         self.adaptive = adaptive
-        self.acceptance_rate = 1.0  # optimistic until measured: speculate first, then judge
-        self._spec_ms: list[tuple[int, float]] = []  # (batch size, ms), sorted
-        self._plain_ms: list[tuple[int, float]] = []
+        self.acceptance_rate = 1.0  # a: optimistic until measured (speculate first, then judge)
+        self._sizes: list[int] = []  # the speculative graphs' batch sizes, sorted
+        self._ms: dict[bool, dict[int, float]] = {True: {}, False: {}}  # speculative? -> size -> ms a step
         self._plain_steps = 0
+        self._probe_interval = PROBE_INTERVAL
         self._on: bool | None = None
 
     def set_step_costs(self, spec_ms: dict[int, float], plain_ms: dict[int, float]) -> None:
-        """Measured step times by batch size; sizes past the largest speculative one never speculate."""
-        self._spec_ms, self._plain_ms = sorted(spec_ms.items()), sorted(plain_ms.items())
+        """The graphs' replay times by batch size; sizes past the largest speculative one never speculate."""
+        self._sizes = sorted(spec_ms)
+        self._ms = {True: dict(spec_ms), False: {b: plain_ms.get(b, 0.0) for b in spec_ms}}
+
+    def observe(self, speculative: bool, batch_size: int, seconds: float) -> None:
+        """The wall time of one decode step (speculative or plain) of batch_size requests."""
+        size = self._size(batch_size)
+        if size is not None:
+            costs = self._ms[speculative]
+            costs[size] += STEP_TIME_WEIGHT * (1e3 * seconds - costs[size])
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
-        """One request's verified drafts: update the acceptance estimate (an exponential average of
-        about WINDOW_DRAFT_TOKENS draft tokens)."""
-        if num_drafts:
-            weight = min(1.0, num_drafts / WINDOW_DRAFT_TOKENS)
-            self.acceptance_rate += weight * (num_accepted / num_drafts - self.acceptance_rate)
+        """One request's verified drafts: update a (an exponential average over about
+        WINDOW_DRAFT_TOKENS tried drafts)."""
+        tried = num_accepted + (num_accepted < num_drafts)
+        if tried:
+            weight = min(1.0, tried / WINDOW_DRAFT_TOKENS)
+            self.acceptance_rate += weight * (num_accepted / tried - self.acceptance_rate)
 
     def num_to_propose(self, batch_size: int) -> int:
-        if not self.adaptive or not self._spec_ms or batch_size == 0:
+        if not self.adaptive or not self._sizes or batch_size == 0:
             return self.k
         pays, why = self._pays(batch_size)
-        if not pays:
-            self._plain_steps += 1
-            if self._plain_steps % PROBE_INTERVAL == 0 and batch_size <= self._spec_ms[-1][0]:
-                return self.k  # a probe: its drafts are verified next step, which measures them again
-        self._say(pays, batch_size, why)
-        return self.k if pays else 0
+        self._say(pays, why)
+        if pays:
+            self._plain_steps, self._probe_interval = 0, PROBE_INTERVAL
+            return self.k
+        self._plain_steps += 1
+        if self._plain_steps >= self._probe_interval and self._size(batch_size) is not None:
+            # A probe: its drafts are verified next step, which measures them again.
+            self._plain_steps = 0
+            self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
+            return self.k
+        return 0
+
+    def _size(self, batch_size: int) -> int | None:
+        """The graph size a batch pads to, or None past the largest."""
+        i = bisect.bisect_left(self._sizes, batch_size)
+        return self._sizes[i] if i < len(self._sizes) else None
 
     def _pays(self, batch_size: int) -> tuple[bool, str]:
-        spec, plain = _at(self._spec_ms, batch_size), _at(self._plain_ms, batch_size)
-        if spec is None:
-            return False, f"batch {batch_size} is past the largest speculative graph"
-        if plain is None:
-            return True, "no plain decode graph to compare with"
+        size = self._size(batch_size)
+        if size is None:
+            return False, f"batch {batch_size} is past the largest speculative graph ({self._sizes[-1]})"
+        spec, plain = self._ms[True][size], self._ms[False][size]
         tokens = expected_tokens(self.acceptance_rate, self.k)
         gain = tokens * plain / spec
         return gain >= MARGIN, (f"batch {batch_size}: acceptance {self.acceptance_rate:.2f} gives {tokens:.2f} tokens "
-                                f"a step at {spec:.2f} ms against 1 at {plain:.2f} ms plain ({gain:.2f}x)")
+                                f"a step of {spec:.2f} ms against 1 a plain step of {plain:.2f} ms ({gain:.2f}x)")
 
-    def _say(self, on: bool, batch_size: int, why: str) -> None:
+    def _say(self, on: bool, why: str) -> None:
         if on != self._on:
             self._on = on
-            logger.info("speculative decoding %s: %s", "on" if on else "off (proposes again to re-measure)", why)
-
-
-def _at(costs: list[tuple[int, float]], batch_size: int) -> float | None:
-    """The cost of the smallest measured size >= batch_size (the graph a batch pads to)."""
-    i = bisect.bisect_left(costs, (batch_size, float("-inf")))
-    return costs[i][1] if i < len(costs) else None
+            logger.info("speculative decoding %s: %s", "on" if on else "off (probes now and then)", why)

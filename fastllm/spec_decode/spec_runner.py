@@ -18,6 +18,7 @@ last proposals waits for the step that verifies them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 
@@ -129,6 +130,8 @@ class SpecDecodeRunner:
         last = runner._last_output
         if last is not None and not last.done:
             last.result()  # the tokens of the step before are inputs here (and go to the proposer)
+        if self.ngram is not None and not sched.scheduled_spec_tokens:
+            return self._plain_then_lookup(sched, req_ids)
         states = [runner.requests[r] for r in req_ids]
         num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
         spec = [sched.scheduled_spec_tokens.get(r, []) for r in req_ids]
@@ -140,28 +143,48 @@ class SpecDecodeRunner:
             out = self._execute_eager(sched, req_ids, states, num_scheduled, spec)
         return AsyncRunnerOutput.ready(out)
 
+    def _plain_then_lookup(self, sched, req_ids) -> AsyncRunnerOutput:
+        """No drafts to verify (n-gram lookup found none): the plain step (a decode step's graph), waited
+        for, since its tokens are the text the next lookups search."""
+        out = self.runner._execute_plain(sched, req_ids).result()
+        sampled = [self.runner.requests[r] for r, t in zip(out.req_ids, out.sampled_token_ids) if t]
+        return AsyncRunnerOutput.ready(dataclasses.replace(
+            out, spec_token_ids=self._ngram_proposals(sampled, sched.num_spec_proposals)))
+
     def _fits_step(self, sched, states, num_scheduled, spec) -> bool | None:
-        """None unless the batched step can run this step; else whether some request samples."""
+        """None unless the batched step can run this step (said once per reason); else whether some
+        request samples."""
+        why = self._eager_reason(sched, states, num_scheduled, spec)
+        if why is not None:
+            self._log_once(why, "speculative decoding: a step runs eagerly, not the batched step: %s "
+                           "(logged once per reason)", why)
+            return None
+        return any(not s.sampling_params.argmax_only for s in states)
+
+    def _eager_reason(self, sched, states, num_scheduled, spec) -> str | None:
         step = self.step
-        if step is None or len(states) > step.max_bs or self.runner._scoring_prompts:
-            return None
-        if self.drafter is not None and sched.num_spec_proposals != self.k:
-            return None
+        if step is None:
+            return "no batched step"
+        if len(states) > step.max_bs:
+            return f"more than {step.max_bs} requests"
+        if self.runner._scoring_prompts:
+            return "prompt logprobs"
         sampled = False
         for state, count, drafts in zip(states, num_scheduled, spec):
             params = state.sampling_params
             if count != 1 + len(drafts) or state.num_computed_tokens + 1 != state.num_tokens:
-                return None
-            if self.drafter is not None and (state.draft_len < state.num_computed_tokens + len(drafts)
-                                             or not self.proposes_for(state)):
-                return None
+                return "a prompt chunk"
+            if self.drafter is not None and not self.proposes_for(state):
+                return "a request that does not speculate"
+            if self.drafter is not None and state.draft_len < state.num_computed_tokens + len(drafts):
+                return "the draft model catches up after plain steps"
             if not params.argmax_only:
                 if not params.samples_in_graph:
-                    return None
+                    return "a request with a seed, penalties, min_tokens or logprobs"
                 sampled = True
         if sampled and step.padded_size(len(states)) * (self.k + 1) > MAX_SAMPLED_GRAPH_ROWS:
-            return None
-        return sampled
+            return f"sampled requests in more than {MAX_SAMPLED_GRAPH_ROWS} verify rows"
+        return None
 
     def _execute_step(self, sched, req_ids, states, spec, sampled: bool) -> ModelRunnerOutput:
         step, k, block_size = self.step, self.k, self.runner.block_size
@@ -181,6 +204,7 @@ class SpecDecodeRunner:
         params = graph_sampling_params(states, step.max_bs, self.runner.args.vocab_size) if sampled else None
         step.stage(self.runner.stager, tokens, start, num_drafts, held * block_size, slots, params, tables)
         out = step.execute(num_reqs, sampled).cpu().numpy()
+        self.runner.last_decode_step = (True, num_reqs)
         if step.timing:
             self.step_timings.append(step.last_ms())
         new_tokens, proposals = [], {}

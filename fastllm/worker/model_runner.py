@@ -56,6 +56,9 @@ class ModelRunner:
         self._last_output: AsyncRunnerOutput | None = None  # its tokens may still be on the device
         self._said_penalties_wait = False
         self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are still to come
+        # (speculative?, batch size) of the last step when it was a decode step replayed from graphs (the
+        # speculation policy's step costs), else None
+        self.last_decode_step: tuple[bool, int] | None = None
 
     # setup
 
@@ -154,10 +157,15 @@ class ModelRunner:
             cache.swap_in(sched.blocks_to_swap_in)
             cache.copy(sched.blocks_to_copy)
         req_ids = list(sched.num_scheduled_tokens)
+        self.last_decode_step = None
         if sched.is_empty:
             return AsyncRunnerOutput(req_ids, [])
         if self.spec is not None and (sched.scheduled_spec_tokens or sched.num_spec_proposals):
             return self.spec.execute(sched, req_ids)
+        return self._execute_plain(sched, req_ids)
+
+    def _execute_plain(self, sched: SchedulerOutput, req_ids: list[str]) -> AsyncRunnerOutput:
+        """A step without drafts: a decode step's CUDA graph, or the compiled forward; then the sampler."""
         states = [self.requests[r] for r in req_ids]
         last = self._last_output if self._last_output is not None and not self._last_output.done else None
         if last is not None and any(s.num_pending and s.sampling_params.has_penalties for s in states):
@@ -179,6 +187,7 @@ class ModelRunner:
                                        self.eos_token_id, self.stager, last, graph, cascade=cascade)
         logits = greedy = None
         if inputs.staged_for_graph:
+            self.last_decode_step = (False, len(states))
             with nvtx_range("forward_graph"):
                 logits, greedy = self.graphs.replay_staged(len(states), inputs.logits_indices,
                                                            sampling=inputs.sampled_in_graph,

@@ -131,8 +131,24 @@ def test_policy_decides_from_costs_and_acceptance():
     for _ in range(200):
         policy.record(4, 0)
     assert policy.acceptance_rate < 0.05
-    decisions = [policy.num_to_propose(1) for _ in range(64)]
-    assert decisions.count(4) == 2  # off, but for a probe every PROBE_INTERVAL steps
+    decisions = [policy.num_to_propose(1) for _ in range(32 + 64 + 128)]
+    probes = [i for i, k in enumerate(decisions) if k]
+    # Off, but for probes ever further apart (the first comes 32 plain steps after the one at batch 64).
+    assert probes == [30, 30 + 64, 30 + 64 + 128]
+
+
+def test_policy_weighs_wall_time_not_only_gpu_time():
+    """A plain step that is host-bound (async scheduling hides the GPU's 0.08 ms, not the host's 0.4)
+    makes drafts pay that the graphs' replay times alone would refuse."""
+    policy = SpecPolicy(2, adaptive=True)
+    policy.set_step_costs({1: 0.4}, {1: 0.08})
+    for _ in range(50):
+        policy.record(2, 1)  # a = 0.5: 1.75 tokens a step
+    assert policy.num_to_propose(1) == 0
+    for _ in range(30):
+        policy.observe(False, 1, 0.4e-3)
+        policy.observe(True, 1, 0.6e-3)
+    assert policy.num_to_propose(1) == 2  # 1.75 tokens in 0.6 ms beat 1 in 0.4 ms
 
 
 def test_spec_tiny_random_configs(tmp_path_factory):
