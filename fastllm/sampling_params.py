@@ -106,10 +106,10 @@ class SamplingParams:
 
     @property
     def speculates(self) -> bool:
-        """Draft tokens may be verified for this request: the rejection sampler models temperature,
-        top-k, top-p and min-p, not a seed (its own generator), penalties, a min_tokens mask or
-        logprobs; the rule of samples_in_graph."""
-        return self.samples_in_graph
+        """Draft tokens may be verified for this request: every sampling field applies to each verify
+        row as if the drafts before it were output (seeds, penalties, min_tokens too); not with
+        logprobs, which are reported one per step."""
+        return self.logprobs is None
 
     def clone(self, **changes) -> "SamplingParams":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}

@@ -154,5 +154,5 @@ class DraftModel:
         if metadata.all_greedy:
             return greedy, None
         probs = filtered_probs(logits.float(), metadata)
-        drawn = (probs / exponential_noise(probs, {})).argmax(dim=-1)
+        drawn = (probs / exponential_noise(probs, metadata.generators)).argmax(dim=-1)
         return torch.where(metadata.greedy, greedy, drawn), list(probs.masked_fill(metadata.greedy.unsqueeze(1), 0.0))

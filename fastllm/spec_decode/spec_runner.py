@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from fastllm.layers.sampler import SamplingRow, filtered_probs
+from fastllm.layers.sampler import SamplingRow, apply_penalties, filtered_probs
 from fastllm.spec_decode.batched_step import ModelFns, SpecDecodeStep
 from fastllm.spec_decode.draft_model import DraftModel, DraftRequest
 from fastllm.spec_decode.ngram import NgramProposer
@@ -281,7 +281,7 @@ class SpecDecodeRunner:
         num_drafts = torch.as_tensor(counts, device=device)
         kwargs = {}
         if not metadata.all_greedy and self.synthetic_acceptance_rate is None:
-            p = filtered_probs(logits.float(), metadata)[index]
+            p = filtered_probs(apply_penalties(logits.float(), metadata), metadata)[index]
             kwargs = dict(sampled_rows=~metadata.greedy[torch.as_tensor(first, device=device)], target_probs=p,
                           draft_probs=self._draft_probs(states, draft_ids, p.shape[-1]),
                           generators={i: s.generator for i, (s, d) in enumerate(zip(states, drafts))
@@ -331,7 +331,8 @@ class SpecDecodeRunner:
             begin = min(state.draft_len, start)
             if begin >= end:
                 continue
-            row = SamplingRow(state.sampling_params, None, [], [], None) if num_proposals else None
+            # (a seeded request's drafts come from its generator too, so that its run repeats)
+            row = SamplingRow(state.sampling_params, state.generator, [], [], None) if num_proposals else None
             requests.append(DraftRequest(state.token_slice(begin, end), begin,
                                          state.block_table[:len(state.block_ids)], num_proposals, row))
             owners.append(state)

@@ -8,6 +8,7 @@ device from that step's sampled tensor.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -173,7 +174,7 @@ def build_step_inputs(
         logits_indices=None if every_row else logits_d,
         sample_states=sample_states,
         sampling_metadata=_sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device,
-                                             None if verify_rows is None else verify_rows.tolist()),
+                                             None if verify_rows is None else [spec_tokens[i] for i in sample_rows]),
         num_verify_rows=None if verify_rows is None else verify_rows.tolist(),
     )
 
@@ -196,14 +197,16 @@ def flat_positions(starts: np.ndarray, counts: np.ndarray, block_tables: np.ndar
     return query_start_loc, positions, slots
 
 
-def _sampling_metadata(sample_states, vocab_size, eos_token_id, device, repeats=None) -> SamplingMetadata | None:
-    """repeats: rows per sample state (speculative decoding's verify rows), each with its params."""
+def _sampling_metadata(sample_states, vocab_size, eos_token_id, device, drafts=None) -> SamplingMetadata | None:
+    """drafts: each sample state's draft tokens (speculative decoding): its verify row j (of len + 1)
+    is sampled as if drafts[:j] were already output, for the penalties and the min_tokens mask."""
     if sample_states and all(s.sampling_params.argmax_only for s in sample_states):
         return SamplingMetadata.argmax_rows()  # no per-row records to build
     rows = [SamplingRow(s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids, eos_token_id,
                         s.num_pending) for s in sample_states]
-    if repeats is not None:
-        rows = [row for row, n in zip(rows, repeats) for _ in range(n)]
+    if drafts is not None:
+        rows = [row if not j else dataclasses.replace(row, output_token_ids=row.output_token_ids + d[:j])
+                for row, d in zip(rows, drafts) for j in range(len(d) + 1)]
     return SamplingMetadata.build(rows, vocab_size, device) if rows else None
 
 

@@ -271,9 +271,11 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
     out = tmp_path / "spec.json"
     assert module.main(["--batch-sizes", "1,2", "--output-len", "16", "--device", "cpu", "--dtype", "float32",
                         "--output-json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     assert [r["batch_size"] for r in rows] == [1, 2]
     for r in rows:
-        assert r["spec_steps"] < r["baseline_steps"]  # drafts were accepted: fewer steps for the same tokens
-        assert 0 < r["acceptance_rate"] <= 1 and r["speedup"] > 0
-    assert "mean_accepted_len" in capsys.readouterr().out
+        # drafts were accepted: fewer steps than plain decode for the same tokens
+        assert r["steps"] < result["baseline"][str(r["batch_size"])]["steps"]
+        assert 0 < r["spec_acceptance_rate"] <= 1 and r["speedup"] > 0 and r["acceptance"] == "measured"
+    assert "spec_mean_accepted_len" in capsys.readouterr().out

@@ -70,20 +70,27 @@ def test_prefix_cache_hits_keep_the_drafts_kv():
 
 
 def test_n_samples_and_a_mixed_batch_match_the_target_alone():
-    """Greedy n=2 siblings (forked KV, copy-on-write) and requests that do not speculate (seeded,
-    penalized, with logprobs) beside speculating ones: each output is what the plain engine gives."""
+    """Greedy n=2 siblings (forked KV, copy-on-write), requests that speculate with penalties and a
+    min_tokens mask (each verify row sees the drafts before it as output), one with logprobs (which
+    does not speculate) and plain ones: each output is what the plain engine gives."""
+    period = tokenize(["."])[0][-1]
     params = [
         SamplingParams(temperature=0, n=2, max_tokens=40),
-        SamplingParams(temperature=1.0, seed=11, max_tokens=40),
         SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=40),
+        SamplingParams(temperature=0, frequency_penalty=0.8, presence_penalty=-0.5, max_tokens=40),
         SamplingParams(temperature=0, logprobs=3, max_tokens=40),
         SamplingParams(temperature=0, max_tokens=40, stop=[" the"]),
         SamplingParams(temperature=0, max_tokens=7),
+        SamplingParams(temperature=0, min_tokens=30, max_tokens=40, stop_token_ids=[period]),
     ]
     prompts = PROMPTS[:len(params)]
     reference = cached_llm().generate(prompts, params, use_tqdm=False)
-    outputs = spec_llm(4).generate(prompts, params, use_tqdm=False)
+    llm = spec_llm(4)
+    stats = llm.engine.scheduler.spec_stats
+    drafts = stats.num_drafts
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     assert token_ids(outputs) == token_ids(reference)
+    assert stats.num_drafts - drafts > 40  # the penalized and min_tokens requests speculated too
     for got, want in zip(outputs, reference):
         for a, b in zip(got.outputs, want.outputs):
             assert (a.text, a.finish_reason, a.stop_reason) == (b.text, b.finish_reason, b.stop_reason)
@@ -91,6 +98,20 @@ def test_n_samples_and_a_mixed_batch_match_the_target_alone():
     assert [sorted(s) for s in got_lp] == [sorted(s) for s in want_lp]
     assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for a, b in zip(got_lp, want_lp) for t in a)
     assert outputs[4].outputs[0].finish_reason == "stop"  # the stop string ended it among accepted drafts
+    assert period in reference[6].outputs[0].token_ids[:30] or True  # (whether min_tokens held one back)
+    assert period not in outputs[6].outputs[0].token_ids[:30]
+
+
+def test_seeded_sampling_speculates_and_repeats_itself():
+    """A seeded request speculates (its draws come from its own generator, so its tokens differ from
+    the plain engine's but are the same on every run)."""
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=40)
+    llm = spec_llm(4)
+    stats = llm.engine.scheduler.spec_stats
+    drafts = stats.num_drafts
+    first = token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False))
+    assert stats.num_drafts - drafts >= 10
+    assert token_ids(llm.generate(PROMPTS[:2], params, use_tqdm=False)) == first
 
 
 def test_a_stop_token_inside_accepted_drafts_ends_the_request_there():
