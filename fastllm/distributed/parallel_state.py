@@ -1,0 +1,110 @@
+"""Where this process sits among the engine's ranks, and its torch.distributed groups.
+
+The ranks form a grid of pp_size pipeline stages of tp_size tensor-parallel ranks each: global rank =
+pp_rank * tp_size + tp_rank, so a stage's ranks are neighbours (on one node, adjacent GPUs). All ranks
+join one default process group (NCCL on GPUs, gloo on the CPU). Each stage's ranks form a subgroup for
+their all-reduces; stages hand their activations on point to point over the default group; a gloo group
+carries the few host-side collectives (agreeing on the KV block count at startup).
+
+torch.distributed has one default group per process, so a process holds one multi-process engine at a
+time: a second one can start once the first has shut down.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from fastllm.distributed.communication import TensorParallelGroup, set_tp_group
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelRank:
+    """This process's place in the grid; the default (rank 0 of 1) is the single-device engine."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    @classmethod
+    def of(cls, rank: int, tp_size: int, pp_size: int) -> "ParallelRank":
+        return cls(rank % tp_size, tp_size, rank // tp_size, pp_size)
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """The global rank this one receives its stage's input from (same TP rank, one stage up)."""
+        return self.rank - self.tp_size
+
+    @property
+    def next_stage_rank(self) -> int:
+        return self.rank + self.tp_size
+
+    @property
+    def is_output_rank(self) -> bool:
+        """The rank whose sampled tokens the engine reads: TP rank 0 of the last stage (every rank of
+        the last stage samples the same tokens from the same gathered logits)."""
+        return self.is_last_stage and self.tp_rank == 0
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """The decoder layers of one pipeline stage: contiguous and as even as possible, the earlier
+    stages taking one more where they do not divide (5 layers on 2 stages: 3 + 2)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
+
+
+@dataclass
+class ProcessGroups:
+    rank: ParallelRank
+    cpu: dist.ProcessGroup  # gloo, for host-side collectives (the default group itself on the CPU)
+
+
+def init_distributed(rank: ParallelRank, device: torch.device, init_method: str, timeout_s: float) -> ProcessGroups:
+    """Join the engine's default process group (every rank calls this) and build the subgroups."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already holds a multi-process engine's process group: shut that "
+                           "engine down (LLMEngine.shutdown()) before starting another")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    extra = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method=init_method, rank=rank.rank, world_size=rank.world_size,
+                            timeout=timedelta(seconds=timeout_s), **extra)
+    tp_group = None
+    for stage in range(rank.pp_size):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(stage * rank.tp_size, (stage + 1) * rank.tp_size)))
+        if stage == rank.pp_rank:
+            tp_group = group
+    cpu = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    set_tp_group(TensorParallelGroup(tp_group, rank.tp_size, device) if rank.tp_size > 1 else None)
+    logger.info("rank %d of %d (tensor-parallel rank %d of %d, pipeline stage %d of %d) joined over %s",
+                rank.rank, rank.world_size, rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, backend)
+    return ProcessGroups(rank, cpu)
+
+
+def destroy_distributed() -> None:
+    set_tp_group(None)
+    if dist.is_initialized():
+        dist.destroy_process_group()
