@@ -6,9 +6,9 @@ model again (most of a warm compile for a 32-layer model). torch's AOT compile
 included, which can be saved and loaded in another process.
 
 The artifact holds no weights: the model is the function's first argument, its parameters are graph
-inputs. Its file name is a hash of everything the trace depends on: the model config and dtype, the
-device, the torch/triton/Python versions and fastllm's own source. A load whose guards reject the
-model, or that fails at all, is logged and replaced by a fresh compile.
+inputs. Its file name is a hash of everything the trace depends on: the model config (and this rank's
+shard of it) and dtype, the device, the torch/triton/Python versions and fastllm's own source. A load
+whose guards reject the model, or that fails at all, is logged and replaced by a fresh compile.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def artifact_key(model: torch.nn.Module, device: torch.device) -> str:
         triton_version = None
     facts = {
         "config": model.args.__dict__ if hasattr(model, "args") else repr(model),
+        "parallel": repr(getattr(model, "parallel", None)),  # each rank's shard traces its own graph
         "dtype": str(param.dtype),
         "device": device.type,
         # Inductor's C++ for a CPU uses the vector instructions it finds (a shared cache directory

@@ -6,6 +6,13 @@ that q/k/v and gate/up are fused (qkv_proj, gate_up_proj); load_weights maps the
 
 The forward takes a flat batch: input_ids [T] and positions [T]; attention reads the step's
 metadata from the forward context.
+
+Tensor parallelism splits the heads and the MLP over the ranks (layers/linear.py), with the KV heads
+replicated where there are fewer than ranks; Qwen3's q/k norms act on each head's head_dim, so every
+rank applies the whole (replicated) weights to its own heads. Pipeline parallelism gives each stage a
+contiguous run of decoder layers: the embedding lives on the first stage, the final norm and lm_head on
+the last, and a stage receives its input (hidden states and residual) from the stage before it and
+hands its output on, both inside the forward (communication.py's pp_recv / pp_send).
 """
 
 from __future__ import annotations
@@ -18,10 +25,12 @@ import torch
 from torch import nn
 
 from fastllm.config import sliding_windows
-from fastllm.kernels import dispatch as kernels
+from fastllm.distributed import communication  # noqa: F401  (registers the pipeline's send/recv ops)
+from fastllm.distributed.parallel_state import ParallelRank, stage_layers
 from fastllm.layers.activation import SiluAndMul
 from fastllm.layers.attention import Attention
-from fastllm.layers.linear import Linear, MergedLinear
+from fastllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from fastllm.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_into
 from fastllm.layers.norm import RMSNorm
 from fastllm.layers.rotary import RotaryEmbedding, rope_parameters
 from fastllm.tracing import layer_ranges_enabled, nvtx_range
@@ -73,18 +82,30 @@ class LlamaArgs:
         )
 
 
+def kv_partitions(num_kv_heads: int, tp_size: int) -> int:
+    """Into how many slices the KV heads split: one per rank, or one per head when there are fewer
+    heads than ranks (each head then replicated on tp_size / num_kv_heads ranks, as vLLM does)."""
+    return min(num_kv_heads, tp_size)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_index: int):
+    def __init__(self, args: LlamaArgs, layer_index: int, stage_index: int, parallel: ParallelRank):
+        """layer_index: the layer's number in the model; stage_index: in this rank's pipeline stage (its
+        attention layer's number in the forward context)."""
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        tp_rank, tp = parallel.tp_rank, parallel.tp_size
+        kv_parts = kv_partitions(args.num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads // tp, args.num_kv_heads // kv_parts, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = MergedLinear(args.hidden_size, [q_size, kv_size, kv_size], bias=args.qkv_bias)
-        self.o_proj = Linear(q_size, args.hidden_size)
+        self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp_rank, tp,
+                                             partitions=[tp, kv_parts, kv_parts])
+        self.o_proj = RowParallelLinear(q_size, args.hidden_size, False, tp_rank, tp)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
-        self.attn = Attention(args.num_heads, args.num_kv_heads, args.head_dim, args.head_dim ** -0.5, layer_index,
-                              rotary, args.sliding_windows[layer_index] if args.sliding_windows else None)
+        window = args.sliding_windows[layer_index] if args.sliding_windows else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, args.head_dim, args.head_dim ** -0.5, stage_index,
+                              rotary, window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -100,21 +121,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, parallel: ParallelRank):
         super().__init__()
-        self.gate_up_proj = MergedLinear(args.hidden_size, [args.intermediate_size] * 2)
+        tp_rank, tp = parallel.tp_rank, parallel.tp_size
+        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp_rank, tp)
         self.act = SiluAndMul()
-        self.down_proj = Linear(args.intermediate_size, args.hidden_size)
+        self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp_rank, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs, layer_index: int):
+    def __init__(self, args: LlamaArgs, layer_index: int, stage_index: int, parallel: ParallelRank):
         super().__init__()
-        self.self_attn = LlamaAttention(args, layer_index)
-        self.mlp = LlamaMLP(args)
+        self.self_attn = LlamaAttention(args, layer_index, stage_index, parallel)
+        self.mlp = LlamaMLP(args, parallel)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
@@ -130,23 +152,41 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, parallel: ParallelRank):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.parallel = parallel
+        self.layer_range = stage_layers(args.num_layers, parallel.pp_size, parallel.pp_rank)
+        first = self.layer_range.start
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, parallel.tp_rank,
+                                                   parallel.tp_size) if parallel.is_first_stage else None
+        # Other stages' layers are empty placeholders, so parameter names keep the checkpoint's numbers.
+        self.layers = nn.ModuleList(LlamaDecoderLayer(args, i, i - first, parallel) if i in self.layer_range
+                                    else nn.Identity() for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if parallel.is_last_stage else None
+
+    def stage_layers(self) -> list[LlamaDecoderLayer]:
+        return [self.layers[i] for i in self.layer_range]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:  # a later pipeline stage: the previous stage's output
+            # (Its dtype and width from a weight: a torch.dtype kept on the module breaks loading the
+            # saved compiled forward.)
+            like = self.layers[self.layer_range.start].input_layernorm.weight
+            received = torch.ops.fastllm.pp_recv(input_ids, like, self.parallel.prev_stage_rank)
+            hidden, residual = received[0], received[1]
         # Per-layer NVTX ranges are an eager-mode view: a compiled forward (which fuses across layers)
         # never reads the switch, so turning it on later neither recompiles nor trips a saved graph.
         per_layer = not torch.compiler.is_compiling() and layer_ranges_enabled()
-        for i, layer in enumerate(self.layers):
+        for i, layer in zip(self.layer_range, self.stage_layers()):
             if per_layer:
                 with nvtx_range(f"layer{i}"):
                     hidden, residual = layer(positions, hidden, residual)
             else:
                 hidden, residual = layer(positions, hidden, residual)
+        if self.norm is None:  # not the last stage: hand on; the returned empty tensor keeps the send alive
+            return torch.ops.fastllm.pp_send(hidden, residual, self.parallel.next_stage_rank)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -161,33 +201,91 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, parallel: ParallelRank = ParallelRank()):
         super().__init__()
         self.args = args
-        self.model = LlamaModel(args)
-        self.lm_head = Linear(args.hidden_size, args.vocab_size)
-        if args.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.parallel = parallel
+        self.model = LlamaModel(args, parallel)
+        self.lm_head = None
+        if parallel.is_last_stage:
+            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, parallel.tp_rank, parallel.tp_size)
+            if args.tie_word_embeddings and parallel.is_first_stage:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> hidden states [T, hidden_size]."""
+        """input_ids, positions: [T] -> hidden states [T, hidden_size] (an empty tensor on a pipeline
+        stage before the last, which hands its output to the next stage instead)."""
         return self.model(input_ids, positions)
 
+    @property
+    def computes_logits(self) -> bool:
+        """Whether this rank's forward ends in hidden states that give logits (the last pipeline stage)."""
+        return self.lm_head is not None
+
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits in the model's dtype: the sampler upcasts only when it does more than an argmax
-        (a float32 copy of [256, 128k] logits costs ~0.1 ms a decode step on an H100). out: write
-        them there (a CUDA graph's static buffer); the same kernel as lm_head's forward."""
-        if out is None:
-            return self.lm_head(hidden)
-        return kernels.linear(hidden, self.lm_head.weight, None, out=out)
+        """Logits [T, vocab] in the model's dtype (gathered over the tensor-parallel ranks): the sampler
+        upcasts only when it does more than an argmax (a float32 copy of [256, 128k] logits costs ~0.1
+        ms a decode step on an H100). out: write them there (a CUDA graph's static buffer)."""
+        return self.lm_head.compute_logits(hidden, out)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.stage_layers()]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the parameters; every parameter must be covered."""
+    def kv_cache_shape(self) -> tuple[int, int, int]:
+        """This rank's KV cache per block and token: (layers, KV heads, head_dim)."""
+        layers = self.model.stage_layers()
+        return len(layers), layers[0].self_attn.num_kv_heads, self.args.head_dim
+
+    def owns(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` (after fusing) belongs to this rank's pipeline stage."""
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) in self.model.layer_range
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None or self._lm_head_reads_embedding
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.lm_head is not None
+        return True
+
+    @property
+    def _lm_head_reads_embedding(self) -> bool:
+        """Tied embeddings on a last stage that does not hold the embedding: its lm_head loads that table."""
+        return self.args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is None
+
+    def checkpoint_name(self, name: str) -> str:
+        """The checkpoint tensor parameter `name` is loaded from (the lm_head of a later stage with tied
+        embeddings loads the embedding's)."""
+        return "model.embed_tokens.weight" if name == "lm_head.weight" and self._lm_head_reads_embedding else name
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The shape parameter `name` has with one rank (its whole checkpoint tensor, q/k/v and gate/up fused)."""
+        module_name, param_name = name.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        param = getattr(module, param_name)
+        if isinstance(module, ColumnParallelLinear):
+            return (sum(module.full_sizes), *param.shape[1:])
+        if isinstance(module, RowParallelLinear) and param_name == "weight":
+            return (param.shape[0], param.shape[1] * module.tp_size)
+        if isinstance(module, VocabParallelEmbedding):
+            return (module.vocab_size, param.shape[1])
+        return tuple(param.shape)
+
+    def load_param(self, name: str, source, shard: int | None = None) -> None:
+        """Copy this rank's part of a whole checkpoint tensor (or of output block `shard` of a fused
+        parameter) into parameter `name`."""
+        module_name, param_name = name.rsplit(".", 1)
+        module = self.get_submodule(module_name)
+        if shard is not None:
+            module.load_shard(param_name, shard, source)
+        elif hasattr(module, "load_weight"):
+            module.load_weight(param_name, source)
+        else:
+            copy_into(getattr(module, param_name), source[:], name)
+
+    def load_weights(self, weights: Iterable[tuple[str, object]]) -> None:
+        """Copy checkpoint tensors (whole, or lazy safetensors slices) into this rank's parameters;
+        every parameter must be covered. Tensors of other pipeline stages are skipped unread."""
         params = dict(self.named_parameters())
-        missing = {name: set(range(len(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "output_sizes", [0]))))
+        missing = {name: set(range(len(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "full_sizes", [0]))))
                    for name in params}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.args.tie_word_embeddings and name == "lm_head.weight"):
@@ -197,19 +295,14 @@ class LlamaForCausalLM(nn.Module):
                 if fragment in name:
                     name, shard = name.replace(fragment, fused), index
                     break
+            if not self.owns(name):
+                continue
+            if name == "model.embed_tokens.weight" and self._lm_head_reads_embedding:
+                name = "lm_head.weight"
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            if shard is None:
-                param = params[name]
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
-                with torch.no_grad():
-                    param.copy_(tensor)
-                shard = 0
-            else:
-                module_name, param_name = name.rsplit(".", 1)
-                self.get_submodule(module_name).load_shard(param_name, shard, tensor)
-            missing[name].discard(shard)
+            self.load_param(name, tensor, shard)
+            missing[name].discard(shard or 0)
         absent = sorted(name for name, shards in missing.items() if shards)
         if absent:
             raise ValueError(f"checkpoint is missing {len(absent)} tensors, e.g. {absent[:3]}")

@@ -1,10 +1,18 @@
-"""Build a model and fill its weights: from safetensors files, or random ("dummy") weights."""
+"""Build a model (or one rank's shard of it) and fill its weights: from safetensors files, or random
+("dummy") weights.
+
+A shard reads only its own part of each checkpoint tensor (safetensors slices are lazy), and skips the
+tensors of other pipeline stages. Dummy weights are drawn whole, parameter by parameter from a
+generator seeded by the parameter's name, and then sliced like a checkpoint: every shard holds exactly
+its part of the single-rank model's weights, whatever the split.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from fastllm.config import ModelConfig
+from fastllm.distributed.parallel_state import ParallelRank
 from fastllm.models.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -46,27 +55,34 @@ def safetensors_files(model_dir: str) -> list[Path]:
     return files
 
 
-def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, object]]:
+    """(name, lazy slice) per checkpoint tensor: indexing a slice reads just those rows or columns."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_slice(name)
 
 
 def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
-    """Random weights of the real shapes: normal(0, std) matrices, unit norms, zero biases."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    """Random weights of the real shapes: normal(0, std) matrices, unit norms, zero biases. Each
+    parameter's whole (single-rank) tensor comes from its own generator, seeded by its name, and the
+    model copies out its rank's part."""
+    device = next(model.parameters()).device
     with torch.no_grad():
         for name, param in model.named_parameters():
+            full = torch.empty(model.full_shape(name), dtype=param.dtype, device=device)
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                full.fill_(1.0)
             elif name.endswith(".bias"):
-                param.zero_()
+                full.zero_()
             else:
-                param.normal_(0.0, std, generator=generator)
+                key = model.checkpoint_name(name).encode()
+                generator = torch.Generator(device=device).manual_seed(seed + zlib.crc32(key))
+                full.normal_(0.0, std, generator=generator)
+            model.load_param(name, full)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+def load_model(model_config: ModelConfig, device: torch.device, parallel: ParallelRank = ParallelRank()) -> nn.Module:
     start = time.perf_counter()
     dtype = resolve_dtype(model_config, device)
     load_format = model_config.load_format
@@ -78,7 +94,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = build_model(model_config.hf_config)
+            model = build_model(model_config.hf_config, parallel)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":

@@ -1,0 +1,61 @@
+"""The token embedding and the lm_head, split over the tensor-parallel ranks by vocabulary rows.
+
+Each rank holds ceil(vocab / tp_size) consecutive rows of the table (the last rank's tail is zero
+padding). The embedding looks up the ids in its own range, zeroes the others and all-reduces: each
+output row has one non-zero term, so the sum is exact. The lm_head computes the logits of its rows and
+gathers every rank's into the whole [T, vocab] on every rank, so every rank samples the same tokens
+from the same logits. With one rank both are the plain layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastllm.distributed.communication import get_tp_group
+from fastllm.kernels import dispatch as kernels
+from fastllm.layers.linear import copy_into, shape_of
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.vocab_size, self.tp_size = vocab_size, tp_size
+        self.rows = -(-vocab_size // tp_size)  # per rank
+        self.start = tp_rank * self.rows
+        self.num_real = max(0, min(self.rows, vocab_size - self.start))  # rows before the padding
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_real)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return torch.ops.fastllm.tp_all_reduce(rows)
+
+    def load_weight(self, param_name: str, source) -> None:
+        """This rank's rows of the whole [vocab, hidden] table."""
+        full = shape_of(source)
+        if full != (self.vocab_size, self.weight.shape[1]):
+            raise ValueError(f"{param_name}: checkpoint shape {full} != ({self.vocab_size}, {self.weight.shape[1]})")
+        with torch.no_grad():
+            self.weight[self.num_real:].zero_()
+        copy_into(self.weight[:self.num_real], source[self.start:self.start + self.num_real], param_name)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = hidden @ W^T over the whole vocabulary, W split by rows like the embedding (and the
+    same tensor when the embeddings are tied)."""
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, vocab] in the model's dtype; out: write them there (a CUDA graph's static buffer)."""
+        if self.tp_size == 1:
+            return kernels.linear(hidden, self.weight, None, out=out)
+        local = kernels.linear(hidden, self.weight, None)  # [T, rows]
+        gathered = get_tp_group().all_gather(local)  # [tp, T, rows]
+        logits = gathered.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, :self.vocab_size]
+        if out is None:
+            return logits.contiguous()
+        return out.copy_(logits)
