@@ -178,10 +178,41 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = arg(1, "GPUs the model is sharded over (tensor parallelism)")
+    """tensor_parallel_size x pipeline_parallel_size ranks, one process and one device each
+    (fastllm/distributed/). Above one rank the engine starts the other ranks' worker processes, or
+    joins the ranks torchrun started (see the README)."""
+
+    tensor_parallel_size: int = arg(1, "GPUs each layer is split over (tensor parallelism: one worker process "
+                                    "each; under torchrun, the ranks torchrun started)")
+    pipeline_parallel_size: int = arg(1, "pipeline stages the layers are split into, of tensor_parallel_size "
+                                      "GPUs each")
+    distributed_timeout_s: float = arg(600.0, "seconds a collective or a worker's answer may take before it is "
+                                       "an error naming the rank")
 
     def __post_init__(self):
-        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        _check(self.distributed_timeout_s > 0, "distributed_timeout_s", f"must be > 0, got {self.distributed_timeout_s}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model(self, hf_config: dict) -> None:
+        """The model splits this way: tensor_parallel_size divides the attention heads, the KV heads
+        (or is a multiple of them: each is then replicated) and the MLP's width; there are no more
+        pipeline stages than layers."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        heads = hf_config.get("num_attention_heads", 1)
+        kv_heads = hf_config.get("num_key_value_heads") or heads
+        _check(heads % tp == 0, "tensor_parallel_size", f"({tp}) must divide the {heads} attention heads")
+        _check(kv_heads % tp == 0 or tp % kv_heads == 0, "tensor_parallel_size",
+               f"({tp}) must divide the {kv_heads} KV heads or be a multiple of them")
+        width = hf_config.get("intermediate_size", 0)
+        _check(width % tp == 0, "tensor_parallel_size", f"({tp}) must divide the intermediate size {width}")
+        layers = hf_config.get("num_hidden_layers", 1)
+        _check(pp <= layers, "pipeline_parallel_size", f"({pp}) must not exceed the {layers} decoder layers")
 
 
 @dataclass(frozen=True)
@@ -306,6 +337,10 @@ class EngineConfig:
 
     def __post_init__(self):
         _check(self.device in ("auto", "cpu", "cuda"), "device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        self.parallel.check_model(self.model.hf_config)
+        if self.speculative.enabled:
+            _check(self.parallel.pipeline_parallel_size == 1, "pipeline_parallel_size",
+                   "must be 1 with speculative decoding (not supported across pipeline stages yet)")
         if not self.scheduler.enable_chunked_prefill:
             _check(
                 self.scheduler.max_num_batched_tokens >= self.model.max_model_len,
