@@ -70,6 +70,7 @@ class Scheduler:
         spec_policy: SpecPolicy | None = None,
         draft_writes_kv: bool = False,
         sliding_window: int | None = None,  # every layer's window: blocks behind it go back to the pool
+        wait_for_sampled_tokens: bool = False,
     ):
         if scheduler_config.max_num_seqs is None:
             raise ValueError("max_num_seqs is unset: build the scheduler from EngineConfig.for_device(...)")
@@ -82,6 +83,9 @@ class Scheduler:
         self.spec_policy = spec_policy  # None: no speculative decoding
         self.draft_writes_kv = draft_writes_kv  # a draft model (not n-gram lookup) writes KV past a step's tokens
         self.num_lookahead_tokens = 0  # this step's: the draft's slots past a request's tokens
+        # Pipeline parallelism: a request whose sampled token is still in the pipeline waits for it (the
+        # earlier stages learn tokens from the engine), so a decoding request is in one batch in flight.
+        self.wait_for_sampled_tokens = wait_for_sampled_tokens
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -144,8 +148,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
-            if self._ends_with_pending_token(request):
-                i += 1  # its in-flight token is its last: nothing more to compute
+            if self._ends_with_pending_token(request) or (self.wait_for_sampled_tokens and request.num_pending_tokens):
+                i += 1  # its in-flight token is its last (or, in a pipeline, not known yet)
                 continue
             num_known = request.num_tokens_with_pending - request.num_computed_tokens
             num_new = min(num_known + len(request.spec_token_ids), plan.budget)

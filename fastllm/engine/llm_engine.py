@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections import deque
 from pathlib import Path
 
 from fastllm.config import EngineConfig
@@ -18,6 +20,7 @@ from fastllm.sampling_params import SamplingParams
 from fastllm.spec_decode.policy import SpecPolicy
 from fastllm.tracing import nvtx_range
 from fastllm.worker.async_output import AsyncRunnerOutput
+from fastllm.worker.executor import MultiprocExecutor, launched_by_torchrun, torchrun_worker
 from fastllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -41,32 +44,45 @@ class LLMEngine:
         self.config = config
         start = time.perf_counter()
         gc_threshold = read_gc_threshold()  # a malformed FASTLLM_GC_THRESHOLD fails before anything loads
+        if config.parallel.world_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) > 0:
+            torchrun_worker(config)  # a rank above 0 serves rank 0's engine, then exits
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
-        self.worker = Worker(config)
+        # One Worker on one device (the engine drives it directly); the ranks' processes with tensor or
+        # pipeline parallelism (executor.py).
+        self.executor = Worker(config) if config.parallel.world_size == 1 else MultiprocExecutor(config)
+        self.worker = self.executor.driver_worker  # rank 0's, in this process
         self.config = config = self.worker.config  # with the device's defaults (max_num_seqs)
-        num_blocks, num_cpu_blocks = self.worker.determine_num_blocks()
-        capacity = (num_blocks - 1) * config.cache.block_size
-        if capacity < config.model.max_model_len:
-            raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
-                             f"{config.model.max_model_len}: lower max_model_len or give the cache more memory")
-        self.worker.init_kv_cache(num_blocks, num_cpu_blocks)
+        try:
+            num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()  # the least of any rank
+            capacity = (num_blocks - 1) * config.cache.block_size
+            if capacity < config.model.max_model_len:
+                raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
+                                 f"{config.model.max_model_len}: lower max_model_len or give the cache more memory")
+            self.executor.init_kv_cache(num_blocks, num_cpu_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         spec = config.speculative
         policy = SpecPolicy(spec.num_speculative_tokens, spec.adaptive) if spec.enabled else None
         if policy is not None:
-            spec_ms, plain_ms = self.worker.runner.step_costs()
+            spec_ms, plain_ms = self.executor.step_costs()  # (every rank replays its graphs together)
             policy.set_step_costs(spec_ms, plain_ms)
             logger.info("speculative decoding: step ms by batch size, speculative %s, plain %s",
                         {b: round(t, 3) for b, t in spec_ms.items()}, {b: round(t, 3) for b, t in plain_ms.items()})
+        pipeline = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
                                    num_blocks, num_cpu_blocks, hash_fn, policy, spec.uses_draft_model,
-                                   config.model.kv_sliding_window)
+                                   config.model.kv_sliding_window, wait_for_sampled_tokens=pipeline > 1)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.worker.runner.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = self.worker.runner.args.vocab_size
         self.async_scheduling = config.scheduler.async_scheduling
-        self._in_flight: tuple[SchedulerOutput, AsyncRunnerOutput] | None = None
+        # Steps launched before their tokens are read: one with async scheduling, one per pipeline stage
+        # (each stage works on a different batch).
+        self._in_flight: deque[tuple[SchedulerOutput, AsyncRunnerOutput]] = deque()
+        self._max_in_flight = pipeline if self.async_scheduling else 0
         self.last_step_wait_s = 0.0  # time the last step() spent waiting for the GPU (bench: host = step - wait)
         prepare_gc_for_serving(gc_threshold)
         self.startup_seconds = time.perf_counter() - start
@@ -132,7 +148,7 @@ class LLMEngine:
             self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.groups)
@@ -146,23 +162,22 @@ class LLMEngine:
         next step is scheduled from their proposals)."""
         start = time.perf_counter()
         outputs = []
-        if self._in_flight is not None and self._in_flight[1].done:  # a speculative step
-            outputs = self._finish(*self._in_flight)
-            self._in_flight = None
+        while self._in_flight and self._in_flight[0][1].done:  # a speculative step
+            outputs += self._finish(*self._in_flight.popleft())
         with nvtx_range("schedule"):
             scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and self._in_flight is None and self.scheduler.has_unfinished_requests() \
+        if scheduler_output.is_empty and not self._in_flight and self.scheduler.has_unfinished_requests() \
                 and not (scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.requests)} requests pending")
         self.last_step_wait_s = 0.0
-        launched = (scheduler_output, self.worker.execute_model(scheduler_output))
+        launched = (scheduler_output, self.executor.execute_model(scheduler_output))
         if self.async_scheduling and not scheduler_output.is_empty:
-            done, self._in_flight = self._in_flight, launched
-            outputs += self._finish(*done) if done is not None else []
+            self._in_flight.append(launched)
+            if len(self._in_flight) > self._max_in_flight:
+                outputs += self._finish(*self._in_flight.popleft())
         else:
-            if self._in_flight is not None:  # nothing new was launched: nothing to overlap with
-                outputs += self._finish(*self._in_flight)
-                self._in_flight = None
+            while self._in_flight:  # nothing new was launched: nothing to overlap with
+                outputs += self._finish(*self._in_flight.popleft())
             outputs += self._finish(*launched)
         decode_step = self.worker.runner.last_decode_step
         if decode_step is not None and self.scheduler.spec_policy is not None:
@@ -179,6 +194,10 @@ class LLMEngine:
             outputs, stopped = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def shutdown(self) -> None:
+        """End the worker processes of tensor/pipeline parallelism (nothing to do on one device)."""
+        self.executor.shutdown()
 
     def check_kv_pool_whole(self) -> None:
         """Raise AssertionError unless every KV block is free again (call when idle)."""

@@ -12,6 +12,7 @@ from fastllm.compile.backend import compile_forward, mark_tokens_unbacked
 from fastllm.compile.cuda_graphs import CUDAGraphRunner, default_capture_sizes
 from fastllm.config import EngineConfig
 from fastllm.core.scheduler_output import SchedulerOutput
+from fastllm.distributed.parallel_state import ParallelRank
 from fastllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from fastllm.models.loader import load_model
 from fastllm.sampling_params import SamplingParams
@@ -30,11 +31,14 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device, parallel: ParallelRank = ParallelRank()):
         self.config = config
         self.device = device
+        self.parallel = parallel
         self.block_size = config.cache.block_size
-        self.model = load_model(config.model, device)
+        self.model = load_model(config.model, device, parallel)  # this rank's shard
+        # A pipeline stage before the last hands its hidden states on and samples nothing.
+        self.samples = self.model.computes_logits
         self.dtype = next(self.model.parameters()).dtype
         self.args = self.model.args
         self.attention_layers = self.model.attention_layers()  # the forward context's, every step
@@ -63,14 +67,12 @@ class ModelRunner:
     # setup
 
     def kv_bytes_per_block(self) -> int:
-        a = self.args
-        target = CacheEngine.bytes_per_block(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype)
+        target = CacheEngine.bytes_per_block(*self.model.kv_cache_shape(), self.block_size, self.dtype)
         return target + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        a = self.args
-        self.cache = CacheEngine(a.num_layers, a.num_kv_heads, a.head_dim, self.block_size, self.dtype,
-                                 self.device, num_blocks, num_cpu_blocks)
+        self.cache = CacheEngine(*self.model.kv_cache_shape(), self.block_size, self.dtype, self.device, num_blocks,
+                                 num_cpu_blocks)
         for layer, kv in zip(self.attention_layers, self.cache.layer_caches()):
             layer.kv_cache = kv
         self.caches = [self.cache]
@@ -110,6 +112,10 @@ class ModelRunner:
             if self.spec is not None:
                 self.spec.build_step(self.forward, draft_forward, sizes, capture=False)
             return
+        if self.parallel.pp_size > 1:
+            logger.info("execution: pipeline parallel: compiled, without CUDA graphs (the stages' send/recv "
+                        "run inside the forward)")
+            return
         max_blocks = -(-model.max_model_len // self.block_size)
         self.graphs = CUDAGraphRunner(self.forward, self.model.compute_logits, self.attention_layers, sizes,
                                       max_blocks, model.max_model_len, self.args.vocab_size, self.dtype, self.device)
@@ -138,11 +144,12 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device) % self.config.model.max_model_len
         with forward_context(None, self.attention_layers):
             hidden = self.model(input_ids, positions)
-        num_rows = min(sched.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:num_rows])
-        rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5), None, [0], [0], None)
-                for _ in range(num_rows)]
-        self.sampler(logits, SamplingMetadata.build(rows, self.args.vocab_size, self.device))
+        if self.samples:
+            num_rows = min(sched.max_num_seqs, num_tokens)
+            logits = self.model.compute_logits(hidden[:num_rows])
+            rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5), None, [0], [0],
+                                None) for _ in range(num_rows)]
+            self.sampler(logits, SamplingMetadata.build(rows, self.args.vocab_size, self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -177,7 +184,7 @@ class ModelRunner:
             last = None
         num_scheduled = list(sched.num_scheduled_tokens.values())
         in_flight_tokens = last.sampled if last is not None else None
-        scores_prompt = bool(self._scoring_prompts) and any(
+        scores_prompt = self.samples and bool(self._scoring_prompts) and any(
             wants_prompt_logprobs(s, s.num_computed_tokens) for s in states)
         cascade = self.cascade.plan(states, num_scheduled)  # shared-prefix groups (worker/cascade.py)
         graph = self.graphs if self.graphs is not None and not scores_prompt \
@@ -198,6 +205,8 @@ class ModelRunner:
         prompt_logprobs = self._score_prompts(hidden, states, num_scheduled) if scores_prompt else {}
         for req_id, state in zip(req_ids, states):
             state.num_computed_tokens += sched.num_scheduled_tokens[req_id]
+        if not self.samples:  # the last stage samples; its tokens come back with a later step (executor.py)
+            return AsyncRunnerOutput(req_ids, inputs.sample_states)
         if not inputs.sample_states:
             return AsyncRunnerOutput(req_ids, [], prompt_logprobs=prompt_logprobs)
         with nvtx_range("sample"):

@@ -1,5 +1,6 @@
-"""Worker: one per device (rank, local_rank). Owns the model runner, sizes and allocates the KV
-cache, and runs steps."""
+"""Worker: one per device (rank, local_rank). Owns the model runner (this rank's shard of the model),
+sizes and allocates the KV cache, and runs steps. On one device the engine drives it directly; with
+several ranks executor.py drives one per rank."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from fastllm.config import EngineConfig
 from fastllm.core.scheduler_output import SchedulerOutput
+from fastllm.distributed.parallel_state import ParallelRank
 from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.model_runner import ModelRunner
 
@@ -28,13 +30,14 @@ def select_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, local_rank: int = 0):
-        self.rank, self.local_rank = rank, local_rank
+    def __init__(self, config: EngineConfig, parallel: ParallelRank = ParallelRank(), local_rank: int = 0):
+        self.parallel, self.rank, self.local_rank = parallel, parallel.rank, local_rank
         self.device = select_device(config, local_rank)
         self.config = config = config.for_device(self.device)  # the engine takes this one
+        # The same seed on every rank: tensor-parallel ranks draw the same unseeded samples.
         torch.manual_seed(config.model.seed)
         start = time.perf_counter()
-        self.runner = ModelRunner(config, self.device)
+        self.runner = ModelRunner(config, self.device, parallel)
         # Startup phases in seconds (fastllm bench reports them): load, profile, kv_alloc, compile, cuda_graphs.
         self.timings: dict[str, float] = {"load": self._elapsed(start)}
         self.num_gpu_blocks = self.num_cpu_blocks = 0
@@ -91,3 +94,12 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
         return self.runner.execute_model(sched)
+
+    # On one device the Worker is the engine's executor (with several ranks: executor.MultiprocExecutor).
+
+    @property
+    def driver_worker(self) -> "Worker":
+        return self
+
+    def shutdown(self) -> None:
+        """Nothing to end: no worker processes."""

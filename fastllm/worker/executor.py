@@ -1,0 +1,402 @@
+"""The engine's steps on tensor_parallel_size x pipeline_parallel_size ranks, one process and one
+device each.
+
+On one device the engine drives a plain Worker (no process, no collective); above that, a
+MultiprocExecutor with the same methods. Rank 0 lives in the engine's process: with one pipeline stage
+it samples, so the engine reads its tokens as it does on one device, async scheduling included. The
+other ranks are worker processes (worker_process.py), which this executor spawns on one node, or which
+torchrun started on several: then every rank runs the same command and LLMEngine(...) turns the ranks
+above 0 into workers (torchrun_worker below).
+
+Each step's SchedulerOutput is pickled once and the same bytes go to every worker. With pipeline
+stages the tokens come back from the last stage's first rank, one message a step, and the executor
+passes them on to the earlier stages (rank 0 among them) with the next step's message.
+
+A worker that exits, fails (its traceback comes back), closes its connection or leaves a collective
+or an answer waiting longer than distributed_timeout_s raises a RuntimeError naming its rank, and
+every later call raises it again; shutdown() ends every worker, as does the engine process's exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import secrets
+import socket
+import sys
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, Listener, wait
+
+import torch
+
+from fastllm.config import EngineConfig
+from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from fastllm.distributed.parallel_state import ParallelRank, destroy_distributed
+from fastllm.worker import worker_process as wp
+from fastllm.worker.async_output import AsyncRunnerOutput
+from fastllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.1  # how often a wait looks at the workers' health
+
+
+def launched_by_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID"))
+
+
+def torchrun_worker(config: EngineConfig) -> None:
+    """A rank above 0 under torchrun: serve the rank-0 engine's steps until it shuts down, then end
+    the process (the same command runs on every rank; only rank 0 goes on past LLMEngine(...))."""
+    par = config.parallel
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    check_torchrun_world(config, world)
+    parallel = ParallelRank.of(rank, par.tensor_parallel_size, par.pipeline_parallel_size)
+    wp.serve_rank(wp.RankSetup(config, parallel, int(os.environ["LOCAL_RANK"]), "env://"))
+    sys.exit(0)
+
+
+def check_torchrun_world(config: EngineConfig, world: int) -> None:
+    if world != config.parallel.world_size:
+        raise ValueError(f"torchrun started {world} ranks but tensor_parallel_size x pipeline_parallel_size is "
+                         f"{config.parallel.world_size}")
+
+
+def uses_cuda(config: EngineConfig) -> bool:
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def main_script_hidden():
+    """spawn runs the parent's main script again in each child (to find what it defines); a worker
+    needs nothing from it, and a script without an `if __name__ == "__main__"` guard would build its
+    engine again in there. So children start while the main module shows neither file nor spec."""
+    main = sys.modules["__main__"]
+    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class _Workers:
+    """The worker processes and connections, apart from the executor so that a finalizer can end
+    them when an executor is dropped without shutdown()."""
+
+    def __init__(self):
+        self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self.conns: dict[int, Connection] = {}
+        self.closing = False
+
+    def close(self, failed: bool = False) -> None:
+        self.closing = True
+        for conn in self.conns.values():
+            try:
+                conn.send_bytes(wp.dumps(wp.SHUTDOWN))
+            except OSError:
+                pass
+        for proc in self.procs.values():
+            proc.join(timeout=0 if failed else 10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns.values():
+            conn.close()
+        destroy_distributed()
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig):
+        par = config.parallel
+        self.config = config
+        self.tp, self.pp = par.tensor_parallel_size, par.pipeline_parallel_size
+        self.world_size = par.world_size
+        self.timeout_s = par.distributed_timeout_s
+        self.output_rank = (self.pp - 1) * self.tp  # TP rank 0 of the last stage
+        self.workers = _Workers()
+        self._finalizer = weakref.finalize(self, self.workers.close)
+        self.progress = None  # spawned workers' last launched step ids
+        self.failure: str | None = None  # set once; every later call raises it
+        self._exited: int | None = None  # a spawned worker's rank, as the monitor saw it exit
+        self._last_sent_step = 0
+        self._launched: dict[int, AsyncRunnerOutput] = {}  # rank 0 as an earlier stage: outputs awaiting tokens
+        self._forward: dict[int, dict[str, list[int]]] = {}  # tokens for the earlier stages' next message
+        try:
+            setup = self._join_torchrun() if launched_by_torchrun() else self._spawn()
+            self.groups = wp.join(setup)
+            if launched_by_torchrun():
+                self._accept_torchrun_workers()
+            self.worker = wp.load_worker(setup, self.groups)
+            for rank in self.workers.conns:
+                self._receive(rank, wp.READY)
+        except BaseException:
+            self.workers.close(failed=True)
+            raise
+        if self.workers.procs:
+            threading.Thread(target=self._monitor, name="fastllm-worker-monitor", daemon=True).start()
+        logger.info("%d ranks ready: tensor_parallel_size %d x pipeline_parallel_size %d%s", self.world_size,
+                    self.tp, self.pp, " (torchrun)" if launched_by_torchrun() else "")
+
+    @property
+    def driver_worker(self) -> Worker:
+        """Rank 0's Worker, in this process."""
+        return self.worker
+
+    # startup
+
+    def _spawn(self) -> wp.RankSetup:
+        if uses_cuda(self.config) and torch.cuda.device_count() < self.world_size:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks need as many "
+                             f"GPUs, this machine has {torch.cuda.device_count()} (tensor_parallel_size)")
+        ctx = multiprocessing.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.progress = ctx.Array("q", self.world_size, lock=False)
+        log_level = logging.getLogger("fastllm").getEffectiveLevel()
+        for rank in range(1, self.world_size):
+            parent_end, child_end = ctx.Pipe()
+            setup = wp.RankSetup(self.config, ParallelRank.of(rank, self.tp, self.pp), rank, init_method)
+            proc = ctx.Process(target=wp.spawned_main, name=f"fastllm-rank{rank}", daemon=True,
+                               args=(setup, child_end, self.progress, torch.get_num_threads(), log_level))
+            with main_script_hidden():
+                proc.start()
+            child_end.close()
+            self.workers.procs[rank], self.workers.conns[rank] = proc, parent_end
+        for rank in self.workers.conns:
+            self._receive(rank, wp.HELLO)
+        return wp.RankSetup(self.config, ParallelRank.of(0, self.tp, self.pp), 0, init_method)
+
+    def _join_torchrun(self) -> wp.RankSetup:
+        check_torchrun_world(self.config, int(os.environ["WORLD_SIZE"]))
+        return wp.RankSetup(self.config, ParallelRank.of(0, self.tp, self.pp), int(os.environ["LOCAL_RANK"]),
+                            "env://")
+
+    def _accept_torchrun_workers(self) -> None:
+        authkey = secrets.token_bytes(32)
+        with Listener(("0.0.0.0", 0), authkey=authkey) as listener:
+            host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            wp.share_engine_address(self.groups, (host, listener.address[1], authkey))
+            for _ in range(self.world_size - 1):
+                conn = listener.accept()
+                _, rank = wp.loads(conn.recv_bytes())  # HELLO
+                self.workers.conns[rank] = conn
+
+    # the calls every rank makes at once
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """The KV blocks every rank can hold (the minimum over the ranks)."""
+        return self._call("agree_num_blocks")
+
+    def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        self._call("init_kv_cache", num_blocks, num_cpu_blocks)
+
+    def measure_all_reduce(self, sizes: list[int]) -> list[float]:
+        """Milliseconds per tensor-parallel all-reduce of each size in bytes (rank 0's timing)."""
+        return self._call("measure_all_reduce", sizes)
+
+    def _call(self, name: str, *args):
+        self._send_all(wp.dumps(wp.CALL, name, args))
+        return self._guarded(wp.CALLS[name], self.worker, self.groups, *args)
+
+    def kv_cache_gib(self) -> float:
+        return self.worker.kv_cache_gib()
+
+    # steps
+
+    def execute_model(self, sched: SchedulerOutput):
+        """Send the step to every worker and run rank 0's part; the returned output's result() gives
+        the step's tokens (rank 0's own with one stage, the last stage's otherwise)."""
+        self._raise_if_failed()
+        forwarded, self._forward = self._forward, {}
+        self._send_all(wp.dumps(wp.STEP, sched, forwarded))
+        self._last_sent_step = sched.step_id
+        if self.pp == 1:
+            return _CheckedOutput(self._guarded(self.worker.execute_model, sched), self)
+        wp.forward_tokens(self._launched, forwarded)
+        output = self._guarded(self.worker.execute_model, sched)
+        if output.sample_states:
+            self._launched[sched.step_id] = output
+        return _StageOutput(self, sched.step_id)
+
+    def wait_output(self, step_id: int) -> ModelRunnerOutput:
+        """The output rank's tokens of a step (pipeline parallelism), passed on to the earlier stages."""
+        if step_id == self._last_sent_step:  # nothing after it will make the output rank finish it
+            self._send(self.output_rank, wp.dumps(wp.FLUSH))
+        _, got_step, result = self._receive(self.output_rank, wp.OUTPUT)
+        assert got_step == step_id, f"the output of step {got_step} came while step {step_id}'s was awaited"
+        tokens = {r: t for r, t in zip(result.req_ids, result.sampled_token_ids) if t}
+        if tokens:
+            self._forward[step_id] = tokens
+        return result
+
+    # failures
+
+    def _send(self, rank: int, payload: bytes) -> None:
+        try:
+            self.workers.conns[rank].send_bytes(payload)
+        except OSError as e:
+            raise self._fail(f"worker rank {rank} is gone ({type(e).__name__} on its connection)") from None
+
+    def _send_all(self, payload: bytes) -> None:
+        for rank in self.workers.conns:
+            self._send(rank, payload)
+
+    def _receive(self, rank: int, kind: str) -> tuple:
+        """The next message from a worker, which must be `kind`; raises naming the rank if it fails,
+        exits or stays silent for distributed_timeout_s."""
+        conn, proc = self.workers.conns[rank], self.workers.procs.get(rank)
+        deadline = time.monotonic() + self.timeout_s
+        while not conn.poll(POLL_S):
+            self._raise_if_failed()
+            if proc is not None and not proc.is_alive():
+                raise self._fail(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
+            if time.monotonic() > deadline:
+                raise self._fail(f"worker rank {rank} sent nothing for {self.timeout_s:.0f} s "
+                                 f"(distributed_timeout_s){self._laggards()}")
+        try:
+            message = wp.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            raise self._fail(f"worker rank {rank} closed its connection (exit code "
+                             f"{proc.exitcode if proc is not None else 'unknown'})") from None
+        if message[0] == wp.ERROR:
+            raise self._fail(f"worker rank {rank} failed:\n{message[2]}")
+        if message[0] != kind:
+            raise self._fail(f"worker rank {rank} sent {message[0]!r} where {kind!r} was expected")
+        return message
+
+    def _guarded(self, fn, *args):
+        """Run rank 0's part of a collective step; an error there (a peer gone, a timeout) becomes one
+        that names the worker behind it."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001
+            culprit = self._find_failed_worker(grace_s=3.0)
+            if culprit is None:
+                raise
+            raise self._fail(f"{culprit} (rank 0 saw: {type(e).__name__}: {str(e)[:200]})") from e
+
+    def _find_failed_worker(self, grace_s: float) -> str | None:
+        """A worker that reported an error, closed its connection or exited, waiting up to grace_s for
+        one to show."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            if self.failure is not None:
+                return self.failure
+            for rank in self.workers.conns:
+                found = self._worker_failure(rank)
+                if found is not None:
+                    return found
+            if time.monotonic() > deadline:
+                laggards = self._laggards()
+                return f"no worker exited, but{laggards}" if laggards else None
+            time.sleep(POLL_S)
+
+    def _laggards(self) -> str:
+        """Spawned workers still short of the last step sent (hung, or slow)."""
+        if self.progress is None or not self._last_sent_step:
+            return ""
+        behind = [r for r in self.workers.procs if self.progress[r] < self._last_sent_step]
+        return f"; ranks that did not start step {self._last_sent_step}: {behind}" if behind else ""
+
+    def _worker_failure(self, rank: int) -> str | None:
+        """What is wrong with a worker, if anything: its error report first (it explains the exit)."""
+        conn, proc = self.workers.conns[rank], self.workers.procs.get(rank)
+        try:
+            if conn.poll(0):
+                message = wp.loads(conn.recv_bytes())
+                if message[0] == wp.ERROR:
+                    return f"worker rank {rank} failed:\n{message[2]}"
+        except (EOFError, OSError):
+            if proc is None:
+                return f"worker rank {rank} closed its connection"
+            proc.join(timeout=1.0)
+        if proc is not None and not proc.is_alive():
+            return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def _fail(self, message: str) -> WorkerFailed:
+        if self.failure is None:
+            self.failure = message
+            logger.error("%s", message)
+        return WorkerFailed(self.failure)
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is None and self._exited is not None:
+            self._fail(self._worker_failure(self._exited) or f"worker rank {self._exited} exited")
+        if self.failure is not None:
+            raise WorkerFailed(self.failure)
+
+    def _monitor(self) -> None:
+        """Notice a spawned worker's exit at once. On GPUs rank 0 may be waiting inside an NCCL
+        collective that the dead rank will never join: abort the process group so it returns."""
+        sentinels = {proc.sentinel: rank for rank, proc in self.workers.procs.items()}
+        ready = wait(list(sentinels))
+        if self.workers.closing:
+            return
+        rank = sentinels[ready[0]]
+        self._exited = rank  # the engine's thread reports it (with the worker's traceback, if it sent one)
+        logger.error("worker rank %d (pid %d) exited with code %s", rank, self.workers.procs[rank].pid,
+                     self.workers.procs[rank].exitcode)
+        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+            try:
+                torch.distributed.distributed_c10d._abort_process_group()
+            except Exception as e:  # noqa: BLE001  (best effort: the timeout still ends the wait)
+                logger.warning("could not abort the process group after rank %d exited: %s", rank, e)
+
+    def shutdown(self) -> None:
+        """End every worker (and leave the process group); idempotent."""
+        self._finalizer.detach()
+        if not self.workers.closing:
+            self.workers.close(failed=self.failure is not None)
+
+
+class _CheckedOutput:
+    """Rank 0's output (one pipeline stage), checked against the workers' health once its tokens
+    are in: a step whose collective lost a rank must not hand out what it computed."""
+
+    def __init__(self, output: AsyncRunnerOutput, executor: MultiprocExecutor):
+        self.output, self.executor = output, executor
+
+    @property
+    def wait_s(self) -> float:
+        return self.output.wait_s
+
+    def result(self) -> ModelRunnerOutput:
+        result = self.output.result()
+        self.executor._raise_if_failed()
+        return result
+
+
+class _StageOutput:
+    """A step's output while it is in the pipeline: result() waits for the last stage's tokens."""
+
+    def __init__(self, executor: MultiprocExecutor, step_id: int):
+        self.executor, self.step_id = executor, step_id
+        self.wait_s = 0.0
+        self._result: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            start = time.perf_counter()
+            self._result = self.executor.wait_output(self.step_id)
+            self.wait_s = time.perf_counter() - start
+        return self._result
