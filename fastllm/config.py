@@ -188,12 +188,15 @@ class ParallelConfig:
                                       "GPUs each")
     distributed_timeout_s: float = arg(600.0, "seconds a collective or a worker's answer may take before it is "
                                        "an error naming the rank")
+    reuse_workers: bool = arg(False, "keep the worker processes when the engine shuts down, for this process's "
+                              "next engine with the same ranks (it loads its model into them: tests, notebooks)")
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
         _check(self.distributed_timeout_s > 0, "distributed_timeout_s", f"must be > 0, got {self.distributed_timeout_s}")
+        _check(not self.reuse_workers or self.world_size > 1, "reuse_workers", "needs more than one rank")
 
     @property
     def world_size(self) -> int:

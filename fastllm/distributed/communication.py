@@ -48,12 +48,16 @@ class TensorParallelGroup:
         self.one_shot = OneShotAllReduce.create(self.group, self.device, dtype, cpu_group)
 
 
-_tp_group: TensorParallelGroup | None = None  # this process's, set while a multi-process engine runs
+# This process's state while a multi-process engine runs.
+_tp_group: TensorParallelGroup | None = None
+_sending: tuple | None = None  # (work, tensor) of the last pp_send, until the next one
 
 
 def set_tp_group(group: TensorParallelGroup | None) -> None:
-    global _tp_group
+    """Install (or, with None, drop) the groups of the engine starting (or ending) in this process."""
+    global _tp_group, _sending
     _tp_group = group
+    _sending = None
 
 
 def get_tp_group() -> TensorParallelGroup:
@@ -74,9 +78,16 @@ def _(x):
 
 @torch.library.custom_op("fastllm::pp_send", mutates_args=())
 def pp_send(hidden: Tensor, residual: Tensor, dst: int) -> Tensor:
-    """Hand a stage's output (hidden states and residual, [T, H] each) to the next stage, rank dst.
+    """Hand a stage's output (hidden states and residual, [T, H] each) to the next stage, rank dst,
+    without waiting for it to be received (gloo's send waits for the matching recv): the stage can
+    go on to its next step, and an engine waiting on a silent next stage times out on its own terms.
+    The send before must be done first (one in flight keeps the order and bounds the memory).
     Returns an empty tensor: the stage's forward returns it, so the send is never dead code."""
-    dist.send(torch.stack((hidden, residual)), dst)
+    global _sending
+    if _sending is not None:
+        _sending[0].wait()
+    message = torch.stack((hidden, residual))
+    _sending = dist.isend(message, dst), message
     return hidden.new_empty(0)
 
 

@@ -49,7 +49,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         # One Worker on one device (the engine drives it directly); the ranks' processes with tensor or
         # pipeline parallelism (executor.py).
-        self.executor = Worker(config) if config.parallel.world_size == 1 else MultiprocExecutor(config)
+        self.executor = Worker(config) if config.parallel.world_size == 1 else MultiprocExecutor.start(config)
+        self._shut_down = False
         self.worker = self.executor.driver_worker  # rank 0's, in this process
         self.config = config = self.worker.config  # with the device's defaults (max_num_seqs)
         try:
@@ -196,8 +197,11 @@ class LLMEngine:
         return outputs
 
     def shutdown(self) -> None:
-        """End the worker processes of tensor/pipeline parallelism (nothing to do on one device)."""
-        self.executor.shutdown()
+        """End the worker processes of tensor/pipeline parallelism (nothing to do on one device). Once:
+        with reuse_workers the next engine may already run on them."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.executor.shutdown()
 
     def check_kv_pool_whole(self) -> None:
         """Raise AssertionError unless every KV block is free again (call when idle)."""

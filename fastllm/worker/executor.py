@@ -125,7 +125,36 @@ class _Workers:
         destroy_distributed()
 
 
+_parked: "MultiprocExecutor | None" = None  # ranks kept for this process's next engine (reuse_workers)
+
+
+def end_parked_workers() -> None:
+    """End the ranks an engine with reuse_workers left behind, if any."""
+    global _parked
+    parked, _parked = _parked, None
+    if parked is not None:
+        parked._end()
+
+
+def ranks_layout(config: EngineConfig) -> tuple:
+    """What must match for an engine to reuse another's ranks."""
+    par = config.parallel
+    return par.tensor_parallel_size, par.pipeline_parallel_size, par.distributed_timeout_s, uses_cuda(config)
+
+
 class MultiprocExecutor:
+    @classmethod
+    def start(cls, config: EngineConfig) -> "MultiprocExecutor":
+        """New ranks, or the parked ones of the engine before (reuse_workers) loading this model."""
+        global _parked
+        parked, _parked = _parked, None
+        if parked is not None:
+            if config.parallel.reuse_workers and ranks_layout(parked.config) == ranks_layout(config):
+                parked.rebuild(config)
+                return parked
+            parked._end()
+        return cls(config)
+
     def __init__(self, config: EngineConfig):
         par = config.parallel
         self.config = config
@@ -144,6 +173,7 @@ class MultiprocExecutor:
         try:
             setup = self._join_torchrun() if launched_by_torchrun() else self._spawn()
             self.groups = wp.join(setup)
+            self.local_rank = setup.local_rank
             if launched_by_torchrun():
                 self._accept_torchrun_workers()
             self.worker = wp.load_worker(setup, self.groups)
@@ -161,6 +191,20 @@ class MultiprocExecutor:
     def driver_worker(self) -> Worker:
         """Rank 0's Worker, in this process."""
         return self.worker
+
+    def rebuild(self, config: EngineConfig) -> None:
+        """Load another engine's model (and settings) into the same ranks."""
+        self.config = config
+        self._send_all(wp.dumps(wp.REBUILD, config))
+        self.worker = None  # the old model and KV cache go first
+        setup = wp.RankSetup(config, ParallelRank.of(0, self.tp, self.pp), self.local_rank, "")
+        self.worker = self._guarded(wp.load_worker, setup, self.groups)
+        for rank in self.workers.conns:
+            self._receive(rank, wp.READY, skip=wp.OUTPUT)  # a step the old engine left unread
+        self._last_sent_step = 0
+        self._launched, self._forward = {}, {}
+        if self.progress is not None:
+            self.progress[:] = [0] * self.world_size
 
     # startup
 
@@ -260,9 +304,9 @@ class MultiprocExecutor:
         for rank in self.workers.conns:
             self._send(rank, payload)
 
-    def _receive(self, rank: int, kind: str) -> tuple:
-        """The next message from a worker, which must be `kind`; raises naming the rank if it fails,
-        exits or stays silent for distributed_timeout_s."""
+    def _receive(self, rank: int, kind: str, skip: str | None = None) -> tuple:
+        """The next message from a worker (passing over `skip` ones), which must be `kind`; raises
+        naming the rank if it fails, exits or stays silent for distributed_timeout_s."""
         conn, proc = self.workers.conns[rank], self.workers.procs.get(rank)
         deadline = time.monotonic() + self.timeout_s
         while not conn.poll(POLL_S):
@@ -279,6 +323,8 @@ class MultiprocExecutor:
                              f"{proc.exitcode if proc is not None else 'unknown'})") from None
         if message[0] == wp.ERROR:
             raise self._fail(f"worker rank {rank} failed:\n{message[2]}")
+        if message[0] == skip:
+            return self._receive(rank, kind, skip)
         if message[0] != kind:
             raise self._fail(f"worker rank {rank} sent {message[0]!r} where {kind!r} was expected")
         return message
@@ -363,10 +409,23 @@ class MultiprocExecutor:
                 logger.warning("could not abort the process group after rank %d exited: %s", rank, e)
 
     def shutdown(self) -> None:
-        """End every worker (and leave the process group); idempotent."""
+        """End every worker (and leave the process group); idempotent. With reuse_workers a healthy
+        executor is parked instead, for the next engine of the same ranks (the process's exit still
+        ends its workers)."""
+        global _parked
+        if self.workers.closing or _parked is self:
+            return
+        if self.config.parallel.reuse_workers and self.failure is None and not launched_by_torchrun():
+            if _parked is not None:
+                _parked._end()
+            self.worker = None
+            _parked = self
+            return
+        self._end()
+
+    def _end(self) -> None:
         self._finalizer.detach()
-        if not self.workers.closing:
-            self.workers.close(failed=self.failure is not None)
+        self.workers.close(failed=self.failure is not None)
 
 
 class _CheckedOutput:

@@ -17,6 +17,7 @@ its connection closes, whatever it is blocked on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 STEP = "step"  # (SchedulerOutput, forwarded tokens: {step_id: {req_id: tokens}})
 FLUSH = "flush"  # finish every launched step now (the engine waits for one with nothing after it)
 CALL = "call"  # (name, args): a setup call every rank makes at once (see CALLS)
+REBUILD = "rebuild"  # (EngineConfig,): load another engine's model on the same ranks (reuse_workers)
 SHUTDOWN = "shutdown"
 # worker -> engine
 HELLO = "hello"  # (rank,): started, about to join the process group
@@ -123,8 +125,8 @@ def forward_tokens(launched: dict, forwarded: dict) -> None:
 
 
 class WorkerLoop:
-    def __init__(self, worker: Worker, groups: ProcessGroups, conn: Connection, progress=None):
-        self.worker, self.groups, self.conn = worker, groups, conn
+    def __init__(self, setup: RankSetup, worker: Worker, groups: ProcessGroups, conn: Connection, progress=None):
+        self.setup, self.worker, self.groups, self.conn = setup, worker, groups, conn
         self.parallel = groups.rank
         self.progress = progress  # shared step counters (spawned workers): the engine reads who lags
         self.pending: deque = deque()  # (step_id, AsyncRunnerOutput) launched, not yet finished
@@ -140,9 +142,18 @@ class WorkerLoop:
             elif kind == CALL:
                 name, args = payload
                 CALLS[name](self.worker, self.groups, *args)
+            elif kind == REBUILD:
+                self.rebuild(*payload)
             elif kind == SHUTDOWN:
                 self.finish(len(self.pending))
                 return
+
+    def rebuild(self, config: EngineConfig) -> None:
+        self.worker = self.pending = self.launched = None  # the old model and KV cache go first
+        self.setup = dataclasses.replace(self.setup, config=config)
+        self.worker = load_worker(self.setup, self.groups)
+        self.pending, self.launched = deque(), {}
+        self.conn.send_bytes(dumps(READY, self.parallel.rank))
 
     def step(self, sched, forwarded: dict) -> None:
         forward_tokens(self.launched, forwarded)
@@ -197,7 +208,7 @@ def serve_rank(setup: RankSetup, conn: Connection | None = None, progress=None) 
             conn.send_bytes(dumps(HELLO, rank))
         worker = load_worker(setup, groups)
         conn.send_bytes(dumps(READY, rank))
-        WorkerLoop(worker, groups, conn, progress).run()
+        WorkerLoop(setup, worker, groups, conn, progress).run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.error("rank %d: the engine's connection closed: exiting", rank)
         os._exit(1)
@@ -220,3 +231,5 @@ def spawned_main(setup: RankSetup, conn: Connection, progress, num_threads: int,
     exit_with_parent()
     torch.set_num_threads(num_threads)
     serve_rank(setup, conn, progress)
+    logging.shutdown()
+    os._exit(0)  # done: skip the interpreter's teardown (seconds with torch loaded)

@@ -52,3 +52,4 @@ def parallel_llm():
     yield build
     for llm in built:
         shutdown_parallel_llm(llm)
+

@@ -1,0 +1,106 @@
+"""Every split gives one process's greedy tokens: TP = 2 and 4, PP = 2 (stories260K's 5 layers as
+3 + 2) and TP 2 x PP 2, over gloo on the CPU in float32, on stories260K and on random tiny configs of
+each architecture (Llama 3.1, Mistral, Qwen2's qkv bias, Qwen3's q/k norms, from their safetensors).
+The tests of one split run together and share its worker processes (reuse_workers): each engine
+loads its model into the ranks the one before it left.
+
+The stories260K engines run with a 24-token budget (long prompts are chunked), a KV pool small enough
+to preempt (swap for some splits, recompute for the others) and prefix caching (a second round of
+prompts extends the first round's). Their reference is one process with the same settings.
+
+Logits differ from one process in the last bits (a row-parallel projection sums its partial products
+in another order), so the tokens are compared as far as the reference's top-2 logprob gap is clear:
+a near-tie may go either way. Every split of every model is held to a minimum of compared tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastllm import SamplingParams
+from fastllm.worker.executor import end_parked_workers
+from tests.conftest import PROMPTS, STORIES, cached_llm
+from tests.distributed.conftest import shutdown_parallel_llm, start_parallel_llm
+from tests.models.test_llama_vs_hf import TINY, make_tiny_model
+
+LAYOUTS = {
+    "tp2": dict(tensor_parallel_size=2, reuse_workers=True),
+    "tp4": dict(tensor_parallel_size=4, reuse_workers=True),
+    "pp2": dict(pipeline_parallel_size=2, reuse_workers=True),
+    "tp2pp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2, reuse_workers=True),
+}
+PREEMPTION = {"tp2": "swap", "tp4": "recompute", "pp2": "swap", "tp2pp2": "recompute"}
+SCHEDULING = dict(max_num_batched_tokens=24, max_model_len=128, block_size=8, num_gpu_blocks=20)
+MAX_TOKENS = 16
+MARGIN = 1e-4  # a top-2 logprob gap below this is a near-tie (float32 reorderings move logits ~1e-6)
+LOGPROB_TOL = 1e-4
+LONG = " and then they played in the park with the big red ball until the sun went down"
+
+
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=2, **kw)
+
+
+def compare(got, want) -> int:
+    """Tokens equal to the reference's up to its first near-tie, with close logprobs; returns how many
+    tokens were compared."""
+    compared = 0
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        for i, token in enumerate(w.token_ids):
+            top = sorted((lp.logprob for lp in w.logprobs[i].values()), reverse=True)
+            assert g.token_ids[i] == token, f"token {i} of {w.token_ids} (got {g.token_ids})"
+            assert abs(g.logprobs[i][token].logprob - w.logprobs[i][token].logprob) < LOGPROB_TOL
+            compared += 1
+            if len(top) > 1 and top[0] - top[1] < MARGIN:
+                break  # a near-tie: the rest may part legitimately
+    return compared
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request):
+    yield request.param
+    end_parked_workers()
+
+
+@pytest.fixture
+def stories_pair(layout):
+    mode = PREEMPTION[layout]
+    settings = dict(SCHEDULING, preemption_mode=mode, num_cpu_blocks=64 if mode == "swap" else None)
+    llm = start_parallel_llm(STORIES, **LAYOUTS[layout], **settings)
+    yield llm, cached_llm(**settings)
+    shutdown_parallel_llm(llm)
+
+
+def test_stories_greedy_with_chunks_preemption_and_prefix_hits(stories_pair):
+    llm, ref = stories_pair
+    first = PROMPTS[:6] + [PROMPTS[0] + LONG, PROMPTS[2] + LONG]
+    assert compare(llm.generate(first, greedy(), use_tqdm=False), ref.generate(first, greedy(), use_tqdm=False)) \
+        >= 0.9 * len(first) * MAX_TOKENS
+    # Extensions of the long prompts: their cached blocks are hits.
+    second = [PROMPTS[0] + LONG + " again", PROMPTS[2] + LONG + " and ate"]
+    stats = llm.engine.scheduler.kv.pool.stats
+    hits = stats.hits
+    assert compare(llm.generate(second, greedy(), use_tqdm=False), ref.generate(second, greedy(), use_tqdm=False)) \
+        >= 0.9 * len(second) * MAX_TOKENS
+    assert stats.hits > hits, "the second round should reuse the first round's blocks"
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
+    # Seeded sampling draws the same tokens as one process (every rank samples the same gathered logits).
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, seed=s) for s in range(4)]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in ref.generate(PROMPTS[:4], params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("arch", sorted(TINY))
+def test_tiny_architecture(arch, layout, tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory, arch)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=generator).tolist()} for n in (5, 17, 33)]
+    want = cached_llm(path).generate(prompts, greedy(), use_tqdm=False)
+    llm = start_parallel_llm(path, **LAYOUTS[layout])
+    try:
+        got = llm.generate(prompts, greedy(), use_tqdm=False)
+    finally:
+        shutdown_parallel_llm(llm)
+    assert compare(got, want) >= 0.75 * len(prompts) * MAX_TOKENS

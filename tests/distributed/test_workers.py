@@ -1,0 +1,88 @@
+"""The worker processes: gone after shutdown; a killed worker or a silent one is an error naming its
+rank within a timeout, not a hang; n > 1 (copy-on-write blocks on every rank) and prompt logprobs
+across ranks; the single-device engine has no processes and calls no collective."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from fastllm import SamplingParams
+from fastllm.distributed import communication
+from tests.conftest import PROMPTS, STORIES, cached_llm
+from tests.distributed.conftest import shutdown_parallel_llm, start_parallel_llm
+
+KILL_TIMEOUT_S = 30  # the error must come well before this
+
+
+def worker_processes(llm) -> dict:
+    return dict(llm.engine.executor.workers.procs)
+
+
+def test_workers_are_gone_after_shutdown_and_serve_n_and_prompt_logprobs():
+    llm = start_parallel_llm(STORIES, tensor_parallel_size=2, block_size=4)
+    procs = worker_processes(llm)
+    assert list(procs) == [1] and procs[1].is_alive()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12, n=2, prompt_logprobs=2)
+        got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+        want = cached_llm(block_size=4).generate(PROMPTS[:3], params, use_tqdm=False)
+        for g, w in zip(got, want):
+            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+            for gp, wp in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+                assert gp.keys() == wp.keys()
+                assert all(abs(gp[t].logprob - wp[t].logprob) < 1e-4 for t in gp)
+    finally:
+        shutdown_parallel_llm(llm)
+    for proc in procs.values():
+        assert not proc.is_alive() and proc.exitcode == 0, proc.exitcode
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_a_killed_worker_is_an_error_naming_its_rank(layout):
+    llm = start_parallel_llm(STORIES, **layout)
+    try:
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+        os.kill(worker_processes(llm)[1].pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker rank 1"):
+            llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - start < KILL_TIMEOUT_S
+        with pytest.raises(RuntimeError, match="worker rank 1"):  # and so is every later call
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        procs = worker_processes(llm)
+        llm.engine.shutdown()
+    assert not any(p.is_alive() for p in procs.values())
+
+
+def test_a_silent_worker_is_an_error_naming_its_rank_after_the_timeout():
+    # The last pipeline stage stops (SIGSTOP): the engine waits for its tokens no longer than the timeout.
+    llm = start_parallel_llm(STORIES, pipeline_parallel_size=2)
+    executor = llm.engine.executor
+    proc = worker_processes(llm)[1]
+    try:
+        executor.timeout_s = 3.0  # (set after startup: loading may take longer than this)
+        os.kill(proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"worker rank 1 sent nothing for 3 s.*did not start step \d+: \[1\]"):
+            llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+        assert time.monotonic() - start < 3.0 + 5.0
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        llm.engine.shutdown()
+    assert not proc.is_alive()
+
+
+def test_one_device_runs_no_collective(monkeypatch):
+    def refuse():
+        raise AssertionError("a collective ran on one device")
+
+    monkeypatch.setattr(communication, "get_tp_group", refuse)
+    llm = cached_llm()
+    assert llm.engine.executor is llm.engine.worker  # no executor, no processes
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
