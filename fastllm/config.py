@@ -195,7 +195,8 @@ class ParallelConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
-        _check(self.distributed_timeout_s > 0, "distributed_timeout_s", f"must be > 0, got {self.distributed_timeout_s}")
+        _check(self.distributed_timeout_s > 0, "distributed_timeout_s",
+               f"must be > 0, got {self.distributed_timeout_s}")
         _check(not self.reuse_workers or self.world_size > 1, "reuse_workers", "needs more than one rank")
 
     @property

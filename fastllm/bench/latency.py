@@ -27,7 +27,9 @@ WARMUP_OUTPUT_LEN = 4
 
 
 def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelShape,
-                ceilings: dict | None) -> dict:
+                ceilings: dict | None, tensor_parallel_size: int = 1) -> dict:
+    """tensor_parallel_size: each rank reads (and computes) its share, so bytes, FLOPs and their rates
+    are per GPU."""
     decode = [s for s in run.steps if s.num_outputs == batch_size and s.num_first_tokens == 0
               and len(s.context_lens) == batch_size]
     times = [s.seconds for s in decode]
@@ -37,8 +39,8 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
     # Tokens per second from the decode steps' tokens: B a step, more under speculative decoding.
     tok_s = sum(s.num_tokens for s in decode) / sum(times) if times else None
     decode_s = sum(times)
-    num_bytes = [shape.decode_bytes(s.context_lens) for s in decode]
-    flops = [shape.decode_flops(s.context_lens) for s in decode]
+    num_bytes = [shape.decode_bytes(s.context_lens) / tensor_parallel_size for s in decode]
+    flops = [shape.decode_flops(s.context_lens) / tensor_parallel_size for s in decode]
     bytes_per_s = sum(num_bytes) / decode_s if decode else None
     flops_per_s = sum(flops) / decode_s if decode else None
     copy_bw = (ceilings or {}).get("copy_bytes_per_s")
@@ -95,7 +97,8 @@ def run_latency(engine: LLMEngine, batch_sizes: list[int], input_len: int, outpu
                      f"warmup{batch_size}", progress=False)
         run = run_requests(engine, random_prompts(rng, batch_size, input_len, vocab), output_len, f"bs{batch_size}",
                            progress=progress, desc=f"batch {batch_size}")
-        row = latency_row(run, batch_size, input_len, shape, ceilings)
+        row = latency_row(run, batch_size, input_len, shape, ceilings,
+                          tensor_parallel_size=engine.config.parallel.tensor_parallel_size)
         if matmul_floor:
             row["floor_ms"], row["floor_mode"] = matmul_floor_ms(engine.worker.runner.model, batch_size)
         rows.append(row)

@@ -148,8 +148,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
-            if self._ends_with_pending_token(request) or (self.wait_for_sampled_tokens and request.num_pending_tokens):
-                i += 1  # its in-flight token is its last (or, in a pipeline, not known yet)
+            in_pipeline = self.wait_for_sampled_tokens and request.num_pending_tokens > 0
+            if in_pipeline or self._ends_with_pending_token(request):
+                i += 1  # its in-flight token is its last, or (in a pipeline) must be known first
                 continue
             num_known = request.num_tokens_with_pending - request.num_computed_tokens
             num_new = min(num_known + len(request.spec_token_ids), plan.budget)

@@ -83,7 +83,8 @@ class ProcessGroups:
     cpu: dist.ProcessGroup  # gloo, for host-side collectives (the default group itself on the CPU)
 
 
-def init_distributed(rank: ParallelRank, device: torch.device, init_method: str, timeout_s: float) -> ProcessGroups:
+def init_distributed(rank: ParallelRank, device: torch.device, init_method: str,
+                     timeout_s: float) -> ProcessGroups:
     """Join the engine's default process group (every rank calls this) and build the subgroups."""
     if dist.is_initialized():
         raise RuntimeError("this process already holds a multi-process engine's process group: shut that "

@@ -55,10 +55,10 @@ class LLMEngine:
         self.config = config = self.worker.config  # with the device's defaults (max_num_seqs)
         try:
             num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()  # the least of any rank
-            capacity = (num_blocks - 1) * config.cache.block_size
-            if capacity < config.model.max_model_len:
-                raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len "
-                                 f"{config.model.max_model_len}: lower max_model_len or give the cache more memory")
+            capacity, max_len = (num_blocks - 1) * config.cache.block_size, config.model.max_model_len
+            if capacity < max_len:
+                raise ValueError(f"the KV cache holds {capacity} tokens, fewer than max_model_len {max_len}: "
+                                 "lower max_model_len or give the cache more memory")
             self.executor.init_kv_cache(num_blocks, num_cpu_blocks)
         except BaseException:
             self.executor.shutdown()

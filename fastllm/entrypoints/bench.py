@@ -176,8 +176,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     dtype = str(engine.worker.runner.dtype).replace("torch.", "")
     shape = ModelShape.from_hf_config(config.model.hf_config, dtype)
-    actual = sum(p.numel() for p in engine.worker.runner.model.parameters())
-    if actual != shape.num_params:
+    actual = sum(p.numel() for p in engine.worker.runner.model.parameters())  # rank 0's shard
+    if config.parallel.world_size == 1 and actual != shape.num_params:
         logger.warning("roofline counts %d parameters, the model has %d: bytes/FLOPs are off", shape.num_params, actual)
     meta = {
         **ceil.environment(device),
@@ -245,6 +245,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                      layers=args.nvtx_layers))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    engine.shutdown()
     return 0
 
 

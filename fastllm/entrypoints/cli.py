@@ -22,6 +22,10 @@ ENGINE_ARGS = {
     "speculative_model": (str, None, "draft model for speculative decoding (a directory or embedded name, "
                           "e.g. llama2xs-279K for the default model)"),
     "num_speculative_tokens": (int, 0, "draft tokens per step (default 4 with --speculative-model)"),
+    "tensor_parallel_size": (int, 1, "GPUs each layer is split over (one worker process each; under "
+                             "torchrun, the ranks torchrun started)"),
+    "pipeline_parallel_size": (int, 1, "pipeline stages the layers are split into, of "
+                               "--tensor-parallel-size GPUs each"),
 }
 
 

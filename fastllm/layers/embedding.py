@@ -39,7 +39,8 @@ class VocabParallelEmbedding(nn.Module):
         """This rank's rows of the whole [vocab, hidden] table."""
         full = shape_of(source)
         if full != (self.vocab_size, self.weight.shape[1]):
-            raise ValueError(f"{param_name}: checkpoint shape {full} != ({self.vocab_size}, {self.weight.shape[1]})")
+            raise ValueError(f"{param_name}: checkpoint shape {full} != "
+                             f"({self.vocab_size}, {self.weight.shape[1]})")
         with torch.no_grad():
             self.weight[self.num_real:].zero_()
         copy_into(self.weight[:self.num_real], source[self.start:self.start + self.num_real], param_name)

@@ -91,9 +91,11 @@ class RowParallelLinear(Linear):
     """Input features split over the ranks; the partial products are summed by an all-reduce (the
     bias, if any, is added once, after it)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0,
+                 tp_size: int = 1):
         if input_size % tp_size:
-            raise ValueError(f"{input_size} input features do not split over {tp_size} ranks (tensor_parallel_size)")
+            raise ValueError(f"{input_size} input features do not split over {tp_size} ranks "
+                             "(tensor_parallel_size)")
         super().__init__(input_size // tp_size, output_size, bias)
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
@@ -109,5 +111,6 @@ class RowParallelLinear(Linear):
         size = self.weight.shape[1]
         full = shape_of(source)
         if full != (self.weight.shape[0], size * self.tp_size):
-            raise ValueError(f"{param_name}: checkpoint shape {full} != ({self.weight.shape[0]}, {size * self.tp_size})")
+            raise ValueError(f"{param_name}: checkpoint shape {full} != "
+                             f"({self.weight.shape[0]}, {size * self.tp_size})")
         copy_into(self.weight, source[:, self.tp_rank * size:(self.tp_rank + 1) * size], param_name)

@@ -95,17 +95,19 @@ class LlamaAttention(nn.Module):
         super().__init__()
         tp_rank, tp = parallel.tp_rank, parallel.tp_size
         kv_parts = kv_partitions(args.num_kv_heads, tp)
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads // tp, args.num_kv_heads // kv_parts, args.head_dim
+        # This rank's heads.
+        self.num_heads, self.num_kv_heads = args.num_heads // tp, args.num_kv_heads // kv_parts
+        self.head_dim = args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias, tp_rank, tp,
-                                             partitions=[tp, kv_parts, kv_parts])
+        self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias,
+                                             tp_rank, tp, partitions=[tp, kv_parts, kv_parts])
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, False, tp_rank, tp)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
         window = args.sliding_windows[layer_index] if args.sliding_windows else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, args.head_dim, args.head_dim ** -0.5, stage_index,
-                              rotary, window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, args.head_dim, args.head_dim ** -0.5,
+                              stage_index, rotary, window)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -124,7 +126,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, args: LlamaArgs, parallel: ParallelRank):
         super().__init__()
         tp_rank, tp = parallel.tp_rank, parallel.tp_size
-        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [args.intermediate_size] * 2, False, tp_rank, tp)
+        width = args.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [width, width], False, tp_rank, tp)
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp_rank, tp)
 
@@ -208,7 +211,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(args, parallel)
         self.lm_head = None
         if parallel.is_last_stage:
-            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, parallel.tp_rank, parallel.tp_size)
+            self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, parallel.tp_rank,
+                                          parallel.tp_size)
             if args.tie_word_embeddings and parallel.is_first_stage:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -254,10 +258,13 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint tensor parameter `name` is loaded from (the lm_head of a later stage with tied
         embeddings loads the embedding's)."""
-        return "model.embed_tokens.weight" if name == "lm_head.weight" and self._lm_head_reads_embedding else name
+        if name == "lm_head.weight" and self._lm_head_reads_embedding:
+            return "model.embed_tokens.weight"
+        return name
 
     def full_shape(self, name: str) -> tuple[int, ...]:
-        """The shape parameter `name` has with one rank (its whole checkpoint tensor, q/k/v and gate/up fused)."""
+        """The shape parameter `name` has with one rank: its whole checkpoint tensor (q/k/v and gate/up
+        fused)."""
         module_name, param_name = name.rsplit(".", 1)
         module = self.get_submodule(module_name)
         param = getattr(module, param_name)
@@ -285,8 +292,9 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (whole, or lazy safetensors slices) into this rank's parameters;
         every parameter must be covered. Tensors of other pipeline stages are skipped unread."""
         params = dict(self.named_parameters())
-        missing = {name: set(range(len(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "full_sizes", [0]))))
-                   for name in params}
+        # parameter -> the checkpoint tensors (shards of a fused one) it still lacks
+        missing = {name: set(range(len(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "full_sizes",
+                                               [0])))) for name in params}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.args.tie_word_embeddings and name == "lm_head.weight"):
                 continue

@@ -82,7 +82,8 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
             model.load_param(name, full)
 
 
-def load_model(model_config: ModelConfig, device: torch.device, parallel: ParallelRank = ParallelRank()) -> nn.Module:
+def load_model(model_config: ModelConfig, device: torch.device,
+               parallel: ParallelRank = ParallelRank()) -> nn.Module:
     start = time.perf_counter()
     dtype = resolve_dtype(model_config, device)
     load_format = model_config.load_format

@@ -62,8 +62,8 @@ def torchrun_worker(config: EngineConfig) -> None:
 
 def check_torchrun_world(config: EngineConfig, world: int) -> None:
     if world != config.parallel.world_size:
-        raise ValueError(f"torchrun started {world} ranks but tensor_parallel_size x pipeline_parallel_size is "
-                         f"{config.parallel.world_size}")
+        raise ValueError(f"torchrun started {world} ranks but tensor_parallel_size x pipeline_parallel_size "
+                         f"is {config.parallel.world_size}")
 
 
 def uses_cuda(config: EngineConfig) -> bool:
@@ -168,7 +168,8 @@ class MultiprocExecutor:
         self.failure: str | None = None  # set once; every later call raises it
         self._exited: int | None = None  # a spawned worker's rank, as the monitor saw it exit
         self._last_sent_step = 0
-        self._launched: dict[int, AsyncRunnerOutput] = {}  # rank 0 as an earlier stage: outputs awaiting tokens
+        # Rank 0 as an earlier pipeline stage: its outputs awaiting the last stage's tokens.
+        self._launched: dict[int, AsyncRunnerOutput] = {}
         self._forward: dict[int, dict[str, list[int]]] = {}  # tokens for the earlier stages' next message
         try:
             setup = self._join_torchrun() if launched_by_torchrun() else self._spawn()
@@ -210,8 +211,9 @@ class MultiprocExecutor:
 
     def _spawn(self) -> wp.RankSetup:
         if uses_cuda(self.config) and torch.cuda.device_count() < self.world_size:
-            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks need as many "
-                             f"GPUs, this machine has {torch.cuda.device_count()} (tensor_parallel_size)")
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size = {self.world_size} ranks need "
+                             f"as many GPUs, this machine has {torch.cuda.device_count()} "
+                             "(tensor_parallel_size)")
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.progress = ctx.Array("q", self.world_size, lock=False)

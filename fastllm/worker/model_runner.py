@@ -71,8 +71,8 @@ class ModelRunner:
         return target + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.cache = CacheEngine(*self.model.kv_cache_shape(), self.block_size, self.dtype, self.device, num_blocks,
-                                 num_cpu_blocks)
+        self.cache = CacheEngine(*self.model.kv_cache_shape(), self.block_size, self.dtype, self.device,
+                                 num_blocks, num_cpu_blocks)
         for layer, kv in zip(self.attention_layers, self.cache.layer_caches()):
             layer.kv_cache = kv
         self.caches = [self.cache]
@@ -147,8 +147,8 @@ class ModelRunner:
         if self.samples:
             num_rows = min(sched.max_num_seqs, num_tokens)
             logits = self.model.compute_logits(hidden[:num_rows])
-            rows = [SamplingRow(SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5), None, [0], [0],
-                                None) for _ in range(num_rows)]
+            params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=5)
+            rows = [SamplingRow(params, None, [0], [0], None) for _ in range(num_rows)]
             self.sampler(logits, SamplingMetadata.build(rows, self.args.vocab_size, self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

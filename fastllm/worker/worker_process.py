@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from fastllm.config import EngineConfig
 from fastllm.distributed.communication import get_tp_group
-from fastllm.distributed.parallel_state import ParallelRank, ProcessGroups, destroy_distributed, init_distributed
+from fastllm.distributed.parallel_state import (ParallelRank, ProcessGroups, destroy_distributed,
+                                                init_distributed)
 from fastllm.worker.worker import Worker, select_device
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class RankSetup:
 def join(setup: RankSetup) -> ProcessGroups:
     """Pick this rank's device and join the engine's process group (every rank at once)."""
     device = select_device(setup.config, setup.local_rank)
-    return init_distributed(setup.parallel, device, setup.init_method, setup.config.parallel.distributed_timeout_s)
+    timeout_s = setup.config.parallel.distributed_timeout_s
+    return init_distributed(setup.parallel, device, setup.init_method, timeout_s)
 
 
 def load_worker(setup: RankSetup, groups: ProcessGroups) -> Worker:
@@ -125,9 +127,11 @@ def forward_tokens(launched: dict, forwarded: dict) -> None:
 
 
 class WorkerLoop:
-    def __init__(self, setup: RankSetup, worker: Worker, groups: ProcessGroups, conn: Connection, progress=None):
+    def __init__(self, setup: RankSetup, worker: Worker, groups: ProcessGroups, conn: Connection,
+                 progress=None):
         self.setup, self.worker, self.groups, self.conn = setup, worker, groups, conn
         self.parallel = groups.rank
+        self.set_overlap(setup.config)
         self.progress = progress  # shared step counters (spawned workers): the engine reads who lags
         self.pending: deque = deque()  # (step_id, AsyncRunnerOutput) launched, not yet finished
         self.launched: dict = {}  # earlier stages: step_id -> its output, until its tokens arrive
@@ -148,9 +152,16 @@ class WorkerLoop:
                 self.finish(len(self.pending))
                 return
 
+    def set_overlap(self, config: EngineConfig) -> None:
+        # Read a step's tokens when the engine reads rank 0's: the runner decides how to build the next
+        # step (in-flight tokens read on the device or not) by whether they were read, and every rank
+        # must decide alike. The engine overlaps steps with async scheduling, unless it speculates.
+        self.overlaps_steps = config.scheduler.async_scheduling and not config.speculative.enabled
+
     def rebuild(self, config: EngineConfig) -> None:
         self.worker = self.pending = self.launched = None  # the old model and KV cache go first
         self.setup = dataclasses.replace(self.setup, config=config)
+        self.set_overlap(config)
         self.worker = load_worker(self.setup, self.groups)
         self.pending, self.launched = deque(), {}
         self.conn.send_bytes(dumps(READY, self.parallel.rank))
@@ -162,7 +173,7 @@ class WorkerLoop:
             self.progress[self.parallel.rank] = sched.step_id
         self.finish(len(self.pending))  # the steps before this one: their tokens are (nearly) there
         self.pending.append((sched.step_id, output))
-        if output.sampled is None:  # nothing to wait for on the device
+        if output.sampled is None or not self.overlaps_steps:  # nothing to wait for, or no overlap
             self.finish(1)
 
     def finish(self, count: int) -> None:
@@ -227,7 +238,8 @@ def serve_rank(setup: RankSetup, conn: Connection | None = None, progress=None) 
 
 def spawned_main(setup: RankSetup, conn: Connection, progress, num_threads: int, log_level: int) -> None:
     """Entry point of a worker process the engine spawned."""
-    logging.basicConfig(level=log_level, format=f"rank {setup.parallel.rank}: %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level,
+                        format=f"rank {setup.parallel.rank}: %(levelname)s %(name)s: %(message)s")
     exit_with_parent()
     torch.set_num_threads(num_threads)
     serve_rank(setup, conn, progress)

@@ -13,10 +13,10 @@ def odd_vocab_config(tmp_path_factory) -> str:
     last rank's rows of the embedding and lm_head end in padding. Dummy weights (no checkpoint)."""
     import transformers
 
-    config = transformers.Qwen2Config(vocab_size=509, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-                                      architectures=["Qwen2ForCausalLM"])
+    config = transformers.Qwen2Config(
+        vocab_size=509, hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, architectures=["Qwen2ForCausalLM"])
     path = tmp_path_factory.mktemp("qwen2-vocab509")
     config.save_pretrained(path)
     return str(path)

@@ -1,6 +1,7 @@
 """Every split gives one process's greedy tokens: TP = 2 and 4, PP = 2 (stories260K's 5 layers as
 3 + 2) and TP 2 x PP 2, over gloo on the CPU in float32, on stories260K and on random tiny configs of
-each architecture (Llama 3.1, Mistral, Qwen2's qkv bias, Qwen3's q/k norms, from their safetensors).
+each architecture (Llama 3.1, Mistral, Qwen2's qkv bias, Qwen3's q/k norms, from their safetensors;
+and a Qwen2 config whose vocabulary of 509 leaves padding on the last rank, with dummy weights).
 The tests of one split run together and share its worker processes (reuse_workers): each engine
 loads its model into the ranks the one before it left.
 
@@ -21,7 +22,7 @@ import torch
 from fastllm import SamplingParams
 from fastllm.worker.executor import end_parked_workers
 from tests.conftest import PROMPTS, STORIES, cached_llm
-from tests.distributed.conftest import shutdown_parallel_llm, start_parallel_llm
+from tests.distributed.conftest import odd_vocab_config, shutdown_parallel_llm, start_parallel_llm
 from tests.models.test_llama_vs_hf import TINY, make_tiny_model
 
 LAYOUTS = {
@@ -58,6 +59,10 @@ def compare(got, want) -> int:
     return compared
 
 
+def generate_both(llm, ref, prompts):
+    return llm.generate(prompts, greedy(), use_tqdm=False), ref.generate(prompts, greedy(), use_tqdm=False)
+
+
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def layout(request):
     yield request.param
@@ -76,14 +81,12 @@ def stories_pair(layout):
 def test_stories_greedy_with_chunks_preemption_and_prefix_hits(stories_pair):
     llm, ref = stories_pair
     first = PROMPTS[:6] + [PROMPTS[0] + LONG, PROMPTS[2] + LONG]
-    assert compare(llm.generate(first, greedy(), use_tqdm=False), ref.generate(first, greedy(), use_tqdm=False)) \
-        >= 0.9 * len(first) * MAX_TOKENS
+    assert compare(*generate_both(llm, ref, first)) >= 0.9 * len(first) * MAX_TOKENS
     # Extensions of the long prompts: their cached blocks are hits.
     second = [PROMPTS[0] + LONG + " again", PROMPTS[2] + LONG + " and ate"]
     stats = llm.engine.scheduler.kv.pool.stats
     hits = stats.hits
-    assert compare(llm.generate(second, greedy(), use_tqdm=False), ref.generate(second, greedy(), use_tqdm=False)) \
-        >= 0.9 * len(second) * MAX_TOKENS
+    assert compare(*generate_both(llm, ref, second)) >= 0.9 * len(second) * MAX_TOKENS
     assert stats.hits > hits, "the second round should reuse the first round's blocks"
     assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to be too small"
     # Seeded sampling draws the same tokens as one process (every rank samples the same gathered logits).
@@ -92,13 +95,17 @@ def test_stories_greedy_with_chunks_preemption_and_prefix_hits(stories_pair):
     assert got == [o.outputs[0].token_ids for o in ref.generate(PROMPTS[:4], params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("arch", sorted(TINY))
+@pytest.mark.parametrize("arch", sorted(TINY) + ["qwen2-vocab509"])
 def test_tiny_architecture(arch, layout, tmp_path_factory):
-    path = make_tiny_model(tmp_path_factory, arch)
+    if arch == "qwen2-vocab509":  # dummy weights; the last rank's vocabulary rows end in padding
+        path, kwargs, vocab = odd_vocab_config(tmp_path_factory), dict(load_format="dummy"), 509
+    else:
+        path, kwargs, vocab = make_tiny_model(tmp_path_factory, arch), {}, 512
     generator = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=generator).tolist()} for n in (5, 17, 33)]
-    want = cached_llm(path).generate(prompts, greedy(), use_tqdm=False)
-    llm = start_parallel_llm(path, **LAYOUTS[layout])
+    prompts = [{"prompt_token_ids": torch.randint(3, vocab, (n,), generator=generator).tolist()}
+               for n in (5, 17, 33)]
+    want = cached_llm(path, **kwargs).generate(prompts, greedy(), use_tqdm=False)
+    llm = start_parallel_llm(path, **LAYOUTS[layout], **kwargs)
     try:
         got = llm.generate(prompts, greedy(), use_tqdm=False)
     finally:

@@ -69,7 +69,8 @@ def test_a_silent_worker_is_an_error_naming_its_rank_after_the_timeout():
         executor.timeout_s = 3.0  # (set after startup: loading may take longer than this)
         os.kill(proc.pid, signal.SIGSTOP)
         start = time.monotonic()
-        with pytest.raises(RuntimeError, match=r"worker rank 1 sent nothing for 3 s.*did not start step \d+: \[1\]"):
+        silent = r"worker rank 1 sent nothing for 3 s.*did not start step \d+: \[1\]"
+        with pytest.raises(RuntimeError, match=silent):
             llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
         assert time.monotonic() - start < 3.0 + 5.0
     finally:
