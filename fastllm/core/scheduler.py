@@ -146,10 +146,10 @@ class Scheduler:
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Running requests first: their next chunk or token. Preempts the newest when blocks run out."""
         i = 0
+        wait_for_tokens = self.wait_for_sampled_tokens
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
-            in_pipeline = self.wait_for_sampled_tokens and request.num_pending_tokens > 0
-            if in_pipeline or self._ends_with_pending_token(request):
+            if self._ends_with_pending_token(request) or (wait_for_tokens and request.num_pending_tokens):
                 i += 1  # its in-flight token is its last, or (in a pipeline) must be known first
                 continue
             num_known = request.num_tokens_with_pending - request.num_computed_tokens

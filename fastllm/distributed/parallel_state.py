@@ -81,6 +81,16 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
 class ProcessGroups:
     rank: ParallelRank
     cpu: dist.ProcessGroup  # gloo, for host-side collectives (the default group itself on the CPU)
+    device: list[dist.ProcessGroup]  # the default group and this rank's tensor-parallel group
+
+    def abort(self) -> None:
+        """Abort the device groups' communicators, so that a thread blocked in a collective whose peer
+        is gone returns (NCCL; a gloo collective fails on its own when a peer's connection closes)."""
+        for group in self.device:
+            try:
+                group.abort()
+            except Exception as e:  # noqa: BLE001  (best effort: the timeout still ends the wait)
+                logger.warning("could not abort a process group: %s", e)
 
 
 def init_distributed(rank: ParallelRank, device: torch.device, init_method: str,
@@ -102,10 +112,13 @@ def init_distributed(rank: ParallelRank, device: torch.device, init_method: str,
     set_tp_group(TensorParallelGroup(tp_group, rank.tp_size, device) if rank.tp_size > 1 else None)
     logger.info("rank %d of %d (tensor-parallel rank %d of %d, pipeline stage %d of %d) joined over %s",
                 rank.rank, rank.world_size, rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, backend)
-    return ProcessGroups(rank, cpu)
+    return ProcessGroups(rank, cpu, [dist.group.WORLD, tp_group])
 
 
 def destroy_distributed() -> None:
     set_tp_group(None)
     if dist.is_initialized():
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # noqa: BLE001  (an aborted group may refuse; the process goes on)
+            logger.warning("leaving the process group: %s", e)

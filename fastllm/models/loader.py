@@ -70,7 +70,10 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
     device = next(model.parameters()).device
     with torch.no_grad():
         for name, param in model.named_parameters():
-            full = torch.empty(model.full_shape(name), dtype=param.dtype, device=device)
+            shape = model.full_shape(name)
+            # Drawn in place when the parameter is whole (one rank: no temporary copy).
+            whole = tuple(param.shape) == shape
+            full = param if whole else torch.empty(shape, dtype=param.dtype, device=device)
             if name.endswith("norm.weight"):
                 full.fill_(1.0)
             elif name.endswith(".bias"):
@@ -79,7 +82,8 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 key = model.checkpoint_name(name).encode()
                 generator = torch.Generator(device=device).manual_seed(seed + zlib.crc32(key))
                 full.normal_(0.0, std, generator=generator)
-            model.load_param(name, full)
+            if not whole:
+                model.load_param(name, full)
 
 
 def load_model(model_config: ModelConfig, device: torch.device,

@@ -12,9 +12,10 @@ Each step's SchedulerOutput is pickled once and the same bytes go to every worke
 stages the tokens come back from the last stage's first rank, one message a step, and the executor
 passes them on to the earlier stages (rank 0 among them) with the next step's message.
 
-A worker that exits, fails (its traceback comes back), closes its connection or leaves a collective
-or an answer waiting longer than distributed_timeout_s raises a RuntimeError naming its rank, and
-every later call raises it again; shutdown() ends every worker, as does the engine process's exit.
+A worker that exits, fails (its traceback comes back), closes its connection or leaves an answer
+waiting longer than distributed_timeout_s raises a RuntimeError naming its rank; so does a collective
+that times out, naming the spawned workers that did not start the step. Every later call raises it
+again; shutdown() ends every worker, as does dropping the executor or the engine process's exit.
 """
 
 from __future__ import annotations
@@ -183,8 +184,9 @@ class MultiprocExecutor:
         except BaseException:
             self.workers.close(failed=True)
             raise
-        if self.workers.procs:
-            threading.Thread(target=self._monitor, name="fastllm-worker-monitor", daemon=True).start()
+        if self.workers.procs:  # (the thread holds no reference to the executor, which may be dropped)
+            threading.Thread(target=watch_workers, args=(self.workers, self.groups, weakref.ref(self)),
+                             name="fastllm-worker-monitor", daemon=True).start()
         logger.info("%d ranks ready: tensor_parallel_size %d x pipeline_parallel_size %d%s", self.world_size,
                     self.tp, self.pp, " (torchrun)" if launched_by_torchrun() else "")
 
@@ -317,7 +319,7 @@ class MultiprocExecutor:
                 raise self._fail(f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
             if time.monotonic() > deadline:
                 raise self._fail(f"worker rank {rank} sent nothing for {self.timeout_s:.0f} s "
-                                 f"(distributed_timeout_s){self._laggards()}")
+                                 f"(distributed_timeout_s){self._laggards('; ')}")
         try:
             message = wp.loads(conn.recv_bytes())
         except (EOFError, OSError):
@@ -354,16 +356,16 @@ class MultiprocExecutor:
                 if found is not None:
                     return found
             if time.monotonic() > deadline:
-                laggards = self._laggards()
-                return f"no worker exited, but{laggards}" if laggards else None
+                laggards = self._laggards("no worker exited, but ")
+                return laggards or None
             time.sleep(POLL_S)
 
-    def _laggards(self) -> str:
-        """Spawned workers still short of the last step sent (hung, or slow)."""
+    def _laggards(self, prefix: str) -> str:
+        """The spawned workers still short of the last step sent (hung, or slow), after prefix; "" if none."""
         if self.progress is None or not self._last_sent_step:
             return ""
         behind = [r for r in self.workers.procs if self.progress[r] < self._last_sent_step]
-        return f"; ranks that did not start step {self._last_sent_step}: {behind}" if behind else ""
+        return f"{prefix}ranks that did not start step {self._last_sent_step}: {behind}" if behind else ""
 
     def _worker_failure(self, rank: int) -> str | None:
         """What is wrong with a worker, if anything: its error report first (it explains the exit)."""
@@ -393,23 +395,6 @@ class MultiprocExecutor:
         if self.failure is not None:
             raise WorkerFailed(self.failure)
 
-    def _monitor(self) -> None:
-        """Notice a spawned worker's exit at once. On GPUs rank 0 may be waiting inside an NCCL
-        collective that the dead rank will never join: abort the process group so it returns."""
-        sentinels = {proc.sentinel: rank for rank, proc in self.workers.procs.items()}
-        ready = wait(list(sentinels))
-        if self.workers.closing:
-            return
-        rank = sentinels[ready[0]]
-        self._exited = rank  # the engine's thread reports it (with the worker's traceback, if it sent one)
-        logger.error("worker rank %d (pid %d) exited with code %s", rank, self.workers.procs[rank].pid,
-                     self.workers.procs[rank].exitcode)
-        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
-            try:
-                torch.distributed.distributed_c10d._abort_process_group()
-            except Exception as e:  # noqa: BLE001  (best effort: the timeout still ends the wait)
-                logger.warning("could not abort the process group after rank %d exited: %s", rank, e)
-
     def shutdown(self) -> None:
         """End every worker (and leave the process group); idempotent. With reuse_workers a healthy
         executor is parked instead, for the next engine of the same ranks (the process's exit still
@@ -428,6 +413,22 @@ class MultiprocExecutor:
     def _end(self) -> None:
         self._finalizer.detach()
         self.workers.close(failed=self.failure is not None)
+
+
+def watch_workers(workers: _Workers, groups, executor_ref) -> None:
+    """Notice a spawned worker's exit at once. On GPUs rank 0 may be waiting inside an NCCL collective
+    that the dead rank will never join: abort the process groups so that it returns."""
+    sentinels = {proc.sentinel: rank for rank, proc in workers.procs.items()}
+    ready = wait(list(sentinels))
+    executor = executor_ref()
+    if workers.closing or executor is None:
+        return
+    rank = sentinels[ready[0]]
+    executor._exited = rank  # the engine's thread reports it (with the worker's traceback, if it sent one)
+    logger.error("worker rank %d (pid %d) exited with code %s", rank, workers.procs[rank].pid,
+                 workers.procs[rank].exitcode)
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        groups.abort()
 
 
 class _CheckedOutput:

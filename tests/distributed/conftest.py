@@ -8,6 +8,11 @@ import pytest
 from tests.conftest import _live_engines
 
 
+# A small KV pool for every engine of these tests, parallel or reference (the CPU default, 0.25 GiB a
+# rank, adds up over the engines one session keeps).
+SMALL_KV = dict(num_gpu_blocks=160)
+
+
 def odd_vocab_config(tmp_path_factory) -> str:
     """A Qwen2 config (qkv bias) whose vocabulary of 509 does not split evenly over 2 or 4 ranks: the
     last rank's rows of the embedding and lm_head end in padding. Dummy weights (no checkpoint)."""
@@ -32,11 +37,16 @@ def start_parallel_llm(model: str, **kwargs):
     return llm
 
 
-def shutdown_parallel_llm(llm) -> None:
+def forget_parallel_llm(llm) -> None:
+    """Check the engine's KV pool and stop tracking it (the list would keep it alive)."""
     if llm in _live_engines:
         _live_engines.remove(llm)
         if not llm.engine.has_unfinished_requests():
             llm.engine.check_kv_pool_whole()
+
+
+def shutdown_parallel_llm(llm) -> None:
+    forget_parallel_llm(llm)
     llm.engine.shutdown()
 
 

@@ -22,7 +22,7 @@ import torch
 from fastllm import SamplingParams
 from fastllm.worker.executor import end_parked_workers
 from tests.conftest import PROMPTS, STORIES, cached_llm
-from tests.distributed.conftest import odd_vocab_config, shutdown_parallel_llm, start_parallel_llm
+from tests.distributed.conftest import SMALL_KV, odd_vocab_config, shutdown_parallel_llm, start_parallel_llm
 from tests.models.test_llama_vs_hf import TINY, make_tiny_model
 
 LAYOUTS = {
@@ -95,6 +95,19 @@ def test_stories_greedy_with_chunks_preemption_and_prefix_hits(stories_pair):
     assert got == [o.outputs[0].token_ids for o in ref.generate(PROMPTS[:4], params, use_tqdm=False)]
 
 
+def test_stories_steps_one_at_a_time(layout):
+    # async_scheduling=False: each step's tokens are read before the next is scheduled (the workers
+    # must read them at the same point: the runner's next step depends on it).
+    settings = dict(async_scheduling=False, max_num_batched_tokens=24, **SMALL_KV)
+    want = cached_llm(**settings).generate(PROMPTS[:4], greedy(), use_tqdm=False)
+    llm = start_parallel_llm(STORIES, **LAYOUTS[layout], **settings)
+    try:
+        got = llm.generate(PROMPTS[:4], greedy(), use_tqdm=False)
+    finally:
+        shutdown_parallel_llm(llm)
+    assert compare(got, want) >= 0.9 * 4 * MAX_TOKENS
+
+
 @pytest.mark.parametrize("arch", sorted(TINY) + ["qwen2-vocab509"])
 def test_tiny_architecture(arch, layout, tmp_path_factory):
     if arch == "qwen2-vocab509":  # dummy weights; the last rank's vocabulary rows end in padding
@@ -104,6 +117,7 @@ def test_tiny_architecture(arch, layout, tmp_path_factory):
     generator = torch.Generator().manual_seed(0)
     prompts = [{"prompt_token_ids": torch.randint(3, vocab, (n,), generator=generator).tolist()}
                for n in (5, 17, 33)]
+    kwargs.update(SMALL_KV)
     want = cached_llm(path, **kwargs).generate(prompts, greedy(), use_tqdm=False)
     llm = start_parallel_llm(path, **LAYOUTS[layout], **kwargs)
     try:

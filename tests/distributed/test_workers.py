@@ -1,6 +1,7 @@
-"""The worker processes: gone after shutdown; a killed worker or a silent one is an error naming its
-rank within a timeout, not a hang; n > 1 (copy-on-write blocks on every rank) and prompt logprobs
-across ranks; the single-device engine has no processes and calls no collective."""
+"""The worker processes: gone after shutdown or when the engine is dropped; a killed worker or a silent
+one is an error naming its rank within a timeout, not a hang; n > 1 (copy-on-write blocks on every
+rank), prompt logprobs and speculative decoding across ranks; the single-device engine has no
+processes and calls no collective."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from fastllm import SamplingParams
 from fastllm.distributed import communication
 from tests.conftest import PROMPTS, STORIES, cached_llm
-from tests.distributed.conftest import shutdown_parallel_llm, start_parallel_llm
+from tests.distributed.conftest import (SMALL_KV, forget_parallel_llm, shutdown_parallel_llm,
+                                       start_parallel_llm)
 
 KILL_TIMEOUT_S = 30  # the error must come well before this
 
@@ -23,13 +25,13 @@ def worker_processes(llm) -> dict:
 
 
 def test_workers_are_gone_after_shutdown_and_serve_n_and_prompt_logprobs():
-    llm = start_parallel_llm(STORIES, tensor_parallel_size=2, block_size=4)
+    llm = start_parallel_llm(STORIES, tensor_parallel_size=2, block_size=4, **SMALL_KV)
     procs = worker_processes(llm)
     assert list(procs) == [1] and procs[1].is_alive()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=12, n=2, prompt_logprobs=2)
         got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
-        want = cached_llm(block_size=4).generate(PROMPTS[:3], params, use_tqdm=False)
+        want = cached_llm(block_size=4, **SMALL_KV).generate(PROMPTS[:3], params, use_tqdm=False)
         for g, w in zip(got, want):
             assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
             for gp, wp in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
@@ -41,10 +43,22 @@ def test_workers_are_gone_after_shutdown_and_serve_n_and_prompt_logprobs():
         assert not proc.is_alive() and proc.exitcode == 0, proc.exitcode
 
 
+def test_workers_end_when_the_engine_is_dropped():
+    import gc
+
+    llm = start_parallel_llm(STORIES, tensor_parallel_size=2, **SMALL_KV)
+    forget_parallel_llm(llm)
+    proc = worker_processes(llm)[1]
+    del llm
+    gc.collect()
+    proc.join(timeout=15)
+    assert not proc.is_alive()
+
+
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
                          ids=["tp2", "pp2"])
 def test_a_killed_worker_is_an_error_naming_its_rank(layout):
-    llm = start_parallel_llm(STORIES, **layout)
+    llm = start_parallel_llm(STORIES, **layout, **SMALL_KV)
     try:
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
         os.kill(worker_processes(llm)[1].pid, signal.SIGKILL)
@@ -62,7 +76,7 @@ def test_a_killed_worker_is_an_error_naming_its_rank(layout):
 
 def test_a_silent_worker_is_an_error_naming_its_rank_after_the_timeout():
     # The last pipeline stage stops (SIGSTOP): the engine waits for its tokens no longer than the timeout.
-    llm = start_parallel_llm(STORIES, pipeline_parallel_size=2)
+    llm = start_parallel_llm(STORIES, pipeline_parallel_size=2, **SMALL_KV)
     executor = llm.engine.executor
     proc = worker_processes(llm)[1]
     try:
@@ -77,6 +91,21 @@ def test_a_silent_worker_is_an_error_naming_its_rank_after_the_timeout():
         os.kill(proc.pid, signal.SIGCONT)
         llm.engine.shutdown()
     assert not proc.is_alive()
+
+
+def test_speculative_decoding_across_tensor_parallel_ranks():
+    # Every rank runs the (small, unsplit) draft model and verifies with the same gathered logits.
+    spec = dict(speculative_model="llama2xs-279K", num_speculative_tokens=3, **SMALL_KV)
+    params = [SamplingParams(temperature=0.0, max_tokens=12),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=12)]
+    want = [o.outputs[0].token_ids for o in cached_llm(**spec).generate(PROMPTS[:2], params, use_tqdm=False)]
+    llm = start_parallel_llm(STORIES, tensor_parallel_size=2, **spec)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+        assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    finally:
+        shutdown_parallel_llm(llm)
+    assert got == want
 
 
 def test_one_device_runs_no_collective(monkeypatch):

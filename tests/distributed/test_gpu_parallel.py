@@ -1,0 +1,149 @@
+"""Tensor and pipeline parallelism on GPUs over NCCL (skipped unless 2 GPUs are visible; TP 2 x PP 2
+needs 4): the split engine compiled, its decode steps replaying CUDA graphs with the all-reduces
+inside, gives one GPU's greedy tokens in float32; bf16 agrees to near-ties; the one-shot all-reduce
+sums what NCCL sums, eagerly and inside a CUDA graph; a killed worker is an error naming its rank."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from fastllm import SamplingParams
+from tests.conftest import release_cached_engines
+from tests.distributed.conftest import shutdown_parallel_llm
+from tests.distributed.test_parallel_engines import MAX_TOKENS, compare, greedy
+from tests.models.test_llama_vs_hf import make_tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+
+# A fixed pool (no profiling run) small enough for two engines on one GPU.
+GPU = dict(device="cuda", num_gpu_blocks=256, max_model_len=256, cuda_graph_sizes=[1, 2, 4, 8])
+
+
+def start(model: str, **kwargs):
+    from fastllm import LLM
+
+    return LLM(model, **GPU, **kwargs)
+
+
+def prompts_of(n: int = 6):
+    g = torch.Generator().manual_seed(0)
+    lengths = (5, 17, 33, 9, 60, 2)[:n]
+    return [{"prompt_token_ids": torch.randint(3, 512, (k,), generator=g).tolist()} for k in lengths]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    release_cached_engines()
+    return make_tiny_model(tmp_path_factory, "llama3.1")
+
+
+@pytest.mark.parametrize("layout", [
+    dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+    pytest.param(dict(tensor_parallel_size=2, pipeline_parallel_size=2),
+                 marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")),
+], ids=["tp2", "pp2", "tp2pp2"])
+def test_split_engine_float32_equals_one_gpu(tiny, layout):
+    one = start(tiny, dtype="float32")
+    want = one.generate(prompts_of(), greedy(), use_tqdm=False)
+    del one
+    llm = start(tiny, dtype="float32", **layout)
+    try:
+        runner = llm.engine.worker.runner
+        if "pipeline_parallel_size" not in layout:
+            assert runner.graphs is not None, "decode steps should replay CUDA graphs"
+        got = llm.generate(prompts_of(), greedy(), use_tqdm=False)
+    finally:
+        shutdown_parallel_llm(llm)
+    assert compare(got, want) >= 0.9 * len(want) * MAX_TOKENS
+
+
+def test_tp2_bfloat16_agrees_with_one_gpu_to_near_ties(tiny):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=2)
+    one = start(tiny, dtype="bfloat16")
+    want = one.generate(prompts_of(), params, use_tqdm=False)
+    del one
+    llm = start(tiny, dtype="bfloat16", tensor_parallel_size=2)
+    try:
+        got = llm.generate(prompts_of(), params, use_tqdm=False)
+    finally:
+        shutdown_parallel_llm(llm)
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        first = w.token_ids[0]  # the first token's logprob: the same prompt, bf16 rounding apart
+        assert abs(g.logprobs[0][first].logprob - w.logprobs[0][first].logprob) < 0.05
+        for i, token in enumerate(w.token_ids):
+            top = sorted((lp.logprob for lp in w.logprobs[i].values()), reverse=True)
+            if top[0] - top[1] < 0.05:  # a bf16 near-tie may go either way
+                break
+            assert g.token_ids[i] == token
+
+
+def one_shot_vs_nccl(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    from fastllm.distributed.one_shot import OneShotAllReduce
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            device_id=device)
+    try:
+        worst = 0.0
+        for dtype in (torch.float32, torch.bfloat16):
+            one_shot = OneShotAllReduce(dist.group.WORLD, device, dtype, 1 << 20)
+            for rows in (1, 3, 64):
+                x = torch.randn(rows, 4096, device=device).to(dtype) * (rank + 1)
+                nccl = x.clone()
+                dist.all_reduce(nccl)
+                worst = max(worst, (one_shot.all_reduce(x) - nccl).abs().max().item())
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    captured = one_shot.all_reduce(x)
+                x.mul_(2)  # the replay must read the new values
+                graph.replay()
+                worst = max(worst, (captured - 2 * nccl).abs().max().item())
+        results.put((rank, worst))
+    except BaseException as e:  # noqa: BLE001  (reported by the test)
+        results.put((rank, repr(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_one_shot_all_reduce_sums_what_nccl_sums():
+    from fastllm.distributed.one_shot import unavailable_reason
+    from fastllm.worker.executor import free_port
+
+    reason = unavailable_reason(torch.device("cuda", 0), torch.bfloat16, 2)
+    if reason is not None:
+        pytest.skip(f"one-shot all-reduce unavailable: {reason}")
+    ctx = multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=one_shot_vs_nccl, args=(rank, port, results)) for rank in range(2)]
+    for proc in procs:
+        proc.start()
+    out = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    # Two ranks: a + b in either order is the same sum, so the results are equal to the bit.
+    assert out == {0: 0.0, 1: 0.0}, out
+
+
+def test_a_killed_gpu_worker_is_an_error_naming_its_rank(tiny):
+    llm = start(tiny, dtype="bfloat16", tensor_parallel_size=2)
+    procs = dict(llm.engine.executor.workers.procs)
+    try:
+        llm.generate(prompts_of(2), SamplingParams(max_tokens=4), use_tqdm=False)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        begin = time.monotonic()
+        with pytest.raises(RuntimeError, match="worker rank 1"):
+            llm.generate(prompts_of(2), SamplingParams(max_tokens=64), use_tqdm=False)
+        assert time.monotonic() - begin < 60
+    finally:
+        llm.engine.shutdown()
+    assert not any(p.is_alive() for p in procs.values())
