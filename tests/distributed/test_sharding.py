@@ -109,3 +109,11 @@ def test_stage_layers_split_contiguously():
 def test_bad_splits_are_value_errors_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig.from_kwargs(None, **kwargs)
+
+
+def test_more_ranks_than_gpus_is_a_value_error_naming_the_field(monkeypatch):
+    from fastllm.worker import executor
+
+    monkeypatch.setattr(executor.torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):  # before any process starts
+        executor.MultiprocExecutor(EngineConfig.from_kwargs(None, device="cuda", tensor_parallel_size=2))
