@@ -257,6 +257,10 @@ class MultiprocExecutor:
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         self._call("init_kv_cache", num_blocks, num_cpu_blocks)
 
+    def step_costs(self) -> tuple[dict[int, float], dict[int, float]]:
+        """The speculation policy's step costs, measured on every rank at once (rank 0's)."""
+        return self._call("step_costs")
+
     def measure_all_reduce(self, sizes: list[int]) -> list[float]:
         """Milliseconds per tensor-parallel all-reduce of each size in bytes (rank 0's timing)."""
         return self._call("measure_all_reduce", sizes)
@@ -442,6 +446,10 @@ class _CheckedOutput:
     def wait_s(self) -> float:
         return self.output.wait_s
 
+    @property
+    def done(self) -> bool:
+        return self.output.done
+
     def result(self) -> ModelRunnerOutput:
         result = self.output.result()
         self.executor._raise_if_failed()
@@ -455,6 +463,10 @@ class _StageOutput:
         self.executor, self.step_id = executor, step_id
         self.wait_s = 0.0
         self._result: ModelRunnerOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
 
     def result(self) -> ModelRunnerOutput:
         if self._result is None:

@@ -95,6 +95,9 @@ class Worker:
     def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
         return self.runner.execute_model(sched)
 
+    def step_costs(self) -> tuple[dict[int, float], dict[int, float]]:
+        return self.runner.step_costs()
+
     # On one device the Worker is the engine's executor (with several ranks: executor.MultiprocExecutor).
 
     @property

@@ -105,13 +105,18 @@ def init_kv_cache(worker: Worker, groups: ProcessGroups, num_blocks: int, num_cp
     worker.init_kv_cache(num_blocks, num_cpu_blocks)
 
 
+def step_costs(worker: Worker, groups: ProcessGroups) -> tuple[dict[int, float], dict[int, float]]:
+    """The speculation policy's step costs: graph replays, which hold collectives (every rank at once)."""
+    return worker.step_costs()
+
+
 def measure_all_reduce(worker: Worker, groups: ProcessGroups, sizes: list[int]) -> list[float]:
     from fastllm.bench.all_reduce import time_all_reduce
 
     return time_all_reduce(get_tp_group(), worker.runner.dtype, sizes)
 
 
-CALLS = {"agree_num_blocks": agree_num_blocks, "init_kv_cache": init_kv_cache,
+CALLS = {"agree_num_blocks": agree_num_blocks, "init_kv_cache": init_kv_cache, "step_costs": step_costs,
          "measure_all_reduce": measure_all_reduce}
 
 
@@ -155,8 +160,9 @@ class WorkerLoop:
     def set_overlap(self, config: EngineConfig) -> None:
         # Read a step's tokens when the engine reads rank 0's: the runner decides how to build the next
         # step (in-flight tokens read on the device or not) by whether they were read, and every rank
-        # must decide alike. The engine overlaps steps with async scheduling, unless it speculates.
-        self.overlaps_steps = config.scheduler.async_scheduling and not config.speculative.enabled
+        # must decide alike. The engine overlaps steps with async scheduling (a speculative step ends
+        # before it returns: its output has no tokens on the device, and is finished at once here too).
+        self.overlaps_steps = config.scheduler.async_scheduling
 
     def rebuild(self, config: EngineConfig) -> None:
         self.worker = self.pending = self.launched = None  # the old model and KV cache go first
