@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -36,7 +37,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    allowed_token_ids: list[int] | None = None  # only these tokens can be sampled
+    bad_words: list[str] | None = None  # words never generated (their last token is masked after the rest)
     _stop_list: list[str] = field(init=False, repr=False)
+    # bad_words as token ids, one list per spelling: filled at the engine boundary (tokenize_bad_words)
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         if self.top_k == -1:
@@ -47,6 +53,7 @@ class SamplingParams:
             self._stop_list = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        self._validate_logits_filters()
 
     def _validate(self) -> None:
         checks = [
@@ -79,6 +86,69 @@ class SamplingParams:
                 f"SamplingParams.min_tokens must be <= max_tokens, got {self.min_tokens} > {self.max_tokens}"
             )
 
+    def _validate_logits_filters(self) -> None:
+        """logit_bias, allowed_token_ids and bad_words (vLLM's fields). Token ids are checked against
+        the vocabulary at the engine boundary (check_token_ids), which knows its size."""
+        bias, allowed, words = self.logit_bias, self.allowed_token_ids, self.bad_words
+        checks = [
+            ("logit_bias", bias is None or (isinstance(bias, dict) and all(
+                _is_token_id(t) and isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
+                for t, b in bias.items())), "must be a dict of token id -> finite number"),
+            ("allowed_token_ids", allowed is None or (isinstance(allowed, (list, tuple)) and len(allowed) > 0
+                                                      and all(_is_token_id(t) for t in allowed)),
+             "must be None or a non-empty list of token ids"),
+            ("bad_words", words is None or (isinstance(words, (list, tuple))
+                                            and all(isinstance(w, str) and w.strip() for w in words)),
+             "must be None or a list of non-blank strings"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {message}, got {getattr(self, name)!r}")
+        if allowed is not None:
+            self.allowed_token_ids = list(allowed)
+        if words is not None:
+            self.bad_words = list(words)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise ValueError naming the field unless every token id the fields name is in the vocabulary."""
+        for name, ids in (("logit_bias", self.logit_bias or ()), ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words", [t for word in self._bad_words_token_ids or () for t in word])):
+            bad = sorted({t for t in ids if t >= vocab_size})
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token ids outside the vocabulary of {vocab_size}: "
+                                 f"{bad[:5]}")
+
+    def tokenize_bad_words(self, tokenizer) -> None:
+        """Token ids of bad_words, as vLLM spells them: each word as given (left-stripped) and, when the
+        tokenizer spells it with as many tokens but another first one, after a space."""
+        if not self.bad_words or self._bad_words_token_ids is not None:
+            return
+        if tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer: this model has none")
+        spellings: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            spellings.append(plain)
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                spellings.append(spaced)
+        self._bad_words_token_ids = [ids for ids in spellings if ids]
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self._bad_words_token_ids or []
+
+    @property
+    def has_logits_filters(self) -> bool:
+        """logit_bias, allowed_token_ids or bad_words: sampled outside CUDA graphs, not speculated."""
+        return self.logit_bias is not None or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Its sampling depends on the tokens generated so far (penalties, bad words), so a step waits
+        for the previous step's token instead of overlapping it."""
+        return self.has_penalties or bool(self.bad_words)
+
     @property
     def stop_strings(self) -> list[str]:
         return self._stop_list
@@ -96,13 +166,16 @@ class SamplingParams:
         """Sampling is the argmax of the logits: greedy, and no penalty, min_tokens mask or
         logprobs. Read every step for every request, so written out flat (no nested properties)."""
         return (self.temperature < _GREEDY_EPS and self.logprobs is None and self.min_tokens == 0
-                and self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1)
+                and self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1
+                and self.logit_bias is None and self.allowed_token_ids is None and not self.bad_words)
 
     @property
     def samples_in_graph(self) -> bool:
         """A decode CUDA graph can draw this request's tokens: no seed (its own generator), penalty,
-        min_tokens mask or logprobs."""
-        return self.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.has_penalties
+        min_tokens mask, logprobs or logits filter (the graph's forward still runs; the sampler then
+        applies them to its logits)."""
+        return self.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.has_penalties \
+            and not self.has_logits_filters
 
     @property
     def speculates(self) -> bool:
@@ -114,4 +187,11 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
         values.update(changes)
-        return SamplingParams(**values)
+        clone = SamplingParams(**values)
+        if "bad_words" not in changes:
+            clone._bad_words_token_ids = self._bad_words_token_ids
+        return clone
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

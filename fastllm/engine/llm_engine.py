@@ -121,6 +121,8 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        params.tokenize_bad_words(self.tokenizer)
+        params.check_token_ids(self.vocab_size)
         max_len = self.config.model.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)
         if len(token_ids) + max_tokens > max_len:

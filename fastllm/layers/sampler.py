@@ -1,7 +1,7 @@
 """Sampler: logits [B, V] -> one token per row, with the per-request SamplingParams.
 
-Order: penalties and min_tokens masking, then (rows that are not greedy) temperature, min-p,
-top-k, top-p, and a draw. The draw is argmax(probs / q) with q ~ Exp(1), which samples from probs
+Order (vLLM's): allowed_token_ids, bad_words, min_tokens masking and logit_bias, then penalties,
+then (rows that are not greedy) temperature, min-p, top-k, top-p, and a draw. The draw is argmax(probs / q) with q ~ Exp(1), which samples from probs
 without a host sync; a row with a seed draws q from its own generator, so its samples do not
 depend on what else is in the batch. Logprobs are those of the model (before penalties and
 temperature), as in vLLM.
@@ -43,11 +43,14 @@ class SamplingMetadata:
     banned: list[tuple[int, list[int]]]  # (row, token ids masked because min_tokens is not reached)
     max_num_logprobs: int | None  # None: no row wants logprobs
     logprob_rows: list[int] = field(default_factory=list)
+    # Rows with SamplingParams.has_logits_filters: (row, params, output token ids)
+    filter_rows: list[tuple[int, SamplingParams, list[int]]] = field(default_factory=list)
 
     @property
     def argmax_only(self) -> bool:
-        """Sampling is the argmax of the logits (greedy rows, no logprobs, nothing masked or penalized)."""
-        return self.all_greedy and self.max_num_logprobs is None and not (self.penalty_rows or self.banned)
+        """Sampling is the argmax of the logits (greedy rows, no logprobs, nothing masked, biased or penalized)."""
+        return self.all_greedy and self.max_num_logprobs is None and not (self.penalty_rows or self.banned
+                                                                            or self.filter_rows)
 
     @classmethod
     def argmax_rows(cls) -> "SamplingMetadata":
@@ -78,6 +81,7 @@ class SamplingMetadata:
             banned=banned,
             max_num_logprobs=max((params[i].logprobs for i in logprob_rows), default=None),
             logprob_rows=logprob_rows,
+            filter_rows=[(i, r.params, r.output_token_ids) for i, r in enumerate(rows) if r.params.has_logits_filters],
         )
         if all_greedy:  # the common benchmark case: no per-row tensors to build or copy
             return metadata
@@ -111,7 +115,7 @@ class Sampler(nn.Module):
             return SamplerOutput(kernels.argmax(logits))  # in the model's dtype: the same argmax as in fp32
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
-        logits = apply_penalties(logits, metadata)
+        logits = apply_penalties(apply_logits_filters(logits, metadata), metadata)
         sampled = kernels.argmax(logits)
         if not metadata.all_greedy:
             probs = filtered_probs(logits, metadata)
@@ -123,8 +127,36 @@ class Sampler(nn.Module):
         return out
 
 
+def apply_logits_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """allowed_token_ids, bad_words, the min_tokens mask and logit_bias, in vLLM's order (a copy of
+    logits when any applies). A bad word's last token is masked when the output so far ends with the
+    rest of it (a one-token word: always)."""
+    if not metadata.filter_rows and not metadata.banned:
+        return logits
+    logits = logits.clone()
+    for row, params, output in metadata.filter_rows:
+        x = logits[row]
+        if params.allowed_token_ids is not None:
+            keep = torch.zeros_like(x, dtype=torch.bool)
+            keep[torch.tensor(params.allowed_token_ids, device=x.device)] = True
+            x.masked_fill_(~keep, float("-inf"))
+        for word in params.bad_words_token_ids:
+            prefix = word[:-1]
+            if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+                x[word[-1]] = float("-inf")
+    for row, ids in metadata.banned:
+        logits[row, ids] = float("-inf")
+    for row, params, _ in metadata.filter_rows:
+        if params.logit_bias:
+            ids = torch.tensor(list(params.logit_bias), device=logits.device)
+            logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
+                                             device=logits.device)
+    return logits
+
+
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    if not metadata.penalty_rows and not metadata.banned:
+    """Repetition (prompt and output tokens), frequency and presence (output tokens) penalties."""
+    if not metadata.penalty_rows:
         return logits
     logits = logits.clone()
     vocab = logits.shape[-1]
@@ -138,8 +170,6 @@ def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.T
             penalized = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
             logits[row] = torch.where(seen, penalized, x)
         logits[row] -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
-    for row, ids in metadata.banned:
-        logits[row, ids] = float("-inf")
     return logits
 
 

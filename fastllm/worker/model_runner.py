@@ -175,11 +175,11 @@ class ModelRunner:
         """A step without drafts: a decode step's CUDA graph, or the compiled forward; then the sampler."""
         states = [self.requests[r] for r in req_ids]
         last = self._last_output if self._last_output is not None and not self._last_output.done else None
-        if last is not None and any(s.num_pending and s.sampling_params.has_penalties for s in states):
+        if last is not None and any(s.num_pending and s.sampling_params.reads_output_tokens for s in states):
             if not self._said_penalties_wait:
                 self._said_penalties_wait = True
-                logger.info("penalties count every output token: steps with them wait for the previous "
-                            "step's tokens instead of overlapping it (logged once)")
+                logger.info("penalties and bad_words read every output token: steps with them wait for the "
+                            "previous step's tokens instead of overlapping it (logged once)")
             last.result()
             last = None
         num_scheduled = list(sched.num_scheduled_tokens.values())

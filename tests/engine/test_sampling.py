@@ -140,6 +140,8 @@ def test_min_tokens_and_stop_token_ids():
     SamplingParams(temperature=0.7), SamplingParams(temperature=0, logprobs=0),
     SamplingParams(temperature=0, min_tokens=2), SamplingParams(temperature=0, repetition_penalty=1.1),
     SamplingParams(temperature=0, presence_penalty=0.5), SamplingParams(temperature=0, frequency_penalty=-0.5),
+    SamplingParams(temperature=0, logit_bias={1: 0.5}), SamplingParams(temperature=0, allowed_token_ids=[3, 4]),
+    SamplingParams(temperature=0, bad_words=["a"]),
 ])
 def test_argmax_only_params_take_the_shortcut_build_would(params):
     """The runner skips SamplingMetadata.build when every row's params are argmax_only; that must be

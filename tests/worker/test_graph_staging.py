@@ -195,10 +195,13 @@ def test_large_batches_sample_outside_the_graph(monkeypatch):
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, logprobs=2),
                                     SamplingParams(temperature=0.8, presence_penalty=0.5),
-                                    SamplingParams(temperature=0.8, min_tokens=3)])
+                                    SamplingParams(temperature=0.8, min_tokens=3),
+                                    SamplingParams(temperature=0.8, logit_bias={3: 1.0}),
+                                    SamplingParams(temperature=0.8, allowed_token_ids=[1, 2]),
+                                    SamplingParams(temperature=0.8, bad_words=["x"])])
 def test_graph_leaves_other_sampling_to_the_sampler(params):
-    """A seeded row (its own generator), logprobs, penalties or min_tokens: the graph only computes the
-    logits (no params staged), and the sampler draws outside it."""
+    """A seeded row (its own generator), logprobs, penalties, min_tokens or a logits filter: the graph only
+    computes the logits (no params staged), and the sampler draws outside it."""
     _, seen, plain, staged, _ = _sampling_step(torch.device("cpu"), [SamplingParams(temperature=0.5), params])
     assert not staged.sampled_in_graph and not staged.sampling_metadata.argmax_only
     md = plain.attn_metadata
