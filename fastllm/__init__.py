@@ -5,12 +5,14 @@ The public names load lazily, so `import fastllm.core...` (pure Python) does not
 
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput", "BeamSearchOutput"]
 __version__ = "0.1.0"
 
 _WHERE = {
     "LLM": "fastllm.entrypoints.llm",
     "SamplingParams": "fastllm.sampling_params",
+    "BeamSearchParams": "fastllm.sampling_params",
+    "BeamSearchOutput": "fastllm.outputs",
     "RequestOutput": "fastllm.outputs",
     "CompletionOutput": "fastllm.outputs",
 }

@@ -41,3 +41,19 @@ class RequestOutput:
     finished: bool
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One beam of LLM.beam_search, as vLLM's: tokens and text of the whole sequence, prompt included."""
+
+    tokens: list[int]
+    text: str | None
+    cum_logprob: float  # the sum of the generated tokens' logprobs
+    score: float  # what the beams are ranked by: cum_logprob / num_generated ** length_penalty
+    finish_reason: str  # "stop" (EOS) or "length"
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best score first

@@ -195,3 +195,62 @@ class SamplingParams:
 
 def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+MAX_BEAM_WIDTH = 10  # each beam asks for its top 2 * beam_width logprobs, at most 20 (SamplingParams.logprobs)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (LLM.beam_search), scored and ended by Hugging Face transformers' rules, so that
+    generate(num_beams=beam_width, length_penalty=..., early_stopping=...) gives the same beams:
+
+    - Each step every running beam proposes its 2 * beam_width likeliest next tokens; the candidates
+      are ranked by cumulative logprob (the sum of the raw model logprobs of the generated tokens).
+    - Among the best beam_width candidates, one that ends (EOS, unless ignore_eos, or max_tokens
+      reached) becomes a finished hypothesis scored cum_logprob / generated_len ** length_penalty
+      (generated_len counts the EOS); the best beam_width hypotheses are kept. The best beam_width
+      candidates that do not end run on. An EOS candidate ranked below beam_width is dropped.
+    - length_penalty > 0 favours longer sequences, < 0 shorter ones, 0 ranks by cum_logprob alone.
+    - early_stopping: True stops once beam_width hypotheses are finished. False (transformers'
+      default) also stops when the best running beam, scored at its current length, cannot beat
+      the worst kept hypothesis. "never" scores it at max_tokens when length_penalty > 0 (the
+      canonical beam search, which stops only when no improvement is possible).
+    - The result is the kept hypotheses, best score first.
+
+    beam_width 1 runs the same algorithm with one beam: greedy decoding (what transformers runs for
+    num_beams=1) except with early_stopping="never" and length_penalty > 0. The search is
+    deterministic: temperature must be 0 (transformers' beam sampling is not implemented)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self):
+        checks = [
+            ("beam_width", _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
+             f"must be an integer in [1, {MAX_BEAM_WIDTH}]"),
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "must be an integer >= 1"),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a bool"),
+            ("temperature", self.temperature == 0, "must be 0: beam search is deterministic (beam sampling is not "
+             "implemented)"),
+            ("length_penalty", isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)
+             and not isinstance(self.length_penalty, bool), "must be a finite number"),
+            ("early_stopping", isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+             "must be True, False or 'never'"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise ValueError(f"BeamSearchParams.{name} {message}, got {getattr(self, name)!r}")
+
+    def sampling_params(self) -> SamplingParams:
+        """What each beam's steps ask of the sampler: the top 2 * beam_width raw logprobs."""
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              logprobs=2 * self.beam_width, output_kind=RequestOutputKind.FINAL_ONLY)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -16,6 +16,12 @@ drafts after it (num_spec_proposals: k, or 0 while the policy finds that specula
 a request that will draft after the step holds that many more slots for a draft model's own KV
 writes. The KV of rejected draft tokens is given back by lowering num_computed_tokens when the
 step's output comes back.
+
+A beam search (core/beam_search.py) runs its beams as requests that report their top logprobs instead
+of appending a sampled token. Once all have reported, the search picks the continuations: each is a
+fork of its parent beam (all of its blocks shared, copy-on-write on the last partial one) with the
+chosen token appended, and the parents are freed at once, so pruned and finished beams hold nothing.
+A beam is not scheduled again while its position is in flight: its next token is not known yet.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fastllm.config import CacheConfig, SchedulerConfig
+from fastllm.core.beam_search import BeamSearch
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.kv_cache_manager import KVCacheManager
 from fastllm.core.scheduler_output import (
@@ -99,6 +106,9 @@ class Scheduler:
         self._step_id = 0
         self._scheduled_requests: dict[int, dict[str, Request]] = {}
         self._warned_swap_full = False
+        self.beam_searches: dict[str, BeamSearch] = {}  # by the search's request id
+        self._beam_of: dict[str, BeamSearch] = {}  # beam request id -> its search
+        self.finished_beam_searches: list[BeamSearch] = []  # until take_finished_beam_searches
 
     # requests in and out
 
@@ -149,8 +159,8 @@ class Scheduler:
         wait_for_tokens = self.wait_for_sampled_tokens
         while i < len(self.running) and plan.budget > 0:
             request = self.running[i]
-            if self._ends_with_pending_token(request) or (wait_for_tokens and request.num_pending_tokens):
-                i += 1  # its in-flight token is its last, or (in a pipeline) must be known first
+            if self._waits_for_pending_token(request) or (wait_for_tokens and request.num_pending_tokens):
+                i += 1  # nothing to compute until its newest token is known (in a pipeline: always)
                 continue
             num_known = request.num_tokens_with_pending - request.num_computed_tokens
             num_new = min(num_known + len(request.spec_token_ids), plan.budget)
@@ -312,7 +322,8 @@ class Scheduler:
         self.num_preemptions += 1
         request.spec_token_ids = []  # the draft proposes again once the request runs
         request.num_preemptions += 1
-        if self.config.preemption_mode == "swap":
+        # (A beam waiting for the search would come back with nothing to compute: it is recomputed.)
+        if self.config.preemption_mode == "swap" and not self._beam_waits(request):
             if self.kv.can_swap_out(request):
                 request.status = RequestStatus.SWAPPED
                 self.swapped.appendleft(request)
@@ -342,6 +353,9 @@ class Scheduler:
             request = scheduled.get(req_id)
             if not tokens or request is None or request.is_finished:
                 continue  # finished while this step was in flight: its token is dropped
+            if req_id in self._beam_of:
+                self._beam_reported(request, runner_output.logprobs[req_id][2])
+                continue
             num_spec = len(spec_scheduled.get(req_id, ()))
             if num_spec:  # the KV of the rejected draft tokens is computed again
                 request.num_computed_tokens -= num_spec + 1 - len(tokens)
@@ -364,11 +378,82 @@ class Scheduler:
             updated.append((request, tokens[:num_appended]))
         return updated
 
-    @staticmethod
-    def _ends_with_pending_token(request: Request) -> bool:
-        """Whether the request stops by length once its in-flight token lands (so scheduling it
-        again would compute a token nobody reads)."""
+    # beam search
+
+    def add_beam_search(self, search: BeamSearch, first: Request) -> None:
+        """Start a search whose first beam is `first` (the prompt)."""
+        self.add_request(first)
+        search.max_tokens = min(search.max_tokens, first.max_total_tokens - first.num_prompt_tokens)
+        search.set_beams([first], [0.0])
+        self.beam_searches[search.request_id] = search
+        self._beam_of[first.request_id] = search
+
+    def finish_beam_search(self, request_id: str) -> None:
+        """Abort a search: its beams' blocks are freed, it gives no output."""
+        search = self.beam_searches.pop(request_id, None)
+        for beam in search.beams if search is not None else ():
+            self._drop_beam(beam)
+
+    def take_finished_beam_searches(self) -> list[BeamSearch]:
+        finished, self.finished_beam_searches = self.finished_beam_searches, []
+        return finished
+
+    def _beam_reported(self, beam: Request, top: list[tuple[int, float]]) -> None:
+        beam.num_pending_tokens -= 1
+        search = self._beam_of[beam.request_id]
+        if not search.report(beam, top):
+            return
+        parents = search.beams
+        continuations = search.advance()
+        forks = [self._fork_beam(search, c.parent, c.token) for c in continuations]
+        for parent in parents:  # after the forks, which hold the blocks they share with it
+            self._replace_beam(parent, [f for f, c in zip(forks, continuations) if c.parent is parent])
+        if search.done:
+            del self.beam_searches[search.request_id]
+            self.finished_beam_searches.append(search)
+        else:
+            search.set_beams(forks, [c.cum_logprob for c in continuations])
+
+    def _fork_beam(self, search: BeamSearch, parent: Request, token: int) -> Request:
+        """A new beam: the parent's tokens and token, sharing all the parent's blocks when it runs
+        (else recomputed from the waiting queue, hitting the prefix cache)."""
+        child = parent.copy_as(search.next_beam_id())
+        child.append_token(token)
+        if parent.status == RequestStatus.RUNNING and self.kv.fork(parent, child, parent.num_computed_tokens):
+            child.status = RequestStatus.RUNNING
+        else:
+            child.num_computed_tokens = 0
+        self.requests[child.request_id] = child
+        self._beam_of[child.request_id] = search
+        return child
+
+    def _replace_beam(self, parent: Request, children: list[Request]) -> None:
+        """Put the parent's forks where it stood (running ones in its place in the running list, the
+        others at the head of the waiting queue), then free it."""
+        if parent.status == RequestStatus.RUNNING:
+            i = self.running.index(parent)
+            self.running[i:i] = [c for c in children if c.status == RequestStatus.RUNNING]
+        self.waiting.extendleft(reversed([c for c in children if c.status != RequestStatus.RUNNING]))
+        self._drop_beam(parent)
+
+    def _drop_beam(self, beam: Request) -> None:
+        del self._beam_of[beam.request_id]
+        if not beam.is_finished:
+            self._queue_of(beam).remove(beam)
+            beam.status = RequestStatus.FINISHED_STOPPED
+            self._free(beam)
+
+    def _waits_for_pending_token(self, request: Request) -> bool:
+        """Whether the request has nothing to compute until its newest token is known: a beam that
+        computed its tokens, or a request that stops by length once its in-flight token lands (a
+        step would compute a token nobody reads)."""
+        if request.request_id in self._beam_of:
+            return self._beam_waits(request)
         return request.num_pending_tokens > 0 and request.num_tokens_with_pending >= request.max_total_tokens
+
+    def _beam_waits(self, request: Request) -> bool:
+        """A beam that computed its tokens: the search picks its next one once every beam has reported."""
+        return request.request_id in self._beam_of and request.num_computed_tokens >= request.num_tokens
 
     @staticmethod
     def _check_stop(request: Request, token: int) -> RequestStatus | None:

@@ -9,6 +9,7 @@ from collections import deque
 from pathlib import Path
 
 from fastllm.config import EngineConfig
+from fastllm.core.beam_search import BeamSearch
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
 from fastllm.core.scheduler_output import SchedulerOutput
@@ -16,7 +17,7 @@ from fastllm.engine.gc_tuning import prepare_gc_for_serving, read_gc_threshold
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request, RequestStatus
 from fastllm.outputs import RequestOutput
-from fastllm.sampling_params import SamplingParams
+from fastllm.sampling_params import BeamSearchParams, SamplingParams
 from fastllm.spec_decode.policy import SpecPolicy
 from fastllm.tracing import nvtx_range
 from fastllm.worker.async_output import AsyncRunnerOutput
@@ -114,23 +115,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
         """Validate and queue a request. Raises ValueError (and queues nothing) on bad input."""
         params = params or SamplingParams()
-        if request_id in self.output_processor.groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_request_id(request_id)
         text, token_ids = self.tokenize(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        max_tokens = self._check_prompt(token_ids, params.max_tokens)
         params.tokenize_bad_words(self.tokenizer)
         params.check_token_ids(self.vocab_size)
-        max_len = self.config.model.max_model_len
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)
-        if len(token_ids) + max_tokens > max_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({max_len})")
-        if max_tokens < 1:
-            raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room to generate within "
-                             f"max_model_len ({max_len})")
         block_size = self.config.cache.block_size
         hash_fn = self.scheduler.hash_fn
         children = []
@@ -144,8 +133,45 @@ class LLMEngine:
         for child in children:
             self.scheduler.add_request(child)
 
+    def add_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> None:
+        """Validate and queue a beam search (LLM.beam_search): its one RequestOutput comes when it ends,
+        with the beams best first. Raises ValueError (and queues nothing) on bad input."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if 2 * params.beam_width > self.vocab_size:
+            raise ValueError(f"BeamSearchParams.beam_width must be at most half the vocabulary ({self.vocab_size})")
+        self._check_request_id(request_id)
+        text, token_ids = self.tokenize(prompt)
+        max_tokens = self._check_prompt(token_ids, params.max_tokens)
+        search = BeamSearch(request_id, text, token_ids, params, self.eos_token_id, max_tokens)
+        first = Request(search.next_beam_id(), token_ids, params.sampling_params(), self.eos_token_id, max_tokens,
+                        self.config.cache.block_size, self.scheduler.hash_fn)
+        self.scheduler.add_beam_search(search, first)
+
+    def _check_request_id(self, request_id: str) -> None:
+        if request_id in self.output_processor.groups or request_id in self.scheduler.beam_searches:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def _check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
+        """Raise ValueError unless the prompt's ids are in the vocabulary and it leaves room to generate;
+        returns max_tokens (None: up to max_model_len)."""
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        max_len = self.config.model.max_model_len
+        max_tokens = max_tokens if max_tokens is not None else max_len - len(token_ids)
+        if len(token_ids) + max_tokens > max_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({max_len})")
+        if max_tokens < 1:
+            raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room to generate within "
+                             f"max_model_len ({max_len})")
+        return max_tokens
+
     def abort_request(self, request_ids: str | list[str]) -> None:
         for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.scheduler.finish_beam_search(request_id)
             children = self.output_processor.child_ids(request_id)
             self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
             self.output_processor.abort(request_id)
@@ -154,7 +180,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.output_processor.groups)
+        return len(self.output_processor.groups) + len(self.scheduler.beam_searches)
 
     # the loop
 
@@ -195,6 +221,7 @@ class LLMEngine:
             updated = self.scheduler.update_from_output(scheduler_output, result)
         with nvtx_range("detokenize"):
             outputs, stopped = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
+            outputs += [s.to_output(self.tokenizer) for s in self.scheduler.take_finished_beam_searches()]
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
 

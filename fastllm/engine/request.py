@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import time
 
@@ -96,6 +97,17 @@ class Request:
         self.all_token_ids.append(token_id)
         if self._hash_fn is not None and len(self.all_token_ids) % self._block_size == 0:
             self._update_hashes()  # a block just became full
+
+    def copy_as(self, request_id: str) -> "Request":
+        """This request's tokens, block hashes and progress under another id (beam search forks beams)."""
+        child = copy.copy(self)
+        child.request_id = request_id
+        child.all_token_ids = list(self.all_token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.spec_token_ids = []
+        child.num_pending_tokens = 0
+        child.status = RequestStatus.WAITING
+        return child
 
     def _update_hashes(self) -> None:
         if self._hash_fn is not None:

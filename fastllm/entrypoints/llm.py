@@ -6,9 +6,10 @@ import itertools
 
 from tqdm.auto import tqdm
 
+from fastllm.core.beam_search import beam_score
 from fastllm.engine.llm_engine import LLMEngine, PromptType
-from fastllm.outputs import RequestOutput
-from fastllm.sampling_params import RequestOutputKind, SamplingParams
+from fastllm.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from fastllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -29,9 +30,7 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -55,6 +54,30 @@ class LLM:
             raise
         return self._run(request_ids, use_tqdm)
 
+    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (BeamSearchParams gives the rules, transformers'). The beams
+        share their prompt's KV and fork at each step. Returns per prompt the beams, best first."""
+        request_ids = []
+        try:
+            for prompt in _as_list(prompts):
+                request_ids.append(str(next(self._ids)))
+                self.engine.add_beam_search(request_ids[-1], prompt, params)
+        except Exception:
+            self.engine.abort_request(request_ids)
+            raise
+        tokenizer = self.engine.tokenizer
+        outputs = []
+        for out in self._run(request_ids, use_tqdm):
+            sequences = []
+            for beam in out.outputs:
+                tokens = out.prompt_token_ids + beam.token_ids
+                text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+                score = beam_score(beam.cumulative_logprob, len(beam.token_ids), params.length_penalty)
+                sequences.append(BeamSearchSequence(tokens, text, beam.cumulative_logprob, score, beam.finish_reason))
+            outputs.append(BeamSearchOutput(sequences))
+        return outputs
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
@@ -68,3 +91,10 @@ class LLM:
                 self.engine.abort_request([r for r in request_ids if r not in finished])
                 raise
         return [finished[r] for r in request_ids]
+
+
+def _as_list(prompts: PromptType | list[PromptType]) -> list[PromptType]:
+    """One prompt (a text, a list of token ids, a dict) or a list of them."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

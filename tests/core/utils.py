@@ -90,12 +90,16 @@ class FakeRunner:
     """The model runner's bookkeeping over a simulated KV store (see the module docstring).
 
     token_fn(request) -> the token to sample for a request whose known tokens are all computed.
+    logprobs_fn(request) -> {token: logprob} of its next token, for requests that ask for logprobs
+    (beams): the runner reports the top SamplingParams.logprobs of them, as the sampler does.
     """
 
-    def __init__(self, sched: Scheduler, token_fn: Callable[[Request], int] | None = None):
+    def __init__(self, sched: Scheduler, token_fn: Callable[[Request], int] | None = None,
+                 logprobs_fn: Callable[[Request], dict[int, float]] | None = None):
         self.sched = sched
         self.bs = sched.block_size
         self.token_fn = token_fn or (lambda request: TOKEN)
+        self.logprobs_fn = logprobs_fn
         self.tables: dict[str, list[int]] = {}  # the runner's block tables, from the diffs only
         self.computed: dict[str, int] = {}
         self.gpu: dict[int, list] = {}  # block id -> one signature per slot
@@ -126,7 +130,8 @@ class FakeRunner:
             assert new.req_id not in self.tables, f"{new.req_id} sent as new twice"
             request = self.sched.requests[new.req_id]
             assert new.prompt_token_ids == request.prompt_token_ids
-            assert new.num_computed_tokens + len(new.output_token_ids) <= request.num_tokens
+            assert new.prompt_token_ids + new.output_token_ids == request.all_token_ids
+            assert new.num_computed_tokens < request.num_tokens
             self.tables[new.req_id] = list(new.block_ids)
             self.computed[new.req_id] = new.num_computed_tokens
             seen.add(new.req_id)
@@ -175,12 +180,17 @@ class FakeRunner:
         for req_id in req_ids:
             self._check_kv(sched.requests[req_id], self.tables[req_id], self.computed[req_id])
         tokens: list[list[int]] = []
+        logprobs = {}
         for req_id in req_ids:
             request = sched.requests[req_id]
             self.computed[req_id] = request.num_computed_tokens
             caught_up = request.num_computed_tokens == request.num_tokens
             tokens.append([self.token_fn(request)] if caught_up else [])
-        return ModelRunnerOutput(req_ids, tokens)
+            num = request.sampling_params.logprobs
+            if caught_up and num is not None and self.logprobs_fn is not None:
+                top = sorted(self.logprobs_fn(request).items(), key=lambda kv: -kv[1])[:num]
+                logprobs[req_id] = (top[0][1], 1, top)
+        return ModelRunnerOutput(req_ids, tokens, logprobs)
 
     def _first_read(self, first_query: int) -> int:
         """The first position a query at first_query (or later) reads: all of them, or its sliding window's."""

@@ -1,0 +1,94 @@
+"""Beam search's cost per generated position against plain decoding of as many sequences, in one run:
+beam width W at batch 1 against a batch-W greedy decode (ignore EOS), same prompt length, same engine.
+
+    python benchmarks/bench_beam_search.py --model llama-3.1-8b --load-format dummy --dtype bfloat16
+
+Each side runs twice, to --short and to --long generated tokens; the cost of a position is the
+difference of the two wall times over the difference of the lengths, so the prompt, the first step
+and the search's bookkeeping at the ends cancel out. Both sides are warmed up first (CUDA graphs,
+the sampler's logprob path, Triton autotuning), repeated --repeats times, the median kept. The target
+(issue #25): beam search costs at most 1.15x the decode step per position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from fastllm import BeamSearchParams, SamplingParams
+from fastllm.bench import ceilings
+from fastllm.bench.runner import random_prompts
+from fastllm.engine.llm_engine import LLMEngine
+
+TARGET = 1.15
+
+
+def timed(engine: LLMEngine, prompt: list[int], width: int, num_tokens: int, beam: bool) -> float:
+    """Wall seconds from submitting to the last output: width greedy requests, or one beam search."""
+    tag = f"{'beam' if beam else 'decode'}-{num_tokens}-{time.perf_counter_ns()}"
+    start = time.perf_counter()
+    if beam:
+        engine.add_beam_search(tag, {"prompt_token_ids": prompt}, BeamSearchParams(width, num_tokens, ignore_eos=True))
+    else:
+        params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+        for i in range(width):
+            engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def per_position_ms(engine, prompt, width, short, long, beam, repeats) -> float:
+    costs = []
+    for _ in range(repeats):
+        t_short = timed(engine, prompt, width, short, beam)
+        t_long = timed(engine, prompt, width, long, beam)
+        costs.append((t_long - t_short) / (long - short) * 1e3)
+    return statistics.median(costs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--beam-width", type=int, default=4)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--short", type=int, default=32, help="generated tokens of the short runs")
+    p.add_argument("--long", type=int, default=160, help="generated tokens of the long runs")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    width = args.beam_width
+    engine = LLMEngine.from_kwargs(args.model, load_format=args.load_format, dtype=args.dtype,
+                                   max_model_len=args.max_model_len, cuda_graph_sizes=[1, 2, 4, 8, 16])
+    vocab = engine.vocab_size
+    prompt = random_prompts(np.random.default_rng(0), 1, args.input_len, vocab)[0]
+    for beam in (False, True):  # warm up: graphs replayed, sampler paths and kernels compiled
+        timed(engine, prompt, width, 8, beam)
+    decode = per_position_ms(engine, prompt, width, args.short, args.long, False, args.repeats)
+    beams = per_position_ms(engine, prompt, width, args.short, args.long, True, args.repeats)
+    engine.check_kv_pool_whole()
+    ratio = beams / decode
+    meta = {**ceilings.environment(engine.worker.device), "model": args.model, "dtype": args.dtype,
+            "load_format": args.load_format, "input_len": args.input_len}
+    print(f"beam search width {width} vs batch-{width} greedy decode: {args.model} ({args.load_format}, {args.dtype}) "
+          f"on {meta['device']}, commit {meta.get('commit')}, prompt {args.input_len} tokens")
+    print(f"  batch-{width} decode step:        {decode:.3f} ms per position")
+    print(f"  beam search, width {width}:       {beams:.3f} ms per position")
+    print(f"  ratio: {ratio:.3f} (target <= {TARGET}) -> {'PASS' if ratio <= TARGET else 'FAIL'}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"benchmark": "beam_search", "meta": meta, "decode_ms": decode, "beam_ms": beams,
+                       "ratio": ratio, "target": TARGET}, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
