@@ -61,7 +61,8 @@ def test_latency_sweep_table_json_csv_plot(tmp_path, capsys):
     assert result["startup"]["compile_s"] is None and result["startup"]["cuda_graph_s"] is None  # eager on CPU
     rows = result["rows"]
     assert [r["batch_size"] for r in rows] == [1, 2]
-    shape = ModelShape.from_model(None)
+    assert result["meta"]["dtype"] == "float32"  # the CPU runs the bfloat16 checkpoint in float32
+    shape = ModelShape.from_model(None, "float32")
     for row in rows:
         assert list(row) == LATENCY_COLUMNS
         assert row["bw_frac"] is None and row["tc_frac"] is None and row["peak_mem_gib"] is None
