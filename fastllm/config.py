@@ -122,11 +122,11 @@ class CacheConfig:
                                            "fit)")
     cpu_kv_cache_gib: float = arg(0.25, "KV pool size in GiB when the model runs on the CPU")
     swap_space_gib: float = arg(1.0, "CPU pool in GiB for preemption_mode swap")
-    num_cpu_blocks: int | None = arg(None, "CPU swap blocks, overriding swap_space_gib")
+    num_cpu_blocks: int | None = arg(None, "CPU swap blocks (default: as many as swap_space_gib holds)")
     enable_prefix_caching: bool = arg(True, "reuse the KV of prompt blocks seen before (prefix caching)")
     # Requests that share leading KV blocks attend to that prefix once per group (worker/cascade.py).
-    cascade_attention: bool | None = arg(None, "read a prefix that requests share once per group: None where "
-                                         "its cost model says it pays, True for every such group, False never")
+    cascade_attention: bool | None = arg(None, "read a prefix that requests share once per group: on for every "
+                                         "such group, off never (default: where its cost model says it pays)")
 
     def __post_init__(self):
         _check(any(self.cascade_attention is v for v in (None, True, False)), "cascade_attention",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fastllm.cache import cache_dir
+from fastllm.compile_cache import cache_dir
 
 logger = logging.getLogger(__name__)
 

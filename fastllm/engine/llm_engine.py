@@ -13,7 +13,6 @@ from fastllm.core.beam_search import BeamSearch
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
 from fastllm.core.scheduler_output import SchedulerOutput
-from fastllm.engine.gc_tuning import prepare_gc_for_serving, read_gc_threshold
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request, RequestStatus
 from fastllm.outputs import RequestOutput
@@ -44,7 +43,6 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, hash_fn: HashFn = hash_block_tokens):
         self.config = config
         start = time.perf_counter()
-        gc_threshold = read_gc_threshold()  # a malformed FASTLLM_GC_THRESHOLD fails before anything loads
         if config.parallel.world_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) > 0:
             torchrun_worker(config)  # a rank above 0 serves rank 0's engine, then exits
         self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
@@ -86,7 +84,6 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, AsyncRunnerOutput]] = deque()
         self._max_in_flight = pipeline if self.async_scheduling else 0
         self.last_step_wait_s = 0.0  # time the last step() spent waiting for the GPU (bench: host = step - wait)
-        prepare_gc_for_serving(gc_threshold)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%.3f GiB) on %s", self.startup_seconds,
                     num_blocks, config.cache.block_size, self.worker.kv_cache_gib(), self.worker.device)

@@ -1,53 +1,73 @@
-"""`fastllm bench [latency|throughput|prefix|startup|serving]`: argument parsing and the run; the
-measurements live in fastllm/bench/ (latency.py, throughput.py, serving.py, profile.py, roofline.py, ...).
-
-  fastllm bench --batch-sizes 1,8,32 --input-len 128 --output-len 256     decode latency sweep
-  fastllm bench throughput --num-prompts 256 --input-len 512 --output-len 256
-  fastllm bench prefix --num-prompts 64 --shared-prefix-len 1024 --input-len 128
-  fastllm bench startup
-  fastllm bench serving --num-prompts 200 --request-rates 4,16,inf    requests at a rate to `fastllm serve`
-"""
+"""`fastllm bench`: its arguments and the run of each mode; the measurements themselves live in
+fastllm/bench/ (latency.py, throughput.py, serving.py, profile.py, roofline.py, ...)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import textwrap
 from pathlib import Path
 
-from fastllm.entrypoints.cli import add_engine_args, engine_kwargs
+from fastllm.entrypoints.cli import SPECULATIVE_FLAGS, add_engine_args, engine_fields, engine_kwargs
 
 logger = logging.getLogger(__name__)
 
-MODES = ("latency", "throughput", "prefix", "startup", "serving")
+MODES = {
+    "latency": "decode latency sweep (the default): per batch size, time to first token, time per output "
+               "token, tokens/s and the share of the GPU's copy bandwidth and tensor-core rate reached",
+    "throughput": "offline throughput: --num-prompts requests submitted at once (random prompts or --dataset); "
+                  "requests/s and tokens/s",
+    "prefix": "prefix sharing: requests that share a --shared-prefix-len prefix; time to first token, "
+              "throughput and the prefix-cache hit rate",
+    "startup": "seconds from LLM(...) to ready, per phase (load, compile, CUDA graphs, KV cache)",
+    "serving": "requests at Poisson --request-rates to `fastllm serve` (started here unless --url): TTFT, "
+               "TPOT, inter-token latency and throughput per rate",
+}
+DESCRIPTION = """Measure fastllm on this machine. Every mode prints a table stamped with the device, library
+versions and commit; --output-json / --output-csv keep it.
+
+modes:
+{modes}
+
+examples:
+  fastllm bench --model llama-3.1-8b --load-format dummy --dtype bfloat16 --batch-sizes 1,8,32
+  fastllm bench throughput --num-prompts 256 --input-len 512 --output-len 256
+  fastllm bench prefix --num-prompts 64 --shared-prefix-len 1024 --input-len 128
+  fastllm bench startup
+  fastllm bench serving --num-prompts 200 --request-rates 4,16,inf
+
+Prompts are random token ids of --input-len tokens, outputs --output-len tokens with EOS ignored, so
+runs are comparable across models and commits. Without a GPU the engine runs on the CPU, and the
+bandwidth and tensor-core columns are n/a."""
 # mode -> (input_len, output_len, shared_prefix_len)
 DEFAULTS = {"latency": (128, 256, 0), "throughput": (512, 256, 0), "prefix": (128, 128, 1024), "startup": (0, 0, 0),
             "serving": (128, 128, 0)}
 
 
 def add_bench_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks: decode latency sweep (default), throughput, prefix, startup",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", nargs="?", default="latency", choices=MODES, help="what to measure (default: latency)")
+    modes = "\n".join(textwrap.fill(text, 100, initial_indent=f"  {name:<11} ", subsequent_indent=" " * 14)
+                      for name, text in MODES.items())
+    p = subparsers.add_parser("bench", help=f"benchmarks: {', '.join(MODES)} (latency is the default)",
+                              description=DESCRIPTION.format(modes=modes),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", nargs="?", default="latency", choices=list(MODES), help="what to measure (default: latency)")
     w = p.add_argument_group("workload")
-    w.add_argument("--batch-sizes", default="1,8,32,128,256", help="latency: comma-separated batch sizes")
+    w.add_argument("--batch-sizes", default="1,8,32,128,256", help="latency: comma-separated batch sizes (default: 1,8,32,128,256)")
     w.add_argument("--input-len", type=int, default=None,
                    help="prompt tokens (default: latency 128, throughput 512, prefix 128 after the shared prefix)")
     w.add_argument("--output-len", type=int, default=None, help="generated tokens per request, EOS ignored "
                    "(default: latency 256, throughput 256, prefix 128)")
-    w.add_argument("--num-prompts", type=int, default=256, help="throughput/prefix: requests, all submitted at once")
+    w.add_argument("--num-prompts", type=int, default=256, help="throughput/prefix: requests, all submitted at once (default: 256)")
     w.add_argument("--dataset", default=None, help='throughput: JSONL of {"prompt": ...} or {"prompt_token_ids": [...]}')
     w.add_argument("--shared-prefix-len", type=int, default=None,
                    help="throughput/prefix: tokens every prompt shares before its own input-len (prefix: 1024)")
     w.add_argument("--request-rates", default="inf", help="serving: comma-separated requests/s (Poisson arrivals); "
-                   "inf sends all at once")
+                   "inf sends all at once (default: inf)")
     w.add_argument("--max-concurrency", type=int, default=None, help="serving: most requests in flight")
     w.add_argument("--url", default=None, help="serving: a running `fastllm serve` (default: start one with the "
                    "engine arguments below)")
     w.add_argument("--served-model-name", default=None, help="serving: the model name that server answers to")
-    w.add_argument("--cuda-graph-sizes", default=None,
-                   help="decode batch sizes to capture, comma-separated (default: the engine's, 1..max-num-seqs); "
-                        "the sweep's batch sizes are enough for a latency run and capture faster")
     w.add_argument("--matmul-floor", action="store_true",
                    help="latency: also time the step's weight matmuls alone (one CUDA graph) per batch size")
     o = p.add_argument_group("output")
@@ -65,7 +85,7 @@ def add_bench_parser(subparsers) -> None:
                    help="after the run, write a torch-profiler Chrome trace of a few decode steps to DIR")
     t.add_argument("--profile-batch-size", type=int, default=None,
                    help="batch of the profiled steps (default: the largest batch size)")
-    t.add_argument("--profile-steps", type=int, default=5, help="decode steps in the trace")
+    t.add_argument("--profile-steps", type=int, default=5, help="decode steps in the trace (default: 5)")
     t.add_argument("--nvtx", action="store_true", help="NVTX ranges on (engine phases) for Nsight Systems")
     t.add_argument("--nvtx-layers", action="store_true", help="NVTX ranges per decoder layer too (implies --nvtx)")
     add_engine_args(p)
@@ -86,13 +106,6 @@ def parse_batch_sizes(text: str, flag: str = "--batch-sizes") -> list[int]:
     if not sizes or any(b < 1 for b in sizes):
         raise ValueError(f"{flag} must be comma-separated integers >= 1, got {text!r}")
     return sizes
-
-
-def bench_engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = engine_kwargs(args)
-    if args.cuda_graph_sizes:
-        kwargs["cuda_graph_sizes"] = parse_batch_sizes(args.cuda_graph_sizes, "--cuda-graph-sizes")
-    return kwargs
 
 
 def execution(engine) -> str:
@@ -133,20 +146,17 @@ def check_batch_sizes(args: argparse.Namespace, max_num_seqs: int) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from fastllm.bench import ceilings as ceil
-    from fastllm.bench import report
-    from fastllm.bench.roofline import ModelShape
-    from fastllm.bench.runner import build_config, check_lengths, startup_breakdown
+    """Check the arguments, build the engine, run the mode, then the table, files, plot and profile."""
+    from fastllm.bench.runner import build_config, check_lengths
     from fastllm.engine.llm_engine import LLMEngine
+    from fastllm.entrypoints.process_setup import prepare_gc_for_serving
     from fastllm.tracing import enable_nvtx
     from fastllm.worker.worker import select_device
 
     check_args(args)
     if args.nvtx or args.nvtx_layers:
         enable_nvtx(layers=args.nvtx_layers)
-    config = build_config(args.model, bench_engine_kwargs(args))
+    config = build_config(args.model, engine_kwargs(args))
     if args.mode != "startup" and not args.dataset:
         check_lengths(config, args.shared_prefix_len + args.input_len, args.output_len)
     dataset = None
@@ -154,13 +164,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from fastllm.bench.throughput import load_dataset
 
         dataset = load_dataset(args.dataset, args.num_prompts)
-    progress = sys.stderr.isatty() if args.progress is None else args.progress
     if args.mode == "serving":
         return cmd_serving(args, config)
     device = select_device(config, 0)
     config = config.for_device(device)  # max_num_seqs decided for the device, before anything loads
     if args.mode == "latency":
         check_batch_sizes(args, config.scheduler.max_num_seqs)
+    ceilings = bench_ceilings(args, device)
+    engine = LLMEngine(config)
+    prepare_gc_for_serving()
+    result, shape = new_result(args, engine, device, ceilings)
+    profile_at = run_mode(args, engine, result, shape, dataset)
+    finish(args, engine, result, profile_at)
+    return 0
+
+
+def bench_ceilings(args: argparse.Namespace, device) -> dict | None:
+    """The GPU's copy bandwidth and matmul rate: measured, read from --ceilings-from, or none (CPU)."""
+    from fastllm.bench import ceilings as ceil
 
     ceilings = None
     if args.ceilings_from:
@@ -172,8 +193,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             logger.warning("no ceilings to write to %s (no GPU, or --no-ceilings)", args.ceilings_out)
         else:
             ceil.save_ceilings(ceilings, args.ceilings_out)
+    return ceilings
 
-    engine = LLMEngine(config)
+
+def new_result(args: argparse.Namespace, engine, device, ceilings: dict | None):
+    """The run's record before its rows (the stamp, the engine's startup, the model), and the model's shape."""
+    from fastllm.bench import ceilings as ceil
+    from fastllm.bench.roofline import ModelShape
+    from fastllm.bench.runner import startup_breakdown
+
+    config = engine.config
     dtype = str(engine.worker.runner.dtype).replace("torch.", "")
     shape = ModelShape.from_hf_config(config.model.hf_config, dtype)
     actual = sum(p.numel() for p in engine.worker.runner.model.parameters())  # rank 0's shard
@@ -187,34 +216,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "batch_sizes": args.batch_sizes if args.mode == "latency" else None,
         "num_prompts": args.num_prompts if args.mode in ("throughput", "prefix") else None,
         "shared_prefix_len": args.shared_prefix_len, "dataset": args.dataset,
-        "engine_args": bench_engine_kwargs(args), "max_model_len": config.model.max_model_len,
+        "engine_args": engine_kwargs(args), "max_model_len": config.model.max_model_len,
         "execution": execution(engine),
         "nvtx": args.nvtx or args.nvtx_layers,
         "args": {k: v for k, v in vars(args).items() if k != "func"},
     }
-    result = {"benchmark": args.mode, "meta": meta, "ceilings": ceilings, "startup": startup_breakdown(engine),
-              "model": shape.summary(), "rows": []}
-    print(report.header(result), flush=True)
+    return {"benchmark": args.mode, "meta": meta, "ceilings": ceilings, "startup": startup_breakdown(engine),
+            "model": shape.summary(), "rows": []}, shape
 
-    def save() -> None:
-        if args.output_json:
-            report.write_json(result, args.output_json)
-        if args.output_csv:
-            report.write_csv(result, args.output_csv)
+
+def save(args: argparse.Namespace, result: dict) -> None:
+    from fastllm.bench import report
+
+    if args.output_json:
+        report.write_json(result, args.output_json)
+    if args.output_csv:
+        report.write_csv(result, args.output_csv)
+
+
+def run_mode(args: argparse.Namespace, engine, result: dict, shape, dataset) -> tuple[int, int]:
+    """Run the mode's measurements, printing and saving each row as it comes; returns the batch size and
+    prompt length a --profile trace would use."""
+    from fastllm.bench import report
+
+    print(report.header(result), flush=True)
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    config = engine.config
 
     def on_row(row: dict) -> None:
         result["rows"].append(row)
         print(report.row_line(args.mode, row), flush=True)
-        save()
+        save(args, result)
 
-    profile_bs, profile_len = args.profile_batch_size, args.input_len
     if args.mode == "latency":
         from fastllm.bench.latency import run_latency
 
-        run_latency(engine, args.batch_sizes, args.input_len, args.output_len, ceilings, shape, seed=config.model.seed,
-                    matmul_floor=args.matmul_floor, progress=progress, on_row=on_row)
-        profile_bs = profile_bs or max(args.batch_sizes)
-    elif args.mode in ("throughput", "prefix"):
+        run_latency(engine, args.batch_sizes, args.input_len, args.output_len, result["ceilings"], shape,
+                    seed=config.model.seed, matmul_floor=args.matmul_floor, progress=progress, on_row=on_row)
+        return args.profile_batch_size or max(args.batch_sizes), args.input_len
+    if args.mode in ("throughput", "prefix"):
         from fastllm.bench.throughput import make_prompts, run_prefix, run_throughput
 
         prompts = dataset or make_prompts(engine, args.num_prompts, args.input_len, args.shared_prefix_len,
@@ -227,12 +267,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:
             on_row(run_throughput(engine, prompts, args.output_len, args.shared_prefix_len, progress,
                                   warmup_len=min(args.input_len, 512)))
-        profile_bs = profile_bs or min(args.num_prompts, config.scheduler.max_num_seqs)
-        profile_len = args.shared_prefix_len + args.input_len
-    else:
-        save()
+        return (args.profile_batch_size or min(args.num_prompts, config.scheduler.max_num_seqs),
+                args.shared_prefix_len + args.input_len)
+    return args.profile_batch_size or 1, args.input_len
+
+
+def finish(args: argparse.Namespace, engine, result: dict, profile_at: tuple[int, int]) -> None:
+    """The table, the files, the plot and the --profile trace."""
+    import torch
+
+    from fastllm.bench import report
+
     print(report.table(result), flush=True)
-    save()
+    save(args, result)
     if args.plot:
         if args.mode == "latency":
             report.plot_latency(result, args.plot)
@@ -241,12 +288,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.profile and args.mode != "startup":
         from fastllm.bench.profile import print_profile, profile_decode
 
-        print_profile(profile_decode(engine, profile_bs, profile_len, args.profile, args.profile_steps,
-                                     layers=args.nvtx_layers))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        print_profile(profile_decode(engine, *profile_at, args.profile, args.profile_steps, layers=args.nvtx_layers))
+    if engine.worker.device.type == "cuda":
+        torch.cuda.synchronize(engine.worker.device)
     engine.shutdown()
-    return 0
 
 
 def parse_rates(text: str) -> list[float]:
@@ -260,17 +305,19 @@ def parse_rates(text: str) -> list[float]:
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:
-    """The `fastllm serve` flags that give the server this run's engine arguments."""
-    from fastllm.entrypoints.cli import ENGINE_ARGS
-
-    out = ["--model", args.model] if args.model else []
-    for name, (_, default, _) in ENGINE_ARGS.items():
-        value = getattr(args, name)
-        if value is not None and value != default:
-            out += ["--" + name.replace("_", "-"), str(value)]
-    out += ["--no-prefix-caching"] if args.no_prefix_caching else []
-    out += ["--no-cascade-attention"] if args.no_cascade_attention else []
-    out += ["--enforce-eager"] if args.enforce_eager else []
+    """The `fastllm serve` flags that give the server this run's engine arguments (those not at their default)."""
+    out = []
+    for field in engine_fields():
+        value, flag = getattr(args, field.name), "--" + field.name.replace("_", "-")
+        if value == field.default:
+            continue
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
+    for name in SPECULATIVE_FLAGS:
+        if getattr(args, name) is not None:
+            out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return out
 
 
@@ -289,8 +336,6 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
     from fastllm.worker.worker import select_device
 
     rates = parse_rates(args.request_rates)
-    if args.cuda_graph_sizes:
-        logger.warning("--cuda-graph-sizes is not passed to the server: it captures its default sizes")
     model_name = args.served_model_name or served_name(args.model)
     vocab = config.model.hf_config["vocab_size"]
     meta = {**ceil.environment(select_device(config, 0)), "model": model_name, "model_path": config.model.model,

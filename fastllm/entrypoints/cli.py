@@ -1,63 +1,192 @@
-"""The `fastllm` command: generate | bench | serve. Argument parsing only; the work is elsewhere."""
+"""The `fastllm` command: generate | serve | bench. Argument parsing only; the work is elsewhere.
+
+Every engine argument is a flag of every command, built from the config dataclasses' fields (name,
+type, default, help text and choices: fastllm/config.py), so a new config field is a flag everywhere
+and no default is written twice. Errors from the library are reworded into flags (cli_language).
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import re
 import sys
+import typing
 
-ENGINE_ARGS = {
-    # flag: (type, default, help)
-    "dtype": (str, "auto", "auto | float32 | float16 | bfloat16"),
-    "load_format": (str, "auto", "auto | safetensors | dummy (random weights of the config)"),
-    "max_model_len": (int, None, "context length (default: the model's)"),
-    "block_size": (int, 16, "tokens per KV block"),
-    "gpu_memory_utilization": (float, 0.9, "fraction of GPU memory the engine may use"),
-    "max_num_seqs": (int, None, "most requests in one step (default: 512 on GPUs of 70 GiB or more, else 256)"),
-    "max_num_batched_tokens": (int, 8192, "token budget of one step"),
-    "num_gpu_blocks": (int, None, "KV blocks (overrides the profiling run)"),
-    "preemption_mode": (str, "recompute", "recompute | swap"),
-    "seed": (int, 0, "seed for dummy weights and unseeded sampling"),
-    "device": (str, "auto", "auto | cpu | cuda"),
-    "speculative_model": (str, None, "draft model for speculative decoding (a directory or embedded name, "
-                          "e.g. llama2xs-279K for the default model)"),
-    "num_speculative_tokens": (int, 0, "draft tokens per step (default 4 with --speculative-model)"),
-    "tensor_parallel_size": (int, 1, "GPUs each layer is split over (one worker process each; under "
-                             "torchrun, the ranks torchrun started)"),
-    "pipeline_parallel_size": (int, 1, "pipeline stages the layers are split into, of "
-                               "--tensor-parallel-size GPUs each"),
+from fastllm.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                            SpeculativeConfig)
+
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, CompileConfig, EngineConfig)
+# Speculative decoding's engine arguments, which build a SpeculativeConfig (EngineConfig.from_kwargs): vLLM's
+# speculative_config, whose keys are SpeculativeConfig's fields, and two shorthands. None: not given.
+SPECULATIVE_FLAGS = {
+    "speculative_config": (str, "speculative decoding as JSON (vLLM's speculative_config), with the keys {keys}: "
+                                "e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 3}}'"),
+    "speculative_model": (str, "draft model sharing the target's vocabulary, e.g. llama2xs-279K (shorthand for "
+                               "speculative_config's model)"),
+    "num_speculative_tokens": (int, "draft tokens a step (shorthand; 4 when a method or model is given)"),
+}
+
+# generate's sampling flags: name -> (help, the command's own default where SamplingParams' does not fit a CLI)
+SAMPLING_FLAGS = {
+    "max_tokens": ("tokens to generate per prompt", 256),
+    "temperature": ("0 is greedy", 0.0),
+    "top_p": ("nucleus sampling: the smallest set of tokens whose probability reaches it", None),
+    "top_k": ("sample from the k likeliest tokens (0: all)", None),
+    "min_p": ("drop tokens less likely than min_p times the likeliest", None),
+    "repetition_penalty": ("divides positive / multiplies negative logits of seen tokens", None),
+    "presence_penalty": ("subtracted once from the logit of every generated token", None),
+    "frequency_penalty": ("subtracted from a generated token's logit per occurrence", None),
+    "min_tokens": ("tokens generated before EOS may end the output", None),
+    "ignore_eos": ("keep generating after EOS", None),
 }
 
 
+def engine_fields() -> list[dataclasses.Field]:
+    """The config fields that are engine arguments (those with help text), in config order."""
+    return [f for config in ENGINE_CONFIGS for f in dataclasses.fields(config) if f.metadata.get("help")]
+
+
+def speculative_keys() -> list[str]:
+    """The keys --speculative-config takes (synthetic_acceptance_rate is for benchmarks only)."""
+    return [f.name for f in dataclasses.fields(SpeculativeConfig) if f.name != "synthetic_acceptance_rate"]
+
+
+def _field_type(config: type, field: dataclasses.Field):
+    """The type a flag parses: the field's, without None."""
+    hint = typing.get_type_hints(config)[field.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args and typing.get_origin(hint) is not tuple else hint
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """A comma-separated list of integers >= 1 (a flag's type)."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 1, got {text!r}")
+    return values
+
+
+def _help(text: str, default) -> str:
+    text = text.replace("%", "%%")
+    return text if "(default" in text else f"{text} (default: {default})"
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF model directory or embedded config name "
-                        "(default: the embedded TinyStories stories260K)")
-    for name, (kind, default, help_text) in ENGINE_ARGS.items():
-        parser.add_argument("--" + name.replace("_", "-"), type=kind, default=default, help=help_text)
-    parser.add_argument("--no-prefix-caching", action="store_true", help="turn automatic prefix caching off")
-    parser.add_argument("--no-cascade-attention", action="store_true",
-                        help="read shared prefixes once per request (default: once per group where it pays)")
-    parser.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
+    """One flag per engine argument, with its default shown in --help."""
+    group = parser.add_argument_group("engine arguments (keywords of LLM(...))")
+    for config in ENGINE_CONFIGS:
+        for field in (f for f in dataclasses.fields(config) if f.metadata.get("help")):
+            flag, kind = "--" + field.name.replace("_", "-"), _field_type(config, field)
+            help_text = _help(field.metadata["help"], field.default)
+            if kind is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+            else:
+                parse = int_list if typing.get_origin(kind) is tuple else kind
+                group.add_argument(flag, type=parse, default=field.default, help=help_text,
+                                   choices=field.metadata.get("choices"))
+    for name, (kind, help_text) in SPECULATIVE_FLAGS.items():
+        help_text = help_text.format(keys=", ".join(speculative_keys()))
+        group.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=_help(help_text, "none"))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {name: getattr(args, name) for name in ENGINE_ARGS}
-    kwargs["enable_prefix_caching"] = not args.no_prefix_caching
-    kwargs["cascade_attention"] = False if args.no_cascade_attention else None
-    kwargs["enforce_eager"] = args.enforce_eager
-    return kwargs
+    """The engine arguments of parsed flags (model apart: LLM(model, **kwargs))."""
+    kwargs = {f.name: getattr(args, f.name) for f in engine_fields() if f.name != "model"}
+    return {**kwargs, **{name: getattr(args, name) for name in SPECULATIVE_FLAGS}}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    from fastllm.sampling_params import SamplingParams
+
+    group = parser.add_argument_group("sampling")
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    for name, (help_text, default) in SAMPLING_FLAGS.items():
+        default = defaults[name] if default is None else default
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                               help=_help(help_text, default))
+        else:
+            group.add_argument(flag, type=type(default), default=default, help=_help(help_text, default))
+    group.add_argument("--sampling-seed", type=int, default=None, help=_help("seed of the random draws", None))
+    group.add_argument("--beam-width", type=int, default=None,
+                       help="beam search with this many beams instead of sampling (prints the best beam)")
+    group.add_argument("--length-penalty", type=float, default=1.0,
+                       help=_help("beam search: scores are logprob sums / length ** length_penalty", 1.0))
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    return {**{name: getattr(args, name) for name in SAMPLING_FLAGS}, "seed": args.sampling_seed}
+
+
+def cli_language(message: str, names: typing.Iterable[str]) -> str:
+    """A library error in the command line's words: load_format="dummy" -> --load-format dummy,
+    max_model_len -> --max-model-len, SamplingParams.top_p -> --top-p. A one-word name (model, dtype)
+    is only a flag where it starts the message or is given a value, not in prose."""
+    alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+    pattern = re.compile(rf"(^|\bSamplingParams\.|\b)({alternatives})\b(=(['\"]?)([^'\"\s,;)]*)\4)?")
+
+    def flag(m: re.Match) -> str:
+        lead, name, assigned, value = m.group(1), m.group(2), m.group(3), m.group(5)
+        if "_" not in name and not assigned and m.start() > 0 and lead != "SamplingParams.":
+            return m.group(0)
+        text = "--" + name.replace("_", "-")
+        return text + (f" {value}" if assigned else "")
+
+    return pattern.sub(flag, message)
+
+
+def flag_names(parser: argparse.ArgumentParser) -> set[str]:
+    """The dests of a parser's --flags (and its subcommands'), for cli_language."""
+    names = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                names |= flag_names(sub)
+        elif any(s.startswith("--") for s in action.option_strings):
+            names.add(action.dest)
+    return names
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated token ids, got {text!r}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from fastllm import LLM, SamplingParams
+    from fastllm import LLM, BeamSearchParams, SamplingParams
+    from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
     llm = LLM(args.model, **engine_kwargs(args))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.sampling_seed)
-    outputs = llm.generate(args.prompts or ["Once upon a time"], params, use_tqdm=False)
-    for output in outputs:
-        print((output.prompt or "") + output.outputs[0].text)
-        print()
+    prepare_gc_for_serving()
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None and args.prompts:
+        raise ValueError("this model has no tokenizer: give the prompts as token ids (--prompt-token-ids 1,2,3; "
+                         "repeat the flag for more prompts)")
+    prompts = args.prompts + [{"prompt_token_ids": ids} for ids in args.prompt_token_ids or []]
+    if not prompts:
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: prompt it with --prompt-token-ids 1,2,3")
+        prompts = ["Once upon a time"]
+    if args.beam_width:
+        params = BeamSearchParams(args.beam_width, args.max_tokens, ignore_eos=args.ignore_eos,
+                                  length_penalty=args.length_penalty)
+        for out in llm.beam_search(prompts, params):
+            best = out.sequences[0]
+            print(best.text if best.text is not None else best.tokens, end="\n\n")
+        return 0
+    for out in llm.generate(prompts, SamplingParams(**sampling_kwargs(args)), use_tqdm=False):
+        if tokenizer is None:
+            print(out.prompt_token_ids + out.outputs[0].token_ids, end="\n\n")
+        else:
+            print((out.prompt or "") + out.outputs[0].text, end="\n\n")
     return 0
 
 
@@ -68,37 +197,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from fastllm.cache import keep_bytecode
-
-    bytecode_prefix = keep_bytecode()  # before anything imports torch
-    parser = argparse.ArgumentParser(prog="fastllm", description="fastllm: an LLM inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text from prompts")
+def add_generate_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="generate text from prompts",
+                         description="Generate text from prompts, greedy unless --temperature says otherwise.")
     gen.add_argument("prompts", nargs="*", help='prompts (default: "Once upon a time")')
-    gen.add_argument("--max-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("-v", "--verbose", action="store_true")
+    gen.add_argument("--prompt-token-ids", action="append", type=token_ids, metavar="IDS",
+                     help="a prompt as comma-separated token ids, for models without a tokenizer (repeatable)")
+    gen.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
-    from fastllm.entrypoints.bench import add_bench_parser
-    add_bench_parser(sub)
 
-    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
+                           description="An OpenAI-compatible HTTP server for one model.")
+    serve.add_argument("--host", default="127.0.0.1", help=_help("address to listen on", "127.0.0.1"))
+    serve.add_argument("--port", type=int, default=8000, help=_help("port to listen on", 8000))
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: the "
                        "model directory's name)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one "
                        "(default: the tokenizer's)")
-    serve.add_argument("-v", "--verbose", action="store_true")
+    serve.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    from fastllm.entrypoints.bench import add_bench_parser
+
+    parser = argparse.ArgumentParser(prog="fastllm", description="fastllm: an LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_parser(sub)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fastllm.compile_cache import keep_bytecode
+
+    bytecode_prefix = keep_bytecode()  # before anything imports torch
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -106,9 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("fastllm").info("PYTHONDONTWRITEBYTECODE is set: Python's bytecode is kept under "
                                           "%s (FASTLLM_BYTECODE_CACHE=0 leaves it off)", bytecode_prefix)
     try:
+        from fastllm.entrypoints.process_setup import read_gc_threshold, set_cpu_threads
+
+        read_gc_threshold()  # a malformed FASTLLM_GC_THRESHOLD fails before anything loads
+        set_cpu_threads(EngineConfig.from_kwargs(args.model, **engine_kwargs(args)))
         return args.func(args)
     except ValueError as e:
-        print(f"fastllm {args.command}: error: {e}", file=sys.stderr)
+        print(f"fastllm {args.command}: error: {cli_language(str(e), flag_names(parser))}", file=sys.stderr)
         return 2
 
 

@@ -8,7 +8,7 @@ import sys
 
 PROBE = """
 import os, sys
-from fastllm.cache import keep_bytecode
+from fastllm.compile_cache import keep_bytecode
 prefix = keep_bytecode()
 sys.path.insert(0, sys.argv[1])
 import probe_mod

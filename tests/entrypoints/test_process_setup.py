@@ -1,14 +1,19 @@
-"""The engine's garbage-collector settings: thresholds raised so decode steps do not collect, and
-FASTLLM_GC_THRESHOLD to choose others."""
+"""The commands' process-wide settings: garbage-collector thresholds raised so decode steps do not
+collect (FASTLLM_GC_THRESHOLD to choose others), one torch thread for tiny models on the CPU; and the
+library itself changes neither."""
 
 from __future__ import annotations
 
 import gc
 
 import pytest
+import torch
 
-from fastllm import SamplingParams
-from fastllm.engine.gc_tuning import DEFAULT_THRESHOLD, prepare_gc_for_serving, read_gc_threshold
+from fastllm import LLM, SamplingParams
+from fastllm.config import EngineConfig
+from fastllm.entrypoints.process_setup import DEFAULT_THRESHOLD, prepare_gc_for_serving, read_gc_threshold, \
+    set_cpu_threads
+from tests.conftest import STORIES
 
 
 @pytest.fixture
@@ -16,6 +21,7 @@ def restore_gc():
     threshold = gc.get_threshold()
     yield
     gc.set_threshold(*threshold)
+    gc.unfreeze()
 
 
 def test_threshold_from_the_environment(monkeypatch):
@@ -38,13 +44,42 @@ def test_prepare_sets_the_thresholds(restore_gc):
     assert gc.get_threshold() == (4321, 5, 6)
 
 
-def test_a_malformed_setting_fails_before_the_engine_loads(monkeypatch):
+def test_a_malformed_setting_fails_before_the_engine_loads(monkeypatch, capsys):
     import fastllm.engine.llm_engine as llm_engine
+    from fastllm.entrypoints.cli import main
 
     monkeypatch.setattr(llm_engine, "Worker", lambda config: pytest.fail("the worker was built"))
     monkeypatch.setenv("FASTLLM_GC_THRESHOLD", "lots")
-    with pytest.raises(ValueError, match="FASTLLM_GC_THRESHOLD"):
-        llm_engine.LLMEngine.from_kwargs(None)
+    assert main(["generate", "--device", "cpu"]) == 2
+    assert "FASTLLM_GC_THRESHOLD" in capsys.readouterr().err
+
+
+def test_the_library_leaves_the_process_settings_alone(monkeypatch):
+    monkeypatch.setenv("FASTLLM_GC_THRESHOLD", "12345")
+    before = gc.get_threshold(), gc.get_freeze_count(), torch.get_num_threads()
+    llm = LLM(STORIES, dtype="float32", device="cpu")
+    llm.generate("Once upon a time", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert (gc.get_threshold(), gc.get_freeze_count(), torch.get_num_threads()) == before
+    llm.engine.check_kv_pool_whole()
+
+
+def test_tiny_models_run_one_thread_on_the_cpu(monkeypatch):
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        torch.set_num_threads(2)
+        set_cpu_threads(EngineConfig.from_kwargs("llama-3.1-8b", load_format="dummy", device="cpu"))
+        assert torch.get_num_threads() == 2  # not tiny
+        set_cpu_threads(EngineConfig.from_kwargs(STORIES, device="cuda"))
+        assert torch.get_num_threads() == 2  # not on the CPU
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        set_cpu_threads(EngineConfig.from_kwargs(STORIES, device="cpu"))
+        assert torch.get_num_threads() == 2  # the user's choice
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        set_cpu_threads(EngineConfig.from_kwargs(STORIES, device="cpu"))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def count_decode_collections(engine, num_requests: int, max_tokens: int) -> dict[int, int]:
@@ -75,5 +110,6 @@ def count_decode_collections(engine, num_requests: int, max_tokens: int) -> dict
 def test_decode_steps_of_256_requests_do_not_collect(make_llm, restore_gc):
     """At CPython's default gen-0 threshold (700) each such step collected about three times."""
     engine = make_llm().engine
+    prepare_gc_for_serving()  # as the commands do once the engine is built
     assert gc.get_threshold() == DEFAULT_THRESHOLD
     assert count_decode_collections(engine, 256, 12) == {0: 0, 1: 0, 2: 0}

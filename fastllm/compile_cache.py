@@ -1,4 +1,5 @@
-"""fastllm's on-disk cache directory, and Python's bytecode kept in it when the environment turns it off.
+"""The on-disk compile cache: fastllm's cache directory, and Python's bytecode kept in it when the
+environment turns bytecode off.
 
 The directory is FASTLLM_CACHE_DIR, else ~/.cache/fastllm. It holds Inductor's caches and the compiled
 forward (fastllm/compile/), and for the `fastllm` command Python's bytecode (keep_bytecode). No torch here:

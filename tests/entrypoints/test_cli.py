@@ -1,0 +1,127 @@
+"""The `fastllm` command: every engine argument is a flag of every command with the config's default,
+values reach the EngineConfig, errors are worded as flags, tokenizer-less models take token ids,
+and the help pages say what users need."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+
+import pytest
+
+from fastllm import LLM
+from fastllm.config import EngineConfig
+from fastllm.entrypoints.cli import ENGINE_CONFIGS, build_parser, engine_fields, engine_kwargs, main
+from tests.conftest import STORIES
+
+COMMANDS = ["generate", "serve", "bench"]
+NOT_ARGUMENTS = {"hf_config", "model", "cache", "scheduler", "parallel", "compile", "speculative"}
+
+
+def subparser(command: str):
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.dest == "command")
+    return parser, action.choices[command]
+
+
+def test_every_config_field_is_an_engine_argument():
+    """A new config field without help text (so without a flag) fails here."""
+    names = {f.name for c in ENGINE_CONFIGS for f in dataclasses.fields(c)}
+    assert {f.name for f in engine_fields()} == names - NOT_ARGUMENTS | {"model"}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_engine_argument_is_a_flag_with_its_default(command):
+    parser, sub = subparser(command)
+    args = parser.parse_args([command])
+    page = sub.format_help()
+    flags = {s: a for a in sub._actions for s in a.option_strings}
+    for field in engine_fields():
+        flag = "--" + field.name.replace("_", "-")
+        assert getattr(args, field.name) == field.default, field.name
+        assert flag in flags and f"\n  {flag}" in page, flag
+        shown = argparse.HelpFormatter("fastllm")._expand_help(flags[flag])
+        assert "(default:" in shown, f"{flag} shows no default"
+        if field.default is not None and "(default:" not in field.metadata["help"]:
+            assert shown.endswith(f"(default: {field.default})"), flag
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    assert config == EngineConfig.from_kwargs(None)  # the flags' defaults are the library's
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_flag_values_reach_the_engine_config(command):
+    parser, _ = subparser(command)
+    args = parser.parse_args([command, "--block-size", "8", "--no-enable-prefix-caching", "--cuda-graph-sizes", "1,2,4",
+                              "--preemption-mode", "swap", "--no-async-scheduling", "--enforce-eager",
+                              "--max-num-seqs", "7", "--dtype", "float32", "--gpu-memory-utilization", "0.5"])
+    config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
+    assert config.cache.block_size == 8 and not config.cache.enable_prefix_caching
+    assert config.compile.cuda_graph_sizes == (1, 2, 4) and config.compile.enforce_eager
+    assert config.scheduler.preemption_mode == "swap" and not config.scheduler.async_scheduling
+    assert config.scheduler.max_num_seqs == 7 and config.model.dtype == "float32"
+    assert config.cache.gpu_memory_utilization == 0.5
+
+
+def test_sampling_flags_of_generate_show_their_defaults():
+    _, sub = subparser("generate")
+    flags = {s: a for a in sub._actions for s in a.option_strings}
+    for flag, default in (("--max-tokens", 256), ("--temperature", 0.0), ("--top-p", 1.0), ("--top-k", 0),
+                          ("--min-p", 0.0), ("--repetition-penalty", 1.0), ("--sampling-seed", None)):
+        assert flags[flag].default == default
+        assert argparse.HelpFormatter("fastllm")._expand_help(flags[flag]).endswith(f"(default: {default})"), flag
+
+
+def test_help_lists_every_bench_mode(capsys):
+    from fastllm.entrypoints.bench import MODES
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    bench = capsys.readouterr().out
+    for mode in MODES:
+        assert mode in top
+        assert f"\n  {mode} " in bench  # described, one per line
+    assert "examples:" in bench and '"""' not in bench
+
+
+def test_errors_speak_the_callers_language(capsys, tmp_path):
+    model = tmp_path / "no-weights"
+    model.mkdir()
+    shutil.copy(f"{STORIES}/config.json", model)
+    assert main(["generate", "--model", str(model), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--load-format dummy" in err and "load_format" not in err
+    with pytest.raises(ValueError, match='load_format="dummy"'):
+        LLM(str(model), device="cpu")
+    assert main(["generate", "--max-model-len", "100000", "--device", "cpu"]) == 2
+    assert "--max-model-len must be in [1, 512]" in capsys.readouterr().err
+    assert main(["generate", "--top-p", "2", "--device", "cpu", "--num-gpu-blocks", "64"]) == 2
+    assert "--top-p must be" in capsys.readouterr().err
+
+
+def test_a_model_without_a_tokenizer_takes_token_ids(capsys, tmp_path):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    shutil.copy(f"{STORIES}/config.json", model)
+    common = ["generate", "--model", str(model), "--load-format", "dummy", "--device", "cpu", "--max-tokens", "3",
+              "--num-gpu-blocks", "64"]
+    assert main([*common, "Once upon a time"]) == 2
+    assert "--prompt-token-ids 1,2,3" in capsys.readouterr().err
+    assert main(common) == 2
+    assert "--prompt-token-ids" in capsys.readouterr().err
+    assert main([*common, "--prompt-token-ids", "1,5,9", "--prompt-token-ids", "1,7"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line]
+    assert len(lines) == 2 and lines[0].startswith("[1, 5, 9, ") and len(eval(lines[1])) == 2 + 3
+
+
+def test_generate_prints_text_and_beam_search(capsys):
+    assert main(["generate", "Once upon a time", "--max-tokens", "8", "--device", "cpu",
+                 "--num-gpu-blocks", "64"]) == 0
+    greedy = capsys.readouterr().out.strip()
+    assert greedy.startswith("Once upon a time") and len(greedy) > len("Once upon a time")
+    assert main(["generate", "Once upon a time", "--max-tokens", "8", "--device", "cpu", "--num-gpu-blocks", "64",
+                 "--beam-width", "3"]) == 0
+    assert capsys.readouterr().out.strip().startswith("Once upon a time")
