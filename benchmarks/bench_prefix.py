@@ -1,6 +1,6 @@
 """Prefix sharing (DESIGN.md "Prefix sharing"): N requests with a shared P-token prefix and distinct
 suffixes; TTFT, throughput and prefix-cache hit rate. Runs with prefix caching, then (unless
---only-cached) again with --no-prefix-caching in a fresh process, and prints both rows.
+--only-cached) again with --no-enable-prefix-caching in a fresh process, and prints both rows.
 
     python benchmarks/bench_prefix.py --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
         --num-prompts 64 --shared-prefix-len 1024 --input-len 128 --output-len 64 --output-json prefix.json
@@ -23,7 +23,7 @@ def run_both(argv: list[str]) -> int:
         out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        for flags in ([], ["--no-prefix-caching"]):
+        for flags in ([], ["--no-enable-prefix-caching"]):
             path = str(Path(tmp) / f"prefix{len(results)}.json")
             cmd = [sys.executable, "-m", "fastllm.entrypoints.cli", "bench", "prefix", *argv, *flags,
                    "--output-json", path]
