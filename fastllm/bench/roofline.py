@@ -23,37 +23,27 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+from fastllm.models.llama import LlamaArgs
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    qk_norm: bool = False
+class ModelShape(LlamaArgs):
+    """A model's shape (LlamaArgs, the one parser of HF configs) and the bytes of its weights and KV."""
+
     dtype_bytes: int = 2  # weights
     kv_dtype_bytes: int = 2
 
     @classmethod
     def from_hf_config(cls, cfg: dict, dtype: str = "auto") -> "ModelShape":
-        from fastllm.models.llama import LlamaArgs  # one parser of HF configs
-
-        a = LlamaArgs.from_hf_config(cfg)
         if dtype == "auto":
             dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
         nbytes = DTYPE_BYTES.get(dtype, 4)
-        return cls(a.vocab_size, a.hidden_size, a.intermediate_size, a.num_layers, a.num_heads, a.num_kv_heads,
-                   a.head_dim, a.tie_word_embeddings, a.qkv_bias, a.qk_norm, nbytes, nbytes)
+        return replace(super().from_hf_config(cfg), dtype_bytes=nbytes, kv_dtype_bytes=nbytes)
 
     @classmethod
     def from_model(cls, model: str | None, dtype: str = "auto") -> "ModelShape":

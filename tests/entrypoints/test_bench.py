@@ -166,9 +166,12 @@ def test_serving_against_a_started_server(tmp_path, capsys):
     assert "fastllm bench serving" in capsys.readouterr().out
 
 
+ROPE = dict(rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling={}, max_position_embeddings=64)  # no bytes or FLOPs
+
+
 def test_roofline_math_by_hand():
     # vocab 100, hidden 8, intermediate 16, 2 layers, 2 heads, 1 KV head, head_dim 4, untied, bf16
-    s = ModelShape(100, 8, 16, 2, 2, 1, 4, tie_word_embeddings=False)
+    s = ModelShape(100, 8, 16, 2, 2, 1, 4, **ROPE, tie_word_embeddings=False)
     # per layer: qkv 8x(2+1+1)x4 = 128, o 8x8 = 64, gate_up 8x32 = 256, down 16x8 = 128 -> 576
     assert s.layer_matmul_params == 576
     assert s.matmul_params == 2 * 576 + 800  # + lm_head
@@ -180,7 +183,7 @@ def test_roofline_math_by_hand():
     assert s.decode_flops(ctx) == 2 * 1952 * 2 + 4 * 2 * 2 * 4 * 12 == 8576
     # prefill of 3 tokens: lm_head on the last only; causal pairs 1 + 2 + 3
     assert s.prefill_flops([3]) == 2 * 1152 * 3 + 2 * 800 + 4 * 2 * 2 * 4 * 6 == 8896
-    tied = ModelShape(100, 8, 16, 2, 2, 1, 4, tie_word_embeddings=True)
+    tied = ModelShape(100, 8, 16, 2, 2, 1, 4, **ROPE, tie_word_embeddings=True)
     assert tied.decode_bytes(ctx) == tied.num_params * 2 + 32 * 12
 
     f = roofline.floor_seconds(4400, 8576, {"copy_bytes_per_s": 1000.0, "matmul_flops_per_s": 1e4})
