@@ -3,8 +3,8 @@
 Math: out[b] = the first j with x[b, j] = max_j x[b, j], as torch.argmax. NaN counts as +inf, so a row
 holding both NaN and +inf gives the first of either where torch gives the first NaN.
 
-Why a kernel: torch.argmax walks a row with one thread block. On an H100 a [1, 128256] bf16 row took
-37 us and [256, 128256] 52 us, a decode step's largest non-GEMM cost after attention at batch 1.
+Why a kernel: torch.argmax walks a row with one thread block, which made it a decode step's largest
+non-GEMM cost after attention at batch 1 (README, "Kernel choices", has the timings).
 Here each row is cut into `num_parts` contiguous chunks. Pass 1 (grid B x parts) scans one chunk,
 BLOCK columns at a time, keeping per lane the running max and the first column that reached it
 (a strict > keeps the earlier one), then writes the chunk's (max, first index). Pass 2 (grid B)
@@ -13,9 +13,8 @@ occurrence because the chunks are in column order. With one part, pass 1 writes 
 
 Launch config is a host-side choice on B and the row length only (CUDA-graph safe, no autotune). A
 chunk's scan is a chain of dependent 2 KiB loads, so the launch wants many short chunks and many warps:
-on an H100 (CUDA-graph replays of [B, 128256] bf16, L2 flushed; scratch sweep of 1024-4096 columns a
-step x 4-64 programs per SM x 4/8 warps) 8 warps at 16 programs per SM took 7.9 / 9.2 / 12.8 / 28.2 /
-47.0 us at B = 1 / 8 / 32 / 128 / 256, against 9.1 / 11.7 / 22.9 / 61.9 / 90.8 us for 4 warps at 4 per SM.
+8 warps at 16 programs per SM won a sweep of 1024-4096 columns a step x 4-64 programs per SM x 4/8 warps
+at every batch size (README, "Kernel choices").
 
 Memory traffic: one read of the logits, plus B * parts * 8 bytes of partials written and read.
 """

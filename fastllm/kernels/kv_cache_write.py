@@ -32,9 +32,9 @@ class KVWriteConfig(NamedTuple):
 
 
 LEGACY_CONFIG = KVWriteConfig(1, 4)  # one token per program, as before tuning
-# What choose_config can return (the first two) and what else tune.py times. On an H100 (tune.py --explore:
-# 1-32 tokens per program x 1-8 warps) every config moved T = 8192 random-slot rows in 0.0285 ms (78% of
-# copy bandwidth; the 2 KiB scattered writes, not the launch shape, set that) and small T is launch-bound.
+# What choose_config can return (the first two) and what else tune.py times. In tune.py --explore (1-32
+# tokens per program x 1-8 warps) every config moved T = 8192 random-slot rows at the same rate: the 2 KiB
+# scattered writes, not the launch shape, set it (README, "Kernel choices"); small T is launch-bound.
 CANDIDATES = [LEGACY_CONFIG, KVWriteConfig(4, 4), KVWriteConfig(2, 4), KVWriteConfig(8, 4), KVWriteConfig(16, 8)]
 
 

@@ -11,9 +11,9 @@ lse_s = log2(sum_j exp2(s_j log2 e)). The splits are then merged, BLOCK_S at a t
     out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s.
 The merge runs in the same launch: each split, once its partials are stored, counts itself done on a
 per-(request, KV head) counter (an acq_rel atomic after a block barrier), and the one that counts last
-merges the group's splits and zeroes the counter for the next launch. A second kernel for the merge cost
-~2.3 us of launch-bound time per layer at small batches on an H100 (merge_in_kernel=False keeps that
-layout for comparison: the same merge in a second launch, grid B x Hkv). Splits past the end of a
+merges the group's splits and zeroes the counter for the next launch. A second kernel for the merge was
+launch-bound time per layer at small batches (merge_in_kernel=False keeps that layout for comparison: the
+same merge in a second launch, grid B x Hkv). Splits past the end of a
 request's sequence (start >= seq_len) return at once and neither count nor write: the merge recomputes
 from seq_len how many splits hold keys, so a loose max_seq_len bound costs only empty programs. With one
 split the kernel writes `out` directly.
@@ -29,7 +29,7 @@ rotated in the kernel (rotary.py's math at full width, each element with its pai
 (request, KV head) writes the new k/v into the cache (skipped for slot < 0), and the split holding position
 seq_len - 1 adds the new token to its online softmax from registers, so no program reads that slot back
 and nothing orders the write before the other splits' reads. It replaced a rotary + KV-write launch per
-layer (~2.5 us on an H100 at every batch size, against ~0.3 us more in this kernel).
+layer, which cost more than the work it adds here (README, "Kernel choices").
 
 Launch config (split count, BLOCK_N, warps, stages, minimum split length) comes from a host-side table
 (`choose_config`) that depends only on max_seq_len (a host-side bound), batch, Hkv, head_dim, dtype and the
@@ -60,23 +60,23 @@ _LOG2E = 1.4426950408889634
 _MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
 _MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, partial write, reduce input)
 # Beyond ~64 splits the merge (B x Hq programs, each walking its splits BLOCK_S at a time) costs more than
-# the extra parallelism gains: B1 x 32768 on an H100 took 0.085-0.12 ms at 256 splits, 0.067 at 24-64.
+# the extra parallelism gains (README, "Kernel choices").
 _MAX_SPLITS = 64
-_WAVES = 3  # B x Hkv x splits ~ 3 programs per SM (H100, CUDA-graph timings: 24-64 splits at B1, 8 at B8)
+_WAVES = 3  # B x Hkv x splits ~ 3 programs per SM: the fastest split counts at B1 and B8 land there
 
 # (block_n, num_warps, num_stages) that tune.py times; choose_config picks 64 for head_dim <= 128, 32 above,
 # 16 with 2 warps for large batches, and 128 only for long-context bounds (_LONG_CONTEXT). (128, 4, 3) was
-# faster at small batches too (B32 x 330 in one split: 0.0287 ms against 0.0320) but flipped a greedy token
-# at a 0.12-nat margin in the tiny bf16 Llama-3.1 engine test (bound 256); below _LONG_CONTEXT it stays out
-# until its rounding is compared with the 64-key tile's.
+# faster at small batches too but flipped a greedy token at a 0.12-nat margin in the tiny bf16 Llama-3.1
+# engine test (bound 256); below _LONG_CONTEXT it stays out until its rounding is compared with the 64-key
+# tile's.
 TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2)]
 # B x Hkv from this many per SM: the small tile (TILE_CONFIGS[3]); e.g. B128 at 8 KV heads on 132 SMs
 _MANY_PROGRAMS_PER_SM = 7
 _MIN_BUSY_SPLIT_TOKENS = 512  # min_split_len once B x Hkv >= the SM count
 # From this bound on, a request that splits takes 128-key tiles in ~2 programs a SM (TILE_CONFIGS[1]): its
-# splits hold >= 8 such tiles. H100, B1 x 32768, CUDA-graph replays: 32 splits of 128-key tiles 0.0644-0.0647
-# ms (70% of copy bandwidth, cuDNN's SDPA on the same K/V laid out contiguously 0.0641), against 0.0688 for
-# 50 splits of 64-key tiles. Shorter bounds keep the 64-key tile (see TILE_CONFIGS on its rounding).
+# splits hold >= 8 such tiles, which then beat more splits of 64-key tiles and match cuDNN's SDPA on the same
+# K/V laid out contiguously (README, "Kernel choices"). Shorter bounds keep the 64-key tile (see
+# TILE_CONFIGS on its rounding).
 _LONG_CONTEXT = 16384
 
 
@@ -223,7 +223,7 @@ def _decode_split_kernel(
     # A tile of at least a page starts on a page boundary (splits are whole tiles, both are powers of two),
     # so each column's slot in its page, and with it the in-page part of its K/V offsets, is the same every
     # tile: computed once here, a tile then adds one page base per column. Address math was ~half of
-    # the loop's instructions on an H100 (ncu, B32 x 260 keys), and short-context decode is issue-bound:
+    # the loop's instructions (ncu), and short-context decode is issue-bound:
     # for the same reason page offsets stay int32 unless the cache is too large for them (OFFSET_64).
     k_in_page = (col % PAGE)[None, :] * stride_ks + d[:, None]  # [BLOCK_D, BLOCK_N]
     v_in_page = (col % PAGE)[:, None] * stride_vs + d[None, :]  # [BLOCK_N, BLOCK_D]
@@ -419,14 +419,10 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     """Split count, tile and minimum split length for one launch; host-side ints only (CUDA-graph safe).
 
     Many programs (>= 7 a SM) take 16-key tiles with 2 warps: more of them fit on an SM to hide the loads'
-    latency. On an H100 (rotary_decode_attention, bf16, D 128, GQA 4, bound 4096, CUDA-graph replays; scratch
-    sweep at ed793ac) they took 43.5 / 69.1 / 359.5 us at B128 x 150 / 300 / 2048 against 47.5 / 72.2 / 362.1
-    for 64-key tiles, and 73.6 / 122.5 / 192.1 / 363.2 us at B256 x 150 / 300 / 512 / 1024 against 74.1 /
-    127.1 / 195.3 / 371.4 for the 32-key tiles used before; at B64 (512 programs) 64-key tiles stay ahead.
-    max_seq_len is only a bound (a graph is captured at max_model_len), so the split count is sized for
-    it, and min_split_len keeps short requests from being cut into one-tile splits once B x Hkv alone
-    covers the SMs (with 64-key tiles B32 x 330 took 31.8 us in one split, 31.0 in two; at B32 x 200 both
-    23.6; with 128-key tiles one split won, 28.4 against 30.8).
+    latency; they beat 64- and 32-key tiles from B128 (at 8 KV heads) and lose at B64. max_seq_len is only
+    a bound (a graph is captured at max_model_len), so the split count is sized for it, and min_split_len
+    keeps short requests from being cut into one-tile splits once B x Hkv alone covers the SMs, where one
+    or two splits time the same (README, "Kernel choices", has the measurements).
     """
     programs = batch * num_kv_heads
     splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
@@ -590,8 +586,8 @@ def rotary_decode_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """A decode step's whole attention in one launch: rotary_kv_cache_write, then paged_decode_attention
-    (see the reference for the exact semantics). Saves a launch-bound kernel per layer (~2.5 us on an
-    H100) and the rotated q's round trip through memory."""
+    (see the reference for the exact semantics). Saves a launch-bound kernel per layer and the rotated
+    q's round trip through memory."""
     append = NewTokens(positions, key, value, cos_sin_cache, is_neox, slot_mapping)
     return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, append,
                           window=window)

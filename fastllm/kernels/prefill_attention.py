@@ -29,9 +29,8 @@ work) start first; tiles past a request's q_len return at once. The inner step i
 with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's acc operand).
 
 Tiles: a static table (choose_config), not an autotuner, so the engine never stalls on first-use tuning.
-On an H100 (bf16, D 128, GQA 4, TMA chunk loads) BM 64 / BN 64 / 4 warps / 3 stages was the best of ~30
-configs at 8 x 2048 and 1 x 8192, and within 1.3% of the best for a 512-token chunk over a 2048-token
-prefix. Two programs fit an SM (112 KB of shared memory each), so one program's softmax overlaps
+BM 64 / BN 64 / 4 warps / 3 stages was the best of ~30 configs tune.py timed (bf16, D 128, GQA 4, TMA
+chunk loads; README, "Kernel choices"). Two programs fit an SM (112 KB of shared memory each), so one program's softmax overlaps
 the other's tensor-core work. benchmarks/kernels/tune.py times other tiles through
 `prefill_attention_config(..., config=c)`.
 
@@ -362,10 +361,9 @@ def use_chunk_tma(key: torch.Tensor, value: torch.Tensor) -> bool:
     return why is None
 
 
-# TMA descriptors cost host time at every launch (~20-30 us more than pointer loads). On an H100 (tune.py,
-# do_bench) TMA chunk loads won at 8 x 2048 tokens (0.656 vs 0.758 ms) and at 4 x 512 over a 2048-token
-# prefix (0.242 vs 0.250), and lost at 1 x 512 (0.086 vs 0.051). Launched back to back, where the host
-# sets the pace, 4 x 512 without a prefix lost too (114 vs 85 us a call): the gate is on tokens, not work.
+# TMA descriptors cost host time at every launch. TMA chunk loads won at 8 x 2048 tokens and at 4 x 512
+# over a 2048-token prefix, and lost at 1 x 512; launched back to back, where the host sets the pace,
+# 4 x 512 without a prefix lost too (README, "Kernel choices"): the gate is on tokens, not work.
 TMA_MIN_TOKENS = 2048
 
 

@@ -14,8 +14,8 @@ FlashAttention-3 structure, which Triton's own pipeliner does not reach for atte
     S(t) only, and runs the softmax of tile t while P(t-1) V(t-1) is still on the tensor cores.
 
 Key tiles are 128 wide for steps with a long query (max_query_len >= LONG_QUERY), 64 otherwise: at 16 x 512
-tokens the wider tiles ran 8% slower (the causal waste on the diagonal tiles grows with their width), from
-1024-token queries on as fast or faster (12% at 1 x 8192). Q sits in registers as the wgmma A operand with
+tokens the wider tiles were slower (the causal waste on the diagonal tiles grows with their width), from
+1024-token queries on as fast or faster. Q sits in registers as the wgmma A operand with
 64-key tiles; with 128-key tiles it stays in shared memory, as registers run out.
 
 Masked tiles (the prefix's partial last tile; chunk tiles on the diagonal) mask S per row. A tile whose
@@ -23,12 +23,11 @@ keys run past their end (into unused cache slots, a neighbour's rows or padding,
 also has those V rows zeroed in shared memory before P V reads them, since p = 0 times NaN is NaN: consumer 0
 zeroes, consumer 1 waits on an mbarrier for it (at most two such tiles per program, one barrier each).
 
-On an H100 (bf16, D 128, GQA 4) this ran 0.91-0.95x / 1.02-1.05x of cuDNN at 8 x 2048 and 1 x 8192 tokens
-(455-457 / 549-561 TFLOP/s, two runs), where the single-warpgroup Gluon kernel it replaced (two programs an
-SM, the in-warpgroup overlap alone) ran 0.86x / 0.86x. It beat the Triton kernel at every step shape tried,
-from 1.15x at 16 x 512 to 1.75x for 512-token chunks over a 2048-token prefix. Slower, measured: the
-consumers taking turns at the tensor cores (FA3's pingpong), three K/V stages, Q in shared memory with
-64-key tiles, and half of the exponentials as a polynomial on the FMA pipe.
+It is faster than the single-warpgroup Gluon kernel it replaced (two programs an SM, the in-warpgroup
+overlap alone) and than the Triton kernel at every step shape tried; README's kernel table has its rate
+against cuDNN. Slower, measured: the consumers taking turns at the tensor cores (FA3's pingpong), three
+K/V stages, Q in shared memory with 64-key tiles, and half of the exponentials as a polynomial on the
+FMA pipe.
 
 No interpreter runs Gluon, so this kernel is tested on the GPU only; the Triton kernel remains the path for
 every other device, dtype (fp32) and head size, and for steps too small to pay for four TMA descriptors.

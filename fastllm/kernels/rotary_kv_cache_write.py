@@ -10,9 +10,8 @@ that calls this mutates none of its inputs. Prefill's chunk loops read the chunk
 contiguous rows; return_key=False leaves them to the cache. The engine's decode steps no longer come
 here: rotary_decode_attention does this inside decode attention.
 
-Why fused: at decode a step ran a rotary and a KV-write kernel per layer, each a few microseconds
-of launch-bound work for one token's heads (~0.1 ms a step for 32 layers on an H100). One program
-per token reads q, k, v once and writes each once.
+Why fused: at decode a step ran a rotary and a KV-write kernel per layer, each launch-bound work for
+one token's heads. One program per token reads q, k, v once and writes each once.
 
 Memory traffic: read q, k, v and one cos/sin row, write q_out, the K/V cache rows (and key_out):
     bytes = T * (2 Hq + (3 + return_key) Hkv) * D * x.element_size() + T * D * 4 + T * (pos + slot)

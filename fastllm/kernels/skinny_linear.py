@@ -6,17 +6,11 @@ of x stay in L2. One row takes an FMA path (per-lane partial sums over the loop,
 at the end); more rows tl.dot, padded to 16 rows. Up to MAX_ROWS rows; larger batches are GEMMs, which
 cuBLAS does better, and the public `linear` hands them to it.
 
-On an H100 (tune_skinny_linear.py shapes: CUDA-graph replays over weight copies larger than L2, bf16) it
-beat cuBLAS on every projection of Llama-3.1-8B at 1 / 8 / 16 / 32 rows, in us:
-    qkv 6144x4096       19.6 / 20.5 / 20.6 / 21.1   cuBLAS 21.2 / 21.7 / 22.2 / 22.6
-    o 4096x4096         14.0 / 14.4 / 14.6 / 14.6          17.1 / 16.9 / 17.0 / 15.3
-    gate_up 28672x4096  80.0 / 82.0 / 83.9 / 85.4          88.4 / 85.2 / 89.5 / 89.0
-    down 4096x14336     42.8 / 43.4 / 43.5 / 44.6          45.6 / 46.1 / 46.2 / 47.1
-    lm_head 128256x4096 336 / 343 / 348 / 356              379 / 383 / 379 / 382
+It beat cuBLAS on every projection of Llama-3.1-8B at 1 to 32 rows (tune_skinny_linear.py shapes:
+CUDA-graph replays over weight copies larger than L2, bf16; README, "Kernel choices").
 Tried and dropped: building the preceding RMSNorm or SiLU-and-mul inside this kernel. Every program
-recomputes it over all of K (for 16 padded rows under tl.dot), while the standalone kernel costs only
-0-4 us beside its GEMM with PDL (the pair's time minus cuBLAS's alone): fused qkv took 22.4 us against
-the pair's 24.1 at one row, but 61.9 against 24.0 at eight.
+recomputes it over all of K (for 16 padded rows under tl.dot), while the standalone kernel costs little
+beside its GEMM with PDL: the fusion won at one row and lost by far at eight.
 
 Math: fp32 accumulation, one rounding to the output dtype (fp32 inputs: IEEE fp32 products).
 Memory traffic: N * K * elt of W, once; N * rows * elt written.

@@ -11,6 +11,6 @@ from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastl
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, 2I] as [gate | up] -> silu(gate) * up, [T, I]. Our kernel, not Inductor's fusion of
-        the same two lines: in the dynamic-shape model graph that one moved 22 MB in 18.5 us at batch
-        256 on an H100 (1.2 TB/s; benchmarks/kernels/bench_silu_and_mul.py compares the two)."""
+        the same two lines, which reached well under the copy bandwidth in the dynamic-shape model graph
+        (README's kernel table; benchmarks/kernels/bench_silu_and_mul.py compares the two)."""
         return torch.ops.fastllm.silu_and_mul(x)
