@@ -30,9 +30,9 @@ with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's
 
 Tiles: a static table (choose_config), not an autotuner, so the engine never stalls on first-use tuning.
 BM 64 / BN 64 / 4 warps / 3 stages was the best of ~30 configs tune.py timed (bf16, D 128, GQA 4, TMA
-chunk loads; README, "Kernel choices"). Two programs fit an SM (112 KB of shared memory each), so one program's softmax overlaps
-the other's tensor-core work. benchmarks/kernels/tune.py times other tiles through
-`prefill_attention_config(..., config=c)`.
+chunk loads; README, "Kernel choices"). Two programs fit an SM (112 KB of shared memory each), so one
+program's softmax overlaps the other's tensor-core work. benchmarks/kernels/tune.py times other tiles
+through `prefill_attention_config(..., config=c)`.
 
 Memory traffic (the kernel is compute-bound at prefill lengths; report TFLOP/s). If every query tile
 re-read its keys from DRAM (L2 absorbs much of it, so this is an upper estimate):
