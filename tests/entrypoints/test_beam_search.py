@@ -177,3 +177,14 @@ def test_beams_on_the_gpu_with_cuda_graphs_equal_eager_and_transformers():
     assert_equal_runs(runs[0], runs[1])
     prompts_ids = [cached_llm(device="cuda").get_tokenizer()(p)["input_ids"] for p in PROMPTS[:3]]
     assert_same_beams(runs[1], prompts_ids, 4, PERIOD)
+
+
+def test_beam_search_with_a_draft_model_loaded():
+    """Beams never draft (their logprobs are not what the rejection sampler models): an engine with a
+    draft model gives the same beams."""
+    from tests.conftest import DRAFT
+
+    params = BeamSearchParams(3, max_tokens=10)
+    plain = run_beam_search(cached_llm(), PROMPTS[:2], params, PERIOD)
+    spec = run_beam_search(cached_llm(speculative_model=DRAFT, num_speculative_tokens=3), PROMPTS[:2], params, PERIOD)
+    assert_equal_runs(plain, spec)
