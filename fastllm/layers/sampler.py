@@ -115,7 +115,7 @@ class Sampler(nn.Module):
             return SamplerOutput(kernels.argmax(logits))  # in the model's dtype: the same argmax as in fp32
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
-        logits = apply_penalties(apply_logits_filters(logits, metadata), metadata)
+        logits = process_logits(logits, metadata)
         sampled = kernels.argmax(logits)
         if not metadata.all_greedy:
             probs = filtered_probs(logits, metadata)
@@ -125,6 +125,11 @@ class Sampler(nn.Module):
         if raw_logprobs is not None:
             out.logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return out
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Everything before temperature: the logits filters, then the penalties (vLLM's order)."""
+    return apply_penalties(apply_logits_filters(logits, metadata), metadata)
 
 
 def apply_logits_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from fastllm.layers.sampler import SamplingRow, apply_penalties, filtered_probs
+from fastllm.layers.sampler import SamplingRow, filtered_probs, process_logits
 from fastllm.spec_decode.batched_step import ModelFns, SpecDecodeStep
 from fastllm.spec_decode.draft_model import DraftModel, DraftRequest
 from fastllm.spec_decode.ngram import NgramProposer
@@ -281,7 +281,7 @@ class SpecDecodeRunner:
         num_drafts = torch.as_tensor(counts, device=device)
         kwargs = {}
         if not metadata.all_greedy and self.synthetic_acceptance_rate is None:
-            p = filtered_probs(apply_penalties(logits.float(), metadata), metadata)[index]
+            p = filtered_probs(process_logits(logits.float(), metadata), metadata)[index]
             kwargs = dict(sampled_rows=~metadata.greedy[torch.as_tensor(first, device=device)], target_probs=p,
                           draft_probs=self._draft_probs(states, draft_ids, p.shape[-1]),
                           generators={i: s.generator for i, (s, d) in enumerate(zip(states, drafts))

@@ -139,3 +139,23 @@ def test_graph_path_applies_the_filters():
         runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)])
     assert cached_llm(device="cuda", enforce_eager=False).engine.worker.runner.graphs is not None
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("spec", [{"model": "llama2xs-279K", "num_speculative_tokens": 3},
+                                  {"method": "ngram", "num_speculative_tokens": 3}], ids=["draft", "ngram"])
+def test_speculative_decoding_applies_the_filters(spec):
+    """Requests with filters speculate: greedy verify rows give the plain engine's tokens, and sampled ones
+    accept no draft token a filter forbids (the target's p is the filtered distribution)."""
+    fields = [dict(logit_bias={300: 4.0, 267: -5.0}), dict(allowed_token_ids=list(range(250, 450))),
+              dict(bad_words=["Lily", "little girl"]), dict(min_tokens=20, logit_bias={2: 30.0})]
+    plain, speculative = cached_llm(), cached_llm(speculative_config=spec)
+    for kw in fields:
+        params = SamplingParams(temperature=0, max_tokens=30, **kw)
+        want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in speculative.generate(PROMPTS[:3], params, use_tqdm=False)] == want
+    allowed = list(range(250, 450))
+    sampled = speculative.generate(PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=30,
+                                                           allowed_token_ids=allowed, bad_words=["Lily"]),
+                                   use_tqdm=False)
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) and "Lily" not in o.outputs[0].text for o in sampled)
+    assert speculative.engine.scheduler.spec_stats.num_draft_tokens > 0

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from fastllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, apply_logits_filters, apply_penalties
+from fastllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow, process_logits
 from fastllm.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -19,7 +19,7 @@ NEG_INF = float("-inf")
 
 def processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     metadata = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
-    return apply_penalties(apply_logits_filters(logits, metadata), metadata)
+    return process_logits(logits, metadata)
 
 
 def reference(logits: list[float], row: SamplingRow) -> list[float]:
@@ -181,7 +181,7 @@ def test_token_ids_are_checked_against_the_vocabulary():
 def test_filters_keep_requests_off_the_graph_sampling_paths():
     for params in (SamplingParams(temperature=0, logit_bias={1: 1.0}), SamplingParams(temperature=0, allowed_token_ids=[1]),
                    SamplingParams(temperature=0, bad_words=["a"])):
-        assert not params.argmax_only and not params.samples_in_graph and not params.speculates
+        assert not params.argmax_only and not params.samples_in_graph
         metadata = SamplingMetadata.build([SamplingRow(params, None, [0], [], EOS)], VOCAB, torch.device("cpu"))
         assert not metadata.argmax_only
     assert SamplingParams(temperature=0, bad_words=["a"]).reads_output_tokens
