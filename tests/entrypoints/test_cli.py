@@ -125,3 +125,25 @@ def test_generate_prints_text_and_beam_search(capsys):
     assert main(["generate", "Once upon a time", "--max-tokens", "8", "--device", "cpu", "--num-gpu-blocks", "64",
                  "--beam-width", "3"]) == 0
     assert capsys.readouterr().out.strip().startswith("Once upon a time")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_speculative_decoding_flags(command):
+    """SpeculativeConfig's fields are the keys of --speculative-config (its help names each), beside the
+    --speculative-model / --num-speculative-tokens shorthands; none is given by default."""
+    from fastllm.config import SpeculativeConfig
+    from fastllm.entrypoints.cli import SPECULATIVE_FLAGS
+
+    parser, sub = subparser(command)
+    args = parser.parse_args([command])
+    assert all(getattr(args, name) is None for name in SPECULATIVE_FLAGS)
+    flags = {s: a for a in sub._actions for s in a.option_strings}
+    shown = argparse.HelpFormatter("fastllm")._expand_help(flags["--speculative-config"])
+    keys = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {"synthetic_acceptance_rate"}
+    assert all(key in shown for key in keys) and shown.endswith("(default: none)")
+    args = parser.parse_args([command, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    spec = EngineConfig.from_kwargs(args.model, **engine_kwargs(args)).speculative
+    assert spec.method == "ngram" and spec.num_speculative_tokens == 3
+    args = parser.parse_args([command, "--speculative-model", "llama2xs-279K", "--num-speculative-tokens", "2"])
+    spec = EngineConfig.from_kwargs(args.model, **engine_kwargs(args)).speculative
+    assert spec.method == "draft_model" and spec.num_speculative_tokens == 2
