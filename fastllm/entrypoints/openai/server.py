@@ -396,9 +396,12 @@ def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, ser
                chat_template: str | None) -> None:
     import uvicorn
 
+    from fastllm.entrypoints.process_setup import prepare_gc_for_serving
+
     if chat_template and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
     engine = AsyncLLMEngine.from_kwargs(model, **engine_kwargs)
+    prepare_gc_for_serving()  # the server process's settings, not the library's (process_setup.py)
     app = build_app(engine, served_model_name or served_name(model), chat_template)
     try:
         uvicorn.run(app, host=host, port=port, log_level="info")
