@@ -25,7 +25,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None
     logprobs: SampleLogprobs | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
 
     def finished(self) -> bool:
@@ -41,6 +41,7 @@ class RequestOutput:
     finished: bool
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams.prompt_logprobs
+    error: str | None = None  # why it failed (its samples' finish_reason is then "error")
 
 
 @dataclass(slots=True)

@@ -7,6 +7,27 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+_INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 20  # top-N logprobs per token, at most (vLLM's default max_logprobs)
+
+
+def _int_in(value, low: int, high: int | None) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value and (high is None or value <= high)
+
+
+def _real_in(value, low: float, high: float | None) -> bool:
+    """A finite int or float in [low, high] (NaN and infinities fail)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and low <= value and (high is None or value <= high)
+
+
+def _valid_unicode(text: str) -> bool:
+    """No lone surrogates (JSON can carry them; no tokenizer or UTF-8 encoder can)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -49,35 +70,48 @@ class SamplingParams:
             self.top_k = 0
         if isinstance(self.stop, str):
             self._stop_list = [self.stop]
-        else:
+        elif self.stop is None or isinstance(self.stop, (list, tuple)):
             self._stop_list = list(self.stop or [])
+        else:
+            raise ValueError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")
+        if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
         self._validate_logits_filters()
 
     def _validate(self) -> None:
+        """Every field within the range the engine can serve (a value outside it could fail a step):
+        integers are ints (not bools), floats finite, strings valid Unicode."""
         checks = [
-            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
-            ("temperature", self.temperature >= 0, "must be >= 0 (0 means greedy)"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be -1, 0 (off) or a positive integer"),
-            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer or None"),
-            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            ("n", _int_in(self.n, 1, None), "must be an integer >= 1"),
+            ("temperature", _real_in(self.temperature, 0, None), "must be a finite number >= 0 (0 means greedy)"),
+            ("top_p", _real_in(self.top_p, 0, 1) and self.top_p > 0, "must be a number in (0, 1]"),
+            ("top_k", _int_in(self.top_k, 0, _INT64_MAX), "must be -1, 0 (off) or a positive integer < 2**63"),
+            ("min_p", _real_in(self.min_p, 0, 1), "must be a number in [0, 1]"),
+            # torch seeds are 64-bit; the samples of n > 1 take seed, seed + 1, ...
+            ("seed", self.seed is None or (_int_in(self.n, 1, None) and _int_in(self.seed, -2**63, 2**64 - self.n)),
+             "must be None or an integer in [-2**63, 2**64 - n]"),
+            ("max_tokens", self.max_tokens is None or _int_in(self.max_tokens, 1, None),
              "must be an integer >= 1 or None"),
-            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             "must be None or an integer in [0, 20]"),
-            ("prompt_logprobs", self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
-                                                                 and 0 <= self.prompt_logprobs <= 20),
-             "must be None or an integer in [0, 20]"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", 0 < self.repetition_penalty <= 2, "must be in (0, 2]"),
-            ("stop", all(isinstance(s, str) and s for s in self._stop_list), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            ("min_tokens", _int_in(self.min_tokens, 0, None), "must be an integer >= 0"),
+            ("logprobs", self.logprobs is None or _int_in(self.logprobs, 0, MAX_LOGPROBS),
+             f"must be None or an integer in [0, {MAX_LOGPROBS}]"),
+            ("prompt_logprobs", self.prompt_logprobs is None or _int_in(self.prompt_logprobs, 0, MAX_LOGPROBS),
+             f"must be None or an integer in [0, {MAX_LOGPROBS}]"),
+            ("presence_penalty", _real_in(self.presence_penalty, -2, 2), "must be a number in [-2, 2]"),
+            ("frequency_penalty", _real_in(self.frequency_penalty, -2, 2), "must be a number in [-2, 2]"),
+            ("repetition_penalty", _real_in(self.repetition_penalty, 0, 2) and self.repetition_penalty > 0,
+             "must be a number in (0, 2]"),
+            ("stop", all(isinstance(s, str) and s and _valid_unicode(s) for s in self._stop_list),
+             "must be non-empty strings of valid Unicode"),
+            ("stop_token_ids", all(_int_in(t, 0, None) for t in self.stop_token_ids),
              "must be non-negative integers"),
+            ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
         ]
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            checks.append((name, isinstance(getattr(self, name), bool), "must be a bool"))
         for name, ok, message in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} {message}, got {getattr(self, name)!r}")

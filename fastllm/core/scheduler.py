@@ -126,6 +126,24 @@ class Scheduler:
             request.status = status
             self._free(request)
 
+    def fail_step(self, scheduler_output: SchedulerOutput) -> tuple[list[Request], list[str]]:
+        """A step that raised: its requests still going end as FINISHED_ERROR (blocks freed), and the
+        beam searches its beams belong to end too; the others are untouched. Returns every request the
+        step scheduled, and the ids of the searches ended."""
+        scheduled = self._scheduled_requests.pop(scheduler_output.step_id, {})
+        searches = []
+        for request in scheduled.values():
+            search = self._beam_of.get(request.request_id)
+            if search is not None:
+                if search.request_id in self.beam_searches:
+                    self.finish_beam_search(search.request_id)
+                    searches.append(search.request_id)
+            elif not request.is_finished and self.requests.get(request.request_id) is request:
+                self._queue_of(request).remove(request)
+                request.status = RequestStatus.FINISHED_ERROR
+                self._free(request)
+        return list(scheduled.values()), searches
+
     def _queue_of(self, request: Request):
         return {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(
             request.status, self.waiting)

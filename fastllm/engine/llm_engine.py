@@ -5,27 +5,27 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 from pathlib import Path
 
 from fastllm.config import EngineConfig
 from fastllm.core.beam_search import BeamSearch
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
-from fastllm.core.scheduler_output import SchedulerOutput
+from fastllm.engine.core import EngineCore
+from fastllm.engine.input_processor import InputProcessor, PromptType
+from fastllm.engine.messages import sample_ids
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import Request, RequestStatus
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import BeamSearchParams, SamplingParams
 from fastllm.spec_decode.policy import SpecPolicy
 from fastllm.tracing import nvtx_range
-from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.executor import MultiprocExecutor, launched_by_torchrun, torchrun_worker
 from fastllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict
+__all__ = ["LLMEngine", "PromptType", "load_tokenizer"]
 
 
 def load_tokenizer(path: str):
@@ -73,17 +73,14 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
                                    num_blocks, num_cpu_blocks, hash_fn, policy, spec.uses_draft_model,
                                    config.model.kv_sliding_window, wait_for_sampled_tokens=pipeline > 1)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.worker.runner.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = self.worker.runner.args.vocab_size
-        self.async_scheduling = config.scheduler.async_scheduling
-        # Steps launched before their tokens are read: one with async scheduling, one per pipeline stage
-        # (each stage works on a different batch).
-        self._in_flight: deque[tuple[SchedulerOutput, AsyncRunnerOutput]] = deque()
-        self._max_in_flight = pipeline if self.async_scheduling else 0
-        self.last_step_wait_s = 0.0  # time the last step() spent waiting for the GPU (bench: host = step - wait)
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.model.max_model_len,
+                                              config.scheduler.max_num_seqs)
+        self.core = EngineCore(config, self.executor, self.scheduler, self.eos_token_id, self.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%.3f GiB) on %s", self.startup_seconds,
                     num_blocks, config.cache.block_size, self.worker.kv_cache_gib(), self.worker.device)
@@ -95,40 +92,19 @@ class LLMEngine:
     # requests
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt_token_ids'")
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give prompts as {'prompt_token_ids': [...]}")
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            return prompt, self.tokenizer(prompt)["input_ids"]
-        if isinstance(prompt, list):
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        return self.input_processor.tokenize(prompt)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
-        """Validate and queue a request. Raises ValueError (and queues nothing) on bad input."""
+        """Validate and queue a request. Bad input raises ValueError naming the field (nothing is queued)."""
         params = params or SamplingParams()
-        self._check_request_id(request_id)
-        text, token_ids = self.tokenize(prompt)
-        max_tokens = self._check_prompt(token_ids, params.max_tokens)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self.input_processor.tokenize(prompt)
         params.tokenize_bad_words(self.tokenizer)
-        params.check_token_ids(self.vocab_size)
-        block_size = self.config.cache.block_size
-        hash_fn = self.scheduler.hash_fn
-        children = []
-        for i in range(params.n):
-            child_params = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + i)
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            children.append(Request(child_id, token_ids, child_params, self.eos_token_id, max_tokens,
-                                    block_size, hash_fn, fork_of=children[0] if i else None))
-        self.output_processor.add_group(request_id, text, token_ids, children)
-        for child in children:
-            self.scheduler.add_request(child)
+        self.input_processor.check_request(token_ids, params)  # n within max_num_seqs among the rest
+        self._check_request_ids(request_id, sample_ids(request_id, params.n))
+        self.core.add_request(request_id, token_ids, params)
+        self.output_processor.add_group(request_id, text, token_ids, params)
 
     def add_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> None:
         """Validate and queue a beam search (LLM.beam_search): its one RequestOutput comes when it ends,
@@ -137,89 +113,55 @@ class LLMEngine:
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         if 2 * params.beam_width > self.vocab_size:
             raise ValueError(f"BeamSearchParams.beam_width must be at most half the vocabulary ({self.vocab_size})")
-        self._check_request_id(request_id)
-        text, token_ids = self.tokenize(prompt)
-        max_tokens = self._check_prompt(token_ids, params.max_tokens)
+        self._check_request_ids(request_id, [])
+        text, token_ids = self.input_processor.tokenize(prompt)
+        max_tokens = self.input_processor.check_request(token_ids, params.sampling_params())
         search = BeamSearch(request_id, text, token_ids, params, self.eos_token_id, max_tokens)
         first = Request(search.next_beam_id(), token_ids, params.sampling_params(), self.eos_token_id, max_tokens,
                         self.config.cache.block_size, self.scheduler.hash_fn)
         self.scheduler.add_beam_search(search, first)
 
-    def _check_request_id(self, request_id: str) -> None:
-        if request_id in self.output_processor.groups or request_id in self.scheduler.beam_searches:
-            raise ValueError(f"request id {request_id!r} is already in use")
-
-    def _check_prompt(self, token_ids: list[int], max_tokens: int | None) -> int:
-        """Raise ValueError unless the prompt's ids are in the vocabulary and it leaves room to generate;
-        returns max_tokens (None: up to max_model_len)."""
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        max_len = self.config.model.max_model_len
-        max_tokens = max_tokens if max_tokens is not None else max_len - len(token_ids)
-        if len(token_ids) + max_tokens > max_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({max_len})")
-        if max_tokens < 1:
-            raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room to generate within "
-                             f"max_model_len ({max_len})")
-        return max_tokens
+    def _check_request_ids(self, request_id: str, samples: list[str]) -> None:
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        processor = self.output_processor
+        for i in {request_id, *samples}:
+            if i in processor.groups or i in processor.group_of or i in self.scheduler.beam_searches:
+                raise ValueError(f"request id {i!r} is already in use")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
-        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+        request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.core.finish_requests(request_ids)
+        for request_id in request_ids:
             self.scheduler.finish_beam_search(request_id)
-            children = self.output_processor.child_ids(request_id)
-            self.scheduler.finish_requests(children, RequestStatus.FINISHED_ABORTED)
             self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+        return self.core.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.groups) + len(self.scheduler.beam_searches)
 
+    @property
+    def last_step_wait_s(self) -> float:
+        """Time the last step() spent waiting for the GPU (bench: host = step - wait)."""
+        return self.core.last_step_wait_s
+
     # the loop
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch one step; return the outputs of the step before it (async
-        scheduling: its tokens were copied back while this one was being prepared) or of this
-        one (async_scheduling=False, and speculative steps, which end before they return: the
-        next step is scheduled from their proposals)."""
-        start = time.perf_counter()
-        outputs = []
-        while self._in_flight and self._in_flight[0][1].done:  # a speculative step
-            outputs += self._finish(*self._in_flight.popleft())
-        with nvtx_range("schedule"):
-            scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and not self._in_flight and self.scheduler.has_unfinished_requests() \
-                and not (scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
-            raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.requests)} requests pending")
-        self.last_step_wait_s = 0.0
-        launched = (scheduler_output, self.executor.execute_model(scheduler_output))
-        if self.async_scheduling and not scheduler_output.is_empty:
-            self._in_flight.append(launched)
-            if len(self._in_flight) > self._max_in_flight:
-                outputs += self._finish(*self._in_flight.popleft())
-        else:
-            while self._in_flight:  # nothing new was launched: nothing to overlap with
-                outputs += self._finish(*self._in_flight.popleft())
-            outputs += self._finish(*launched)
-        decode_step = self.worker.runner.last_decode_step
-        if decode_step is not None and self.scheduler.spec_policy is not None:
-            self.scheduler.spec_policy.observe(*decode_step, time.perf_counter() - start)
-        return outputs
-
-    def _finish(self, scheduler_output: SchedulerOutput, runner_output: AsyncRunnerOutput) -> list[RequestOutput]:
-        with nvtx_range("wait_tokens"):
-            result = runner_output.result()
-        self.last_step_wait_s += runner_output.wait_s
-        with nvtx_range("update"):
-            updated = self.scheduler.update_from_output(scheduler_output, result)
+        """One engine step (EngineCore.step) and the RequestOutputs of the requests it changed. A step
+        that raised ends the requests it scheduled with finish_reason "error"; the others go on."""
+        core_outputs = self.core.step()
         with nvtx_range("detokenize"):
-            outputs, stopped = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
+            outputs, stopped = self.output_processor.process(core_outputs)
             outputs += [s.to_output(self.tokenizer) for s in self.scheduler.take_finished_beam_searches()]
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for search_id, error in self.core.take_failed_beam_searches():  # they end without beams
+            outputs.append(RequestOutput(search_id, None, [], [], True, error=error))
+        for out in outputs:
+            if out.error is not None:
+                logger.error("request %s failed: %s", out.request_id, out.error)
         return outputs
 
     def shutdown(self) -> None:
@@ -231,4 +173,4 @@ class LLMEngine:
 
     def check_kv_pool_whole(self) -> None:
         """Raise AssertionError unless every KV block is free again (call when idle)."""
-        self.scheduler.kv.assert_empty()
+        self.core.check_kv_pool_whole()

@@ -1,19 +1,22 @@
-"""Turns each step's sampled tokens into RequestOutputs: text, logprobs, finish reasons.
+"""Turns each step's EngineCoreOutputs into RequestOutputs: text, stop strings, logprobs, finish reasons.
 
-Samples of one request (n > 1) are grouped back into one RequestOutput.
+Samples of one request (n > 1) are grouped back into one RequestOutput. Runs where the tokenizer is: in
+the LLMEngine's process offline, in the API process when serving (the engine core sends token ids only).
+Streamed text (DELTA and CUMULATIVE outputs) leaves out the tail that could still become a stop string
+until it no longer can or the sample ends.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fastllm.engine.detokenizer import IncrementalDetokenizer
-from fastllm.engine.request import Request
+from fastllm.engine.detokenizer import IncrementalDetokenizer, render_token
+from fastllm.engine.messages import EngineCoreOutput, sample_ids
 from fastllm.outputs import CompletionOutput, Logprob, RequestOutput
-from fastllm.sampling_params import RequestOutputKind
+from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleState:
     index: int
     detokenizer: IncrementalDetokenizer | None
@@ -28,8 +31,9 @@ class RequestGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    samples: dict[str, SampleState] = field(default_factory=dict)  # child request id -> state
+    samples: dict[str, SampleState] = field(default_factory=dict)  # sample id -> state
     prompt_logprobs: list | None = None  # [None, then one dict per scored prompt token]
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -45,22 +49,32 @@ class RequestGroup:
         elif self.output_kind == RequestOutputKind.FINAL_ONLY and finished:
             outputs = [s.output for s in samples]  # the group is dropped: nothing mutates them again
         else:
-            outputs = [_copy(s.output) for s in samples]
+            outputs = [_copy(s) for s in samples]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
-                             prompt_logprobs=self.prompt_logprobs)
+                             prompt_logprobs=self.prompt_logprobs, error=self.error)
 
 
-def _copy(o: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
+def _shown(s: SampleState) -> int:
+    """How much of the text may be shown: all of it once the sample ends, else all but the held tail."""
+    text = s.output.text
+    if s.detokenizer is None or s.output.finish_reason is not None:
+        return len(text)
+    return len(text) - s.detokenizer.held
+
+
+def _copy(s: SampleState) -> CompletionOutput:
+    o = s.output
+    return CompletionOutput(o.index, o.text[:_shown(s)], list(o.token_ids), o.cumulative_logprob,
                             list(o.logprobs) if o.logprobs is not None else None, o.finish_reason, o.stop_reason)
 
 
 def _delta(s: SampleState) -> CompletionOutput:
     o = s.output
-    delta = CompletionOutput(o.index, o.text[s.sent_text:], o.token_ids[s.sent_tokens:], o.cumulative_logprob,
+    shown = _shown(s)
+    delta = CompletionOutput(o.index, o.text[s.sent_text:shown], o.token_ids[s.sent_tokens:], o.cumulative_logprob,
                              o.logprobs[s.sent_tokens:] if o.logprobs is not None else None,
                              o.finish_reason, o.stop_reason)
-    s.sent_tokens, s.sent_text = len(o.token_ids), len(o.text)
+    s.sent_tokens, s.sent_text = len(o.token_ids), shown
     return delta
 
 
@@ -68,57 +82,48 @@ class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
-        self.group_of: dict[str, RequestGroup] = {}  # child request id -> its group
+        self.group_of: dict[str, RequestGroup] = {}  # sample id -> its group
 
-    def add_group(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], children: list[Request]):
-        group = RequestGroup(request_id, prompt, prompt_token_ids, children[0].sampling_params.output_kind)
-        if children[0].sampling_params.prompt_logprobs is not None:
+    def add_group(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+        group = RequestGroup(request_id, prompt, prompt_token_ids, params.output_kind)
+        if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
-        for index, child in enumerate(children):
-            params = child.sampling_params
+        for index, sample_id in enumerate(sample_ids(request_id, params.n)):
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
-                                               params.stop_strings, params.include_stop_str_in_output)
+                                               params.stop_strings, params.include_stop_str_in_output,
+                                               params.min_tokens)
             output = CompletionOutput(index, "", [], 0.0 if params.logprobs is not None else None,
                                       [] if params.logprobs is not None else None)
-            group.samples[child.request_id] = SampleState(index, detok, output)
-            self.group_of[child.request_id] = group
+            group.samples[sample_id] = SampleState(index, detok, output)
+            self.group_of[sample_id] = group
         self.groups[request_id] = group
 
-    def child_ids(self, request_id: str) -> list[str]:
-        group = self.groups.get(request_id)
-        return list(group.samples) if group else []
-
-    def process(self, updated: list[tuple[Request, list[int]]], logprobs: dict,
-                prompt_logprobs: dict | None = None) -> tuple[list[RequestOutput], list[str]]:
-        """updated: each request that got tokens this step, with them (several under speculative
-        decoding). prompt_logprobs: the step's scored prompt tokens by request. Returns the outputs
-        of groups that changed, and the child ids a stop string finished (the scheduler must stop
-        them; the tokens after the stop are not output)."""
-        for req_id, (position, entries) in (prompt_logprobs or {}).items():
-            self._add_prompt_logprobs(req_id, position, entries)
+    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """A step's outputs -> the RequestOutputs of the groups that changed, and the sample ids the
+        engine core must stop: a stop string ended them (the tokens after it are not output), or a
+        sibling failed."""
         stopped: list[str] = []
         touched: dict[str, RequestGroup] = {}
-        for request, tokens in updated:
-            group = self.group_of.get(request.request_id)
+        for core_out in core_outputs:
+            group = self.group_of.get(core_out.request_id)
             if group is None:
+                group = self.groups.get(core_out.request_id)  # a whole request the core refused
+                if group is None or core_out.error is None:
+                    continue
+                stopped += self._fail_group(group, core_out.error)
+                touched[group.request_id] = group
                 continue
-            sample = group.samples[request.request_id]
+            sample = group.samples[core_out.request_id]
             out = sample.output
-            for i, token in enumerate(tokens):
-                out.token_ids.append(token)
-                if request.request_id in logprobs:  # only requests that sample one token a step ask for them
-                    self._add_logprobs(out, token, logprobs[request.request_id])
-                if request.is_finished and i == len(tokens) - 1:  # the scheduler's stop (EOS, length) comes first
-                    out.finish_reason, out.stop_reason = request.status.finish_reason, request.stop_reason
-                if sample.detokenizer is not None:
-                    hit = sample.detokenizer.add_token(token)
-                    out.text = sample.detokenizer.text
-                    if hit is not None and out.finish_reason is None:
-                        out.finish_reason, out.stop_reason = "stop", hit
-                        stopped.append(request.request_id)
-                        break
+            if core_out.prompt_logprobs is not None:
+                self._add_prompt_logprobs(group, core_out.request_id, *core_out.prompt_logprobs)
+            if out.finish_reason is not None:  # ended here already (a stop string): the rest is dropped
+                continue
+            self._add_tokens(sample, core_out, stopped)
+            if core_out.error is not None:  # its siblings end with it
+                stopped += self._fail_group(group, core_out.error)
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():
@@ -128,6 +133,39 @@ class OutputProcessor:
             if finished:
                 self._drop(group)
         return outputs, stopped
+
+    def _add_tokens(self, sample: SampleState, core_out: EngineCoreOutput, stopped: list[str]) -> None:
+        out, detok = sample.output, sample.detokenizer
+        tokens, logprobs = core_out.new_token_ids, core_out.logprobs
+        for i, token in enumerate(tokens):
+            out.token_ids.append(token)
+            entry = logprobs[i] if logprobs is not None and out.logprobs is not None else None
+            if entry is not None:  # its alternatives are rendered after the tokens before it
+                out.logprobs.append(self._logprob_dict(token, entry, detok))
+                out.cumulative_logprob += entry[0]
+            if i == len(tokens) - 1 and core_out.finish_reason is not None:  # the core's stop comes first
+                out.finish_reason, out.stop_reason = core_out.finish_reason, core_out.stop_reason
+            if detok is not None:
+                hit = detok.add_token(token)
+                out.text = detok.text
+                if entry is not None and token in out.logprobs[-1]:
+                    out.logprobs[-1][token].decoded_token = detok.last_piece
+                if hit is not None and out.finish_reason is None:
+                    out.finish_reason, out.stop_reason = "stop", hit
+                    stopped.append(core_out.request_id)
+                    break
+        if not tokens and core_out.finish_reason is not None:
+            out.finish_reason, out.stop_reason = core_out.finish_reason, core_out.stop_reason
+
+    def _fail_group(self, group: RequestGroup, error: str) -> list[str]:
+        """End every sample of the group with the error; returns those the core still runs."""
+        group.error = error
+        running = []
+        for sample_id, sample in group.samples.items():
+            if sample.output.finish_reason is None:
+                sample.output.finish_reason = "error"
+                running.append(sample_id)
+        return running
 
     def abort(self, request_id: str) -> RequestOutput | None:
         group = self.groups.get(request_id)
@@ -141,28 +179,34 @@ class OutputProcessor:
 
     def _drop(self, group: RequestGroup) -> None:
         self.groups.pop(group.request_id, None)
-        for child_id in group.samples:
-            self.group_of.pop(child_id, None)
+        for sample_id in group.samples:
+            self.group_of.pop(sample_id, None)
 
-    def _add_logprobs(self, out: CompletionOutput, token: int, entry) -> None:
-        out.logprobs.append(self._logprob_dict(token, entry))
-        out.cumulative_logprob += entry[0]
-
-    def _add_prompt_logprobs(self, req_id: str, position: int, entries: list) -> None:
+    def _add_prompt_logprobs(self, group: RequestGroup, sample_id: str, position: int, entries: list) -> None:
         """Entries for the prompt tokens from `position` on, from the group's first sample; a prompt
         computed again (preemption) does not add them twice."""
-        group = self.group_of.get(req_id)
-        if group is None or group.prompt_logprobs is None or next(iter(group.samples)) != req_id:
+        if group.prompt_logprobs is None or next(iter(group.samples)) != sample_id:
             return
-        scored = group.prompt_logprobs
+        scored, prompt = group.prompt_logprobs, group.prompt_token_ids
         for offset, entry in enumerate(entries):
-            if position + offset == len(scored):
-                scored.append(self._logprob_dict(group.prompt_token_ids[position + offset], entry))
+            p = position + offset
+            if p == len(scored):
+                context = prompt[max(0, p - 6):p]
+                scored.append(self._logprob_dict(prompt[p], entry, None, context))
 
-    def _logprob_dict(self, token: int, entry) -> dict[int, Logprob]:
+    def _logprob_dict(self, token: int, entry, detok: IncrementalDetokenizer | None,
+                      context: list[int] | None = None) -> dict[int, Logprob]:
+        """token id -> Logprob for the top-N and the chosen token, each token's string as it renders
+        after the tokens before it (the chosen one's is set again from the detokenizer once added)."""
         token_logprob, rank, top = entry
-        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
-        step = {tid: Logprob(lp, r + 1, decode(tid)) for r, (tid, lp) in enumerate(top)}
+        tok = self.tokenizer
+        if tok is None:
+            render = lambda t: None  # noqa: E731
+        elif detok is not None:
+            render = detok.render
+        else:
+            render = lambda t: render_token(tok, context, t)  # noqa: E731
+        step = {tid: Logprob(lp, r + 1, render(tid)) for r, (tid, lp) in enumerate(top)}
         if token not in step:
-            step[token] = Logprob(token_logprob, rank, decode(token))
+            step[token] = Logprob(token_logprob, rank, render(token))
         return step

@@ -18,6 +18,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4
     FINISHED_LENGTH = 5
     FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7  # its step raised (the engine went on without it)
 
     @property
     def is_finished(self) -> bool:
@@ -25,7 +26,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {4: "stop", 5: "length", 6: "abort"}.get(int(self))
+        return {4: "stop", 5: "length", 6: "abort", 7: "error"}.get(int(self))
 
 
 class Request:

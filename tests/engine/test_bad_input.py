@@ -123,3 +123,163 @@ def test_sliding_window_models_run_to_their_full_context():
     assert config.model.max_model_len == 32768  # the window (4096) is attended within, not a cap
     with pytest.raises(ValueError, match=r"max_model_len must be in \[1, 32768\]"):
         EngineConfig.from_kwargs("mistral-7b-v0.1", load_format="dummy", max_model_len=32769)
+
+
+# Every sampling field at and past the ends of its range, with wrong types: each value is either served
+# or refused with a ValueError naming the field (the server test sends the same values as JSON).
+INF, NAN = float("inf"), float("nan")
+EXTREMES = {
+    "n": [0, -1, 2, 2**31, 2**64, 1.5, True, "2", None],
+    "temperature": [0, 0.0, 1e-30, 1e30, INF, -INF, NAN, -1e-9, "1", None],
+    "top_p": [0, 1e-30, 1, 1.0000001, NAN, INF, -1],
+    "top_k": [-2, -1, 0, 1, 2**31, 2**63 - 1, 2**63, 2**64, 1.5],
+    "min_p": [0, 1, 1.5, NAN, -1e-9],
+    "seed": [0, -1, 2**63 - 1, 2**64 - 1, 2**64, -2**63, -2**63 - 1, 1.5, True, "7"],
+    "max_tokens": [0, 1, -1, 2**31, 2**64, 1.5],
+    "min_tokens": [-1, 0, 3, 2**31],
+    "stop": ["", [""], ["\ud800"], [1], "x" * 500, ["a"] * 50, 5],
+    "stop_token_ids": [[-1], [0], [511], [512], [2**64], ["a"], 5],
+    "logprobs": [-1, 0, 20, 21, 2**64, True],
+    "prompt_logprobs": [-1, 0, 20, 21],
+    "presence_penalty": [-2, 2, 2.1, NAN, INF],
+    "frequency_penalty": [-2, 2, -2.1, NAN],
+    "repetition_penalty": [0, 1e-30, 2, 2.1, NAN, -INF],
+    "ignore_eos": [True, "yes", 1, None],
+    "include_stop_str_in_output": [True, 0],
+    "skip_special_tokens": [False, "no"],
+}
+
+
+def serve_or_refuse(engine, request_id, prompt, field, value) -> str:
+    """'served' once the request ran to its end, or 'refused' on a ValueError that names the field."""
+    try:
+        params = SamplingParams(**{"max_tokens": 4, field: value})
+        engine.add_request(request_id, prompt, params)
+    except ValueError as e:
+        assert field in str(e), (field, value, str(e))
+        return "refused"
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.error is None, out.error
+    return "served"
+
+
+def test_extreme_sampling_values_are_served_or_refused_by_name():
+    engine = cached_llm(max_model_len=128).engine
+    seen = {}
+    for field, values in EXTREMES.items():
+        for i, value in enumerate(values):
+            seen[(field, repr(value))] = serve_or_refuse(engine, f"{field}-{i}", PROMPTS[0], field, value)
+    refused = {k for k, v in seen.items() if v == "refused"}
+    # The issue's cases and a few others are refused; the edges of each range are served.
+    for case in [("seed", repr(2**64)), ("seed", repr(-2**63 - 1)), ("top_k", repr(2**63)), ("n", repr(2**31)),
+                 ("temperature", repr(INF)), ("top_p", repr(NAN)), ("stop", repr(["\ud800"])),
+                 ("stop_token_ids", repr([512])), ("logprobs", repr(21)), ("n", repr(True))]:
+        assert case in refused, case
+    for case in [("seed", repr(2**64 - 1)), ("seed", repr(-2**63)), ("top_k", repr(2**63 - 1)),
+                 ("temperature", repr(1e30)), ("stop_token_ids", repr([511])), ("logprobs", repr(20)), ("n", repr(2))]:
+        assert seen[case] == "served", case
+    good = cached_llm(max_model_len=128).generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8),
+                                                  use_tqdm=False)[0]
+    assert len(good.outputs[0].token_ids) == 8 and good.outputs[0].finish_reason == "length"
+    engine.check_kv_pool_whole()
+
+
+def test_bad_prompts_name_what_is_wrong():
+    engine = cached_llm(max_model_len=128).engine
+    for prompt, match in [("\ud800 once", "Unicode"), ({"prompt_token_ids": [1, 512]}, "512"),
+                          ({"prompt_token_ids": [1, -1]}, "-1"), ({"prompt_token_ids": [1, True]}, "True"),
+                          ({"prompt_token_ids": "12"}, "list"), ({"prompt_token_ids": [1], "prompt": 5}, "string"),
+                          ("x" * 10_000, "longer than max_model_len")]:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request("bad", prompt, SamplingParams())
+    assert not engine.has_unfinished_requests()
+
+
+def test_request_ids_are_unique_including_samples():
+    engine = cached_llm().engine
+    engine.add_request("a", PROMPTS[0], SamplingParams(n=2, max_tokens=4))
+    for request_id, n in [("a", 1), ("a#1", 1), ("a#0", 3)]:
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request(request_id, PROMPTS[1], SamplingParams(n=n, max_tokens=4))
+    engine.add_request("b#1", PROMPTS[1], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="'b#1' is already in use"):
+        engine.add_request("b", PROMPTS[1], SamplingParams(n=2, max_tokens=4))  # its second sample is b#1
+    done = set()
+    while engine.has_unfinished_requests():
+        done |= {o.request_id for o in engine.step() if o.finished}
+    assert done == {"a", "b#1"}
+    engine.check_kv_pool_whole()
+
+
+class PoisonedStep:
+    """Make the first step that schedules `poison` raise: at launch, or when its tokens are read."""
+
+    def __init__(self, engine, poison: str, when: str):
+        self.worker, self.poison, self.when = engine.worker, poison, when
+        self.execute = self.worker.execute_model
+        self.failures = 0
+
+    def __enter__(self):
+        def execute(sched):
+            poisoned = self.poison in sched.num_scheduled_tokens and not self.failures
+            if poisoned and self.when == "launch":
+                self.failures += 1
+                raise RuntimeError("planted launch failure")
+            out = self.execute(sched)
+            if poisoned:
+                self.failures += 1
+                result = out.result
+
+                def failing_result():
+                    result()  # the runner's own bookkeeping, then the failure
+                    raise RuntimeError("planted failure reading the tokens")
+                out.result = failing_result
+            return out
+        self.worker.execute_model = execute
+        return self
+
+    def __exit__(self, *exc):
+        del self.worker.execute_model
+
+
+def run_all(engine) -> dict:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+@pytest.mark.parametrize("when", ["launch", "result"])
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_failed_step_fails_only_its_requests(when, async_scheduling):
+    """One request per step (max_num_seqs=1): the step with `poison` raises; poison ends with finish
+    reason "error" and the error text, the requests before and after it give their normal tokens, and
+    the pool is whole. Then two requests share a failing step: both fail, and the engine serves on."""
+    llm = cached_llm(max_num_seqs=1, async_scheduling=async_scheduling)
+    engine = llm.engine
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    want = [o.outputs[0].token_ids for o in cached_llm().generate(PROMPTS[:2], greedy, use_tqdm=False)]
+    engine.add_request("before", PROMPTS[0], greedy)
+    engine.add_request("poison", PROMPTS[2], SamplingParams(temperature=0, max_tokens=6, n=1))
+    engine.add_request("after", PROMPTS[1], greedy)
+    with PoisonedStep(engine, "poison", when) as poisoned:
+        finished = run_all(engine)
+    assert poisoned.failures == 1
+    assert finished["poison"].outputs[0].finish_reason == "error"
+    assert "planted" in finished["poison"].error
+    assert [finished[r].outputs[0].token_ids for r in ("before", "after")] == want
+    assert finished["before"].error is None and finished["after"].outputs[0].finish_reason == "length"
+    engine.check_kv_pool_whole()
+
+    shared = cached_llm(async_scheduling=async_scheduling).engine
+    shared.add_request("poison", PROMPTS[2], SamplingParams(temperature=0.8, max_tokens=6, n=2))
+    shared.add_request("neighbour", PROMPTS[3], greedy)
+    with PoisonedStep(shared, "poison#0", when):
+        finished = run_all(shared)
+    assert {o.finish_reason for r in ("poison", "neighbour") for o in finished[r].outputs} == {"error"}
+    shared.check_kv_pool_whole()
+    assert cached_llm(async_scheduling=async_scheduling).generate(PROMPTS[0], greedy, use_tqdm=False)[0] \
+        .outputs[0].token_ids == want[0]

@@ -100,9 +100,17 @@ def test_logprobs_and_cumulative_logprob():
         assert set(step) == set(row.topk(3).indices.tolist()) | {token}
         assert step[token].rank == 1  # greedy picks the top token
         assert abs(step[token].logprob - row[token].item()) < 1e-4
-        assert step[token].decoded_token == llm.get_tokenizer().decode([token])
         total += step[token].logprob
     assert completion.cumulative_logprob == pytest.approx(total)
+    # Each token's string is what it adds in context (its leading space too): they join to the text.
+    assert "".join(step[t].decoded_token for t, step in zip(completion.token_ids, completion.logprobs)) \
+        == completion.text
+    tokenizer = llm.get_tokenizer()
+    prompt = out.prompt_token_ids
+    for i, step in enumerate(completion.logprobs):
+        context = tokenizer.decode(prompt + completion.token_ids[:i])
+        for t, lp in step.items():  # alternatives render after the same tokens
+            assert context + lp.decoded_token == tokenizer.decode(prompt + completion.token_ids[:i] + [t]), t
 
 
 def test_penalties_change_logits_as_defined():

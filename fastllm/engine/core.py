@@ -1,0 +1,214 @@
+"""EngineCore: the scheduler and the executor, stepped. Token ids in; each step's new token ids out.
+
+It is LLMEngine minus tokenization and detokenization: the in-process LLMEngine drives one, and so does
+the engine-core process behind `fastllm serve` (core_proc.py). Each step is schedule -> execute ->
+update; with async scheduling step N+1 is launched before step N's tokens are read (one step in flight,
+or one per pipeline stage), and step() returns the outputs of the steps that ended.
+
+A step that raises fails only the requests it scheduled: they finish with finish_reason "error" (the
+exception's text in EngineCoreOutput.error), their blocks are freed and the engine goes on with the
+others. A failure of the machinery itself is raised instead, so the process can be restarted: a worker
+of tensor/pipeline parallelism that is gone, or on a GPU a broken device (every later CUDA call fails).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import torch
+
+from fastllm.config import EngineConfig
+from fastllm.core.scheduler import Scheduler
+from fastllm.core.scheduler_output import SchedulerOutput
+from fastllm.engine.input_processor import InputProcessor
+from fastllm.engine.messages import EngineCoreOutput, SchedulerStats, sample_ids
+from fastllm.engine.request import Request, RequestStatus
+from fastllm.sampling_params import SamplingParams
+from fastllm.tracing import nvtx_range
+from fastllm.worker.async_output import AsyncRunnerOutput
+from fastllm.worker.executor import WorkerFailed
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor, scheduler: Scheduler, eos_token_id: int | None,
+                 vocab_size: int):
+        """executor: a Worker, or a MultiprocExecutor (tensor/pipeline parallelism) with its methods."""
+        self.config, self.executor, self.scheduler = config, executor, scheduler
+        self.worker = executor.driver_worker  # rank 0's, in this process
+        self.eos_token_id = eos_token_id
+        self.checker = InputProcessor(None, vocab_size, config.model.max_model_len,
+                                      config.scheduler.max_num_seqs)
+        self.async_scheduling = config.scheduler.async_scheduling
+        # Steps launched before their tokens are read: one with async scheduling, one per pipeline stage
+        # (each stage works on a different batch).
+        self._in_flight: deque[tuple[SchedulerOutput, AsyncRunnerOutput]] = deque()
+        self._max_in_flight = config.parallel.pipeline_parallel_size if self.async_scheduling else 0
+        self._failed_beam_searches: list[tuple[str, str]] = []  # (search id, error) until taken
+        # Requests whose last output has not been returned yet (finished ones wait for it in _finish).
+        self._samples: dict[str, list[str]] = {}  # request id -> its samples' ids
+        self._live: dict[str, tuple[str, Request]] = {}  # sample id -> (request id, the sample)
+        self.last_step_wait_s = 0.0  # the last step()'s wait for the GPU (bench: host = step - wait)
+        self.stats = SchedulerStats()
+
+    # requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[str]:
+        """Queue a request (n samples); returns the samples' ids. ValueError, and nothing queued, if
+        it cannot be served or an id is taken."""
+        max_tokens = self.checker.check_request(prompt_token_ids, params)
+        ids = sample_ids(request_id, params.n)
+        for i in {request_id, *ids}:
+            if i in self._samples or i in self._live:
+                raise ValueError(f"request id {i!r} is already in use")
+        block_size, hash_fn = self.config.cache.block_size, self.scheduler.hash_fn
+        samples: list[Request] = []
+        for i, sample_id in enumerate(ids):
+            sample_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            samples.append(Request(sample_id, prompt_token_ids, sample_params, self.eos_token_id, max_tokens,
+                                   block_size, hash_fn, fork_of=samples[0] if i else None))
+        self._samples[request_id] = ids
+        for sample in samples:
+            self._live[sample.request_id] = (request_id, sample)
+            self.scheduler.add_request(sample)
+        return ids
+
+    def finish_requests(self, ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests (all their samples) or single samples; unknown ids are ignored."""
+        samples = []
+        for i in ids:
+            samples += self._samples.get(i, [i] if i in self._live else [])
+        self.scheduler.finish_requests(samples, status)
+        for sample_id in samples:
+            self._forget(sample_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
+
+    def _forget(self, sample_id: str) -> None:
+        request_id, _ = self._live.pop(sample_id, (None, None))
+        if request_id is None:
+            return
+        samples = self._samples[request_id]
+        samples.remove(sample_id)
+        if not samples:
+            del self._samples[request_id]
+
+    # the loop
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch one step; return the outputs of the step before it (async
+        scheduling: its tokens were copied back while this one was being prepared) or of this
+        one (async_scheduling=False, and speculative steps, which end before they return: the
+        next step is scheduled from their proposals)."""
+        start = time.perf_counter()
+        outputs = []
+        while self._in_flight and self._in_flight[0][1].done:  # a speculative step
+            outputs += self._finish(*self._in_flight.popleft())
+        with nvtx_range("schedule"):
+            scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty and not self._in_flight and self.scheduler.has_unfinished_requests() \
+                and not (scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
+            raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.requests)} requests "
+                               "pending")
+        self.last_step_wait_s = 0.0
+        try:
+            launched = (scheduler_output, self.executor.execute_model(scheduler_output))
+        except Exception as e:
+            # The runner may not have dropped the requests this step told it about.
+            self.scheduler.finished_req_ids |= scheduler_output.finished_req_ids
+            while self._in_flight:
+                outputs += self._finish(*self._in_flight.popleft())
+            outputs += self._fail(scheduler_output, e)
+        else:
+            if self.async_scheduling and not scheduler_output.is_empty:
+                self._in_flight.append(launched)
+                if len(self._in_flight) > self._max_in_flight:
+                    outputs += self._finish(*self._in_flight.popleft())
+            else:
+                while self._in_flight:  # nothing new was launched: nothing to overlap with
+                    outputs += self._finish(*self._in_flight.popleft())
+                outputs += self._finish(*launched)
+        decode_step = self.worker.runner.last_decode_step
+        if decode_step is not None and self.scheduler.spec_policy is not None:
+            self.scheduler.spec_policy.observe(*decode_step, time.perf_counter() - start)
+        self._record(scheduler_output, time.perf_counter() - start)
+        return outputs
+
+    def _finish(self, scheduler_output: SchedulerOutput,
+                runner_output: AsyncRunnerOutput) -> list[EngineCoreOutput]:
+        try:
+            with nvtx_range("wait_tokens"):
+                result = runner_output.result()
+            self.last_step_wait_s += runner_output.wait_s
+            with nvtx_range("update"):
+                updated = self.scheduler.update_from_output(scheduler_output, result)
+        except Exception as e:
+            return self._fail(scheduler_output, e)
+        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
+        outputs = []
+        for request, tokens in updated:
+            req_id = request.request_id
+            out = EngineCoreOutput(req_id, tokens)
+            if req_id in logprobs and tokens:  # only requests that sample one token a step ask for them
+                out.logprobs = [logprobs[req_id]] * len(tokens)
+            if req_id in prompt_logprobs:
+                out.prompt_logprobs = prompt_logprobs[req_id]
+            if request.is_finished:
+                out.finish_reason, out.stop_reason = request.status.finish_reason, request.stop_reason
+                self._forget(req_id)
+            outputs.append(out)
+        if prompt_logprobs:  # prompt chunks that sampled nothing yet
+            sent = {o.request_id for o in outputs}
+            outputs += [EngineCoreOutput(req_id, [], prompt_logprobs=entries) for req_id, entries
+                        in prompt_logprobs.items() if req_id not in sent and req_id in self._live]
+        return outputs
+
+    def _fail(self, scheduler_output: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
+        """A step raised: its requests end with the error, the others go on."""
+        if isinstance(error, WorkerFailed):  # a rank is gone: every later step would fail too
+            raise error
+        scheduled, searches = self.scheduler.fail_step(scheduler_output)
+        # The step's samples not reported yet (some may have finished in it before it raised).
+        failed = [r for r in scheduled if self._live.get(r.request_id, (None, None))[1] is r]
+        names = [r.request_id for r in failed] + searches
+        logger.error("a step failed (%r); failing its %d requests: %s", error, len(names),
+                     ", ".join(names[:8]) + (" ..." if len(names) > 8 else ""), exc_info=error)
+        self._check_device()
+        message = f"the engine step serving this request failed: {error!r}"
+        self._failed_beam_searches += [(search_id, message) for search_id in searches]
+        for request in failed:
+            self._forget(request.request_id)
+        return [EngineCoreOutput(r.request_id, [], "error", error=message) for r in failed]
+
+    def take_failed_beam_searches(self) -> list[tuple[str, str]]:
+        """(search id, error) of the beam searches that failed steps ended, since the last call."""
+        failed, self._failed_beam_searches = self._failed_beam_searches, []
+        return failed
+
+    def _check_device(self) -> None:
+        """Raise if the device itself is broken (a sticky CUDA error): then no later step can succeed."""
+        device = self.worker.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def _record(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+        s, sched = self.stats, self.scheduler
+        if not scheduler_output.is_empty:
+            s.num_steps += 1
+            s.num_scheduled_requests += len(scheduler_output.num_scheduled_tokens)
+            s.step_seconds += seconds
+        s.num_running, s.num_waiting, s.num_swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
+        s.kv_usage = sched.kv.usage
+        s.num_preemptions = sched.num_preemptions
+        spec = sched.spec_stats
+        s.spec_num_drafts, s.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+        s.spec_num_accepted_tokens = spec.num_accepted_tokens
+
+    def check_kv_pool_whole(self) -> None:
+        """Raise AssertionError unless every KV block is free again (call when idle)."""
+        self.scheduler.kv.assert_empty()

@@ -1,0 +1,85 @@
+"""Prompts to token ids, and the checks a request must pass before anything of it reaches a step.
+
+Both the in-process LLMEngine and the API process (AsyncLLMEngine) run these, so a bad request is a
+ValueError naming the field, in the caller's process, and never a failed step. The engine core checks
+again what it is sent (check_request), so a message that skipped this stage fails alone too.
+"""
+
+from __future__ import annotations
+
+from fastllm.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        # A token spells at most this many characters, so a text longer than max_model_len times it
+        # cannot fit the context: refused before the whole of it is tokenized.
+        self.max_token_chars = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer else 1
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: a text, a list of token ids or {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt_token_ids'")
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"prompt must be a string, got {type(text).__name__}")
+            return text, _token_list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, list):
+            return None, _token_list(prompt)
+        raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: give prompts as token ids ({'prompt_token_ids': [...]})")
+        self.check_text_length(text)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("prompt is not valid Unicode (it holds a lone surrogate)") from None
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def check_text_length(self, text: str) -> None:
+        if not text:
+            raise ValueError("prompt is empty")
+        if len(text) > self.max_model_len * self.max_token_chars:
+            raise ValueError(f"prompt ({len(text)} characters) is longer than max_model_len ({self.max_model_len} "
+                             "tokens) can hold")
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError (naming the field) unless the request can be served; returns its max_tokens."""
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        if params.n > self.max_num_seqs:  # its samples could never run together
+            raise ValueError(f"SamplingParams.n must be <= max_num_seqs ({self.max_num_seqs}), got {params.n}")
+        vocab = self.vocab_size
+        for t in token_ids:
+            if not (type(t) is int and 0 <= t < vocab):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        params.check_token_ids(vocab)  # logit_bias, allowed_token_ids, bad_words
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"SamplingParams.stop_token_ids must be below the vocabulary size {vocab}, got {t}")
+        max_len = self.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)
+        if len(token_ids) + max_tokens > max_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({max_len})")
+        if max_tokens < 1:
+            raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room to generate within "
+                             f"max_model_len ({max_len})")
+        return max_tokens
+
+
+def _token_list(ids) -> list[int]:
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"prompt token ids must be a list of integers, got {type(ids).__name__}")
+    return list(ids)

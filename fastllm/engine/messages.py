@@ -1,0 +1,109 @@
+"""What the API process and the engine-core process send each other: msgspec structs, msgpack over ZeroMQ.
+
+    API process -> core   AddRequest, Abort, UtilityCall, Shutdown
+    core -> API process   EngineReady (once), StepOutputs (one per step that produced something), UtilityResult
+
+A step's outputs travel as one message: every request's new token ids, finish reason and logprobs, so the
+cost per message is paid once a step, not once a token. Requests carry token ids only: tokenization and
+detokenization stay in the API process. The in-process LLMEngine passes the same EngineCoreOutput
+structs from its EngineCore to its OutputProcessor, without encoding them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+# (token logprob, rank, top-N (token id, logprob) pairs) of one sampled or prompt token
+LogprobEntry = tuple[float, int, list[tuple[int, float]]]
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
+    """A validated request: its prompt as token ids, and SamplingParams' fields (rebuilt, and so checked
+    again, by the core). The core forks n > 1 into samples named by sample_ids()."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+
+
+class Abort(msgspec.Struct, array_like=True, tag="abort"):
+    request_ids: list[str]  # requests (all their samples) or single samples (a stop string ended one)
+
+
+class UtilityCall(msgspec.Struct, array_like=True, tag="call"):
+    """Call EngineCore.<method>(*args) between steps; the answer is a UtilityResult with the same call_id."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
+    pass
+
+
+ClientMessage = EngineCoreRequest | Abort | UtilityCall | Shutdown
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sample's news from one step."""
+
+    request_id: str  # the sample's id (the request's own when n == 1)
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    logprobs: list[LogprobEntry] | None = None  # one entry per new token, when asked for
+    prompt_logprobs: tuple[int, list[LogprobEntry]] | None = None  # (first position, entries) scored this step
+    error: str | None = None  # why the sample failed (finish_reason "error")
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True):
+    """Queue depths and KV use after a step, and running totals (the server's /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_swapped: int = 0
+    kv_usage: float = 0.0
+    num_steps: int = 0  # steps that computed something
+    num_scheduled_requests: int = 0  # summed over those steps (/ num_steps: the mean batch)
+    step_seconds: float = 0.0  # wall time of step() calls that computed something
+    num_preemptions: int = 0
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+
+class StepOutputs(msgspec.Struct, array_like=True, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    stats: SchedulerStats
+
+
+class UtilityResult(msgspec.Struct, array_like=True, tag="result"):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
+    """What the API process needs to validate and tokenize without the model."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_id: int | None
+    tokenizer: str | None  # the directory the core's tokenizer came from (None: the model has none)
+    num_gpu_blocks: int
+    speculative: bool
+
+
+CoreMessage = StepOutputs | UtilityResult | EngineReady
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's samples: its own for n == 1, else request_id#0 .. request_id#(n-1)."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
