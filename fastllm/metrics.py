@@ -1,8 +1,9 @@
 """Serving metrics in Prometheus form (the server's /metrics): request counts, tokens, latencies, queue
-depths and KV-cache use. Each ServingMetrics has its own registry, so several servers (tests) coexist.
+depths, KV-cache use and engine steps. Each ServingMetrics has its own registry, so several servers
+(tests) coexist.
 
-The gauges read the engine's scheduler when scraped, from the server's thread: a list length or a
-free-block count read while the engine thread steps is at worst one step old.
+The engine's numbers come with its outputs: every step's message carries the core's SchedulerStats
+(queue depths and KV use after that step, running totals of steps), and a scrape reads the latest.
 """
 
 from __future__ import annotations
@@ -10,15 +11,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from fastllm.engine.llm_engine import LLMEngine
-
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
 
 class ServingMetrics:
     content_type = "text/plain; version=0.0.4; charset=utf-8"
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine):
+        """engine: an AsyncLLMEngine (its `stats` are the core's, as of its last step)."""
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("fastllm_requests", "Finished requests, by finish reason", ["finish_reason"],
                                 registry=registry)
@@ -29,33 +29,36 @@ class ServingMetrics:
                                              buckets=_LATENCY_BUCKETS, registry=registry)
         self.e2e_latency = Histogram("fastllm_e2e_request_latency_seconds", "Request latency, arrival to last token",
                                      buckets=_LATENCY_BUCKETS, registry=registry)
-        scheduler = engine.scheduler
-        Gauge("fastllm_num_requests_running", "Requests in the running queue",
-              registry=registry).set_function(lambda: len(scheduler.running))
-        Gauge("fastllm_num_requests_waiting", "Requests waiting to start or resume",
-              registry=registry).set_function(lambda: len(scheduler.waiting))
-        Gauge("fastllm_num_requests_swapped", "Requests swapped out to the CPU",
-              registry=registry).set_function(lambda: len(scheduler.swapped))
-        Gauge("fastllm_kv_cache_usage_perc", "Fraction of the GPU KV blocks in use",
-              registry=registry).set_function(lambda: scheduler.kv.usage)
-        if engine.config.speculative.enabled:
-            registry.register(_SpecDecodingCollector(scheduler.spec_stats))
+        for name, doc, field in (
+            ("fastllm_num_requests_running", "Requests in the running queue", "num_running"),
+            ("fastllm_num_requests_waiting", "Requests waiting to start or resume", "num_waiting"),
+            ("fastllm_num_requests_swapped", "Requests swapped out to the CPU", "num_swapped"),
+            ("fastllm_kv_cache_usage_perc", "Fraction of the GPU KV blocks in use", "kv_usage"),
+        ):
+            Gauge(name, doc, registry=registry).set_function(lambda field=field: getattr(engine.stats, field))
+        registry.register(_EngineCollector(engine))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-class _SpecDecodingCollector:
-    """The scheduler's speculative-decoding counts, read when scraped."""
+class _EngineCollector:
+    """The core's running totals: steps, their time and batch, preemptions, speculative decoding."""
 
-    def __init__(self, stats):
-        self.stats = stats
+    def __init__(self, engine):
+        self.engine = engine
 
     def collect(self):
+        s = self.engine.stats
         for name, doc, value in (
-            ("fastllm_spec_decode_num_drafts", "Verifications of a request's draft tokens", self.stats.num_drafts),
-            ("fastllm_spec_decode_num_draft_tokens", "Draft tokens verified", self.stats.num_draft_tokens),
+            ("fastllm_engine_steps", "Engine steps that computed something", s.num_steps),
+            ("fastllm_engine_step_seconds", "Wall time of those steps", s.step_seconds),
+            ("fastllm_engine_scheduled_requests", "Requests in those steps, summed (/ steps: mean batch)",
+             s.num_scheduled_requests),
+            ("fastllm_num_preemptions", "Requests preempted", s.num_preemptions),
+            ("fastllm_spec_decode_num_drafts", "Verifications of a request's draft tokens", s.spec_num_drafts),
+            ("fastllm_spec_decode_num_draft_tokens", "Draft tokens verified", s.spec_num_draft_tokens),
             ("fastllm_spec_decode_num_accepted_tokens", "Draft tokens the target accepted",
-             self.stats.num_accepted_tokens),
+             s.spec_num_accepted_tokens),
         ):
             yield CounterMetricFamily(name, doc, value=value)

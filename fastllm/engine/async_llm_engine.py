@@ -1,106 +1,124 @@
-"""AsyncLLMEngine: an LLMEngine stepped by a background thread, streaming RequestOutputs to asyncio callers.
+"""AsyncLLMEngine: streams RequestOutputs to asyncio callers from an engine core that runs elsewhere.
 
-    engine = AsyncLLMEngine.from_kwargs("path/to/model")
+    engine = AsyncLLMEngine.from_kwargs("path/to/model")      # the core in its own process
     async for out in engine.generate("Once upon a time", SamplingParams(max_tokens=32), "req-1"):
-        ...   # one RequestOutput per step that changed the request (params.output_kind decides its form)
+        ...   # one RequestOutput per engine step that changed the request (params.output_kind decides its form)
 
-add_request() separates the two halves: it returns once the engine has taken the request (or raises its
-ValueError), with the RequestStream of its outputs, so a server can refuse bad input before it streams.
+This process tokenizes and validates (a bad request raises its ValueError from add_request, before
+anything reaches the core), sends token ids to the core (EngineCoreClient: ZeroMQ + msgspec), and turns
+each step's message of new token ids into RequestOutputs: text, stop strings, logprobs. A stop string
+found here stops the sample in the core. AsyncLLMEngine(llm_engine) runs the core of an engine already
+built on a thread of this process instead (tests): the same messages, without a second process.
 
-Only the engine thread touches the LLMEngine, which is not thread-safe. Callers queue commands (add,
-abort); the thread applies them between steps, steps while any request is unfinished, and hands each
-output to its request's asyncio.Queue on the caller's event loop. So the event loop (an HTTP server's)
-never blocks on a step, and a step never waits for the event loop. (Both still share the GIL: the
-host work of a step and of the HTTP handlers interleave.)
-
-A request whose consumer goes away early (a closed stream, a cancelled task) is aborted and its KV
-blocks freed. A bad request raises its ValueError from generate() and the engine serves on. If a step
-itself fails, every open request gets that error and the engine refuses new ones (`errored`).
+add_request() returns the RequestStream of the request's outputs once it is sent. A stream keeps at
+most one output waiting: when its reader falls behind, DELTA outputs are merged into it (so a slow
+reader costs one wake-up per read, not one per token) and other kinds keep only the newest. A stream
+closed early, cancelled or dropped aborts its request. A request whose engine step failed raises
+RequestFailedError from its stream; the engine serves on. If the core dies, every stream raises
+EngineDeadError, as does every later add_request, and `on_death` callbacks run (the server exits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
-import queue
-import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 
-import torch
-
-from fastllm.engine.llm_engine import LLMEngine, PromptType
+from fastllm.config import EngineConfig
+from fastllm.engine.core_client import EngineCoreClient, EngineDeadError
+from fastllm.engine.input_processor import InputProcessor, PromptType
+from fastllm.engine.messages import Abort, EngineCoreRequest, SchedulerStats, StepOutputs, params_to_wire, sample_ids
+from fastllm.engine.output_processor import OutputProcessor
 from fastllm.outputs import RequestOutput
-from fastllm.sampling_params import SamplingParams
+from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestFailedError", "RequestStream"]
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue  # RequestOutputs, ending with a finished one, an exception or _ABORTED
-
-    def put(self, item) -> bool:
-        """False when the consumer's event loop is closed (nobody will read this stream again)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:
-            return False
-        return True
+# Texts longer than this are tokenized on a worker thread (tokenizers releases the GIL), so a huge
+# prompt does not hold up the streams of others.
+TOKENIZE_IN_THREAD_CHARS = 4096
 
 
-@dataclass
-class _Add:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    stream: _Stream
-    added: asyncio.Future  # done once add_request returned (or raised)
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-class _Stop:
-    pass
+class RequestFailedError(RuntimeError):
+    """The engine step that served this request raised; the engine goes on with the others."""
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}  # engine thread only
-        self.errored: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="fastllm-engine", daemon=True)
-        self._thread.start()
+    def __init__(self, engine=None, *, client: EngineCoreClient | None = None):
+        """engine: an LLMEngine whose core a thread of this process steps; or client: a started core."""
+        if (engine is None) == (client is None):
+            raise ValueError("AsyncLLMEngine takes an LLMEngine or an EngineCoreClient (one of the two)")
+        self.engine = engine  # the in-thread LLMEngine (tests look inside); None with a core process
+        self.client = client or EngineCoreClient.start_thread(engine)
+        ready = self.client.ready
+        if engine is not None:
+            tokenizer = engine.tokenizer
+        elif ready.tokenizer is not None:
+            from fastllm.engine.llm_engine import load_tokenizer
+
+            tokenizer = load_tokenizer(ready.tokenizer)
+        else:
+            tokenizer = None
+        self.tokenizer = tokenizer
+        self.max_model_len = ready.max_model_len
+        self.input_processor = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len, ready.max_num_seqs)
+        # Long texts are encoded on a thread, with a tokenizer of their own (a tokenizer is not thread-safe).
+        self._thread_input_processor = copy.copy(self.input_processor)
+        self._thread_input_processor.tokenizer = copy.deepcopy(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.stats = SchedulerStats()  # the core's, after its last step
+        self.errored: EngineDeadError | None = None
+        self._streams: dict[str, _Collector] = {}
+        self._death_callbacks: list[Callable[[str], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.client.on_message = self._on_message
+        self.client.on_death = self._on_death
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs) -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_kwargs(model, **kwargs))
+        return cls.from_config(EngineConfig.from_kwargs(model, **kwargs))
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
+        """The engine core in a process of its own (returns once it is ready)."""
+        return cls(client=EngineCoreClient.start_process(config))
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        self._death_callbacks.append(callback)
+
+    # requests
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> "RequestStream":
-        """Queue the request; once the engine has taken it, return the stream of its outputs (until the
-        last, finished=True). Raises the request's ValueError if the engine refused it."""
-        if self.errored is not None:
-            raise RuntimeError(f"the engine stopped after an error: {self.errored!r}")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
-        added = loop.create_future()
-        self._commands.put(_Add(request_id, prompt, params, stream, added))
+        """Validate, tokenize and send the request; return the stream of its outputs (until the last,
+        finished=True). Raises the request's ValueError (nothing sent) or EngineDeadError."""
+        self._check_alive()
+        self._attach()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str) and len(prompt) > TOKENIZE_IN_THREAD_CHARS:
+            self.input_processor.check_text_length(prompt)
+            text, token_ids = await asyncio.to_thread(self._thread_input_processor.tokenize, prompt)
+        else:
+            text, token_ids = self.input_processor.tokenize(prompt)
+        self.input_processor.check_request(token_ids, params)
+        self._check_alive()
+        processor = self.output_processor
+        for i in {request_id, *sample_ids(request_id, params.n)}:
+            if i in processor.groups or i in processor.group_of:
+                raise ValueError(f"request id {i!r} is already in use")
+        processor.add_group(request_id, text, token_ids, params)
+        collector = _Collector(asyncio.get_running_loop(), params.output_kind == RequestOutputKind.DELTA)
+        self._streams[request_id] = collector
         try:
-            await added
-        except asyncio.CancelledError:  # cancelled while queued: the request may be in by now
-            self.abort(request_id)
+            self.client.send(EngineCoreRequest(request_id, token_ids, params_to_wire(params)))
+        except EngineDeadError:
+            self._drop(request_id)
             raise
-        return RequestStream(self, request_id, stream.queue)
+        return RequestStream(self, request_id, collector)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """add_request and iterate: vLLM's AsyncLLMEngine.generate."""
@@ -112,91 +130,134 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request: its stream ends without a final output, its blocks are freed; unknown ids are
         ignored. (A consumer that stops iterating aborts its request itself.)"""
-        self._commands.put(_Abort(request_id))
+        collector = self._drop(request_id)
+        if collector is not None:
+            collector.put(_ABORTED)
+            if self.errored is None:
+                self._abort_in_core([request_id])
+
+    def _abort_in_core(self, ids: list[str]) -> None:
+        with contextlib.suppress(EngineDeadError):
+            self.client.send(Abort(ids))
+
+    def _drop(self, request_id: str) -> "_Collector | None":
+        self.output_processor.abort(request_id)
+        return self._streams.pop(request_id, None)
+
+    async def call_core(self, method: str, *args):
+        """An EngineCore utility (core_proc.UTILITIES), e.g. "is_idle"."""
+        self._attach()
+        return await self.client.call(method, *args)
 
     def shutdown(self) -> None:
-        self._commands.put(_Stop())
-        self._thread.join()
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self.client.shutdown()
 
-    # the engine thread
+    # messages from the core
 
-    def _loop(self) -> None:
-        device = self.engine.worker.device
-        if device.type == "cuda":  # the current device is per thread
-            torch.cuda.set_device(device)
-        while True:
-            busy = self.errored is None and self.engine.has_unfinished_requests()
-            commands = [] if busy else [self._commands.get()]  # idle: sleep until a command comes
-            while True:  # and take whatever else has come
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-            for command in commands:
-                if not self._apply(command):
-                    return
-            if self.errored is None and self.engine.has_unfinished_requests():
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # the engine's state is unknown: end every request, refuse new ones
-                    logger.exception("engine step failed; failing %d open requests", len(self._streams))
-                    self.errored = e
-                    for stream in self._streams.values():
-                        stream.put(RuntimeError(f"engine step failed: {e!r}"))
-                    self._streams.clear()
-                    continue
-                for output in outputs:
-                    self._deliver(output)
-
-    def _apply(self, command) -> bool:
-        """Apply one command; False means stop the loop."""
-        if isinstance(command, _Stop):
-            for request_id in list(self._streams):
-                self._abort(request_id)
-            return False
-        if isinstance(command, _Abort):
-            self._abort(command.request_id)
-            return True
-        try:
-            if self.errored is not None:
-                raise RuntimeError(f"the engine stopped after an error: {self.errored!r}")
-            if command.request_id in self._streams:
-                raise ValueError(f"request id {command.request_id!r} is already in use")
-            self.engine.add_request(command.request_id, command.prompt, command.params)
-        except Exception as e:
-            _resolve(command, e)
-            return True
-        self._streams[command.request_id] = command.stream
-        if not _resolve(command, None):
-            self._abort(command.request_id)
-        return True
-
-    def _abort(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            if self.errored is None:
-                self.engine.abort_request(request_id)
-            stream.put(_ABORTED)
-
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
+    def _attach(self) -> None:
+        """Read the core on the running loop; streams of an earlier loop (closed: nobody reads them) end."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
             return
-        if output.finished:
-            del self._streams[output.request_id]
-        if not stream.put(output) and not output.finished:
-            self._abort(output.request_id)  # its event loop is gone
+        for request_id, collector in list(self._streams.items()):
+            if collector.loop is not loop:
+                self.abort(request_id)
+        self._loop = loop
+        self.client.attach()
+
+    def _on_message(self, message) -> None:
+        if not isinstance(message, StepOutputs):
+            return
+        self.stats = message.stats
+        if not message.outputs:
+            return
+        outputs, to_stop = self.output_processor.process(message.outputs)
+        if to_stop and self.errored is None:
+            self._abort_in_core(to_stop)
+        streams = self._streams
+        for out in outputs:
+            collector = streams.get(out.request_id)
+            if collector is None:
+                continue
+            if out.finished:
+                del streams[out.request_id]
+            collector.put(RequestFailedError(out.error) if out.error is not None else out)
+
+    def _on_death(self, reason: str) -> None:
+        self.errored = EngineDeadError(reason)
+        for request_id, collector in list(self._streams.items()):
+            self.output_processor.abort(request_id)
+            collector.put(self.errored)
+        self._streams.clear()
+        for callback in self._death_callbacks:
+            callback(reason)
+
+    def _check_alive(self) -> None:
+        if self.errored is not None:
+            raise self.errored
 
 
 _ABORTED = object()  # a stream's end without a final output
+
+
+class _Collector:
+    """The outputs of one request not read yet: at most one (vLLM's RequestOutputCollector)."""
+
+    __slots__ = ("loop", "merge", "item", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, merge: bool):
+        self.loop, self.merge = loop, merge
+        self.item = None  # a RequestOutput, an exception or _ABORTED
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, item) -> None:
+        pending = self.item
+        if pending is None:
+            self.item = item
+        elif not isinstance(pending, RequestOutput):
+            return  # an end (an error, an abort) is waiting: nothing after it is read
+        elif self.merge and isinstance(item, RequestOutput):
+            _merge_delta(pending, item)
+        else:
+            self.item = item  # the newest whole output, or an end
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            try:
+                waiter.set_result(None)
+            except RuntimeError:  # its loop is closed: nobody will read this
+                pass
+
+    async def get(self):
+        while self.item is None:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        item, self.item = self.item, None
+        return item
+
+
+def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Append a DELTA output to the one still waiting to be read (same samples, same order)."""
+    for a, b in zip(into.outputs, new.outputs):
+        a.text += b.text
+        a.token_ids.extend(b.token_ids)
+        if b.logprobs is not None:
+            a.logprobs.extend(b.logprobs)
+        a.cumulative_logprob, a.finish_reason, a.stop_reason = b.cumulative_logprob, b.finish_reason, b.stop_reason
+    into.finished, into.prompt_logprobs, into.error = new.finished, new.prompt_logprobs, new.error
+    into.metrics.update(new.metrics)
 
 
 class RequestStream:
     """The outputs of one request, as an async iterator. Closing it before the last output, being
     cancelled while waiting for one, or being dropped unfinished aborts the request (frees its blocks)."""
 
-    def __init__(self, engine: AsyncLLMEngine, request_id: str, outputs: asyncio.Queue):
-        self.engine, self.request_id, self._outputs = engine, request_id, outputs
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, collector: _Collector):
+        self.engine, self.request_id, self._collector = engine, request_id, collector
         self.finished = False
 
     def __aiter__(self) -> "RequestStream":
@@ -206,11 +267,11 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         try:
-            item = await self._outputs.get()
+            item = await self._collector.get()
         except asyncio.CancelledError:
             await self.aclose()
             raise
-        if item is _ABORTED or isinstance(item, BaseException):
+        if not isinstance(item, RequestOutput):
             self.finished = True  # the engine has dropped the request already
             if item is _ABORTED:
                 raise StopAsyncIteration
@@ -225,20 +286,9 @@ class RequestStream:
 
     def __del__(self):
         if not self.finished:
-            self.engine.abort(self.request_id)  # a thread-safe queue put
-
-
-def _resolve(command: _Add, error: BaseException | None) -> bool:
-    """Tell generate() that its request was queued (or why not); False when its event loop is closed."""
-    def settle():
-        if command.added.done():  # generate() was cancelled meanwhile
-            return
-        if error is None:
-            command.added.set_result(None)
-        else:
-            command.added.set_exception(error)
-    try:
-        command.stream.loop.call_soon_threadsafe(settle)
-    except RuntimeError:
-        return False
-    return True
+            try:
+                loop = self._collector.loop
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(self.engine.abort, self.request_id)
+            except Exception:
+                pass

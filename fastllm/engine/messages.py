@@ -11,9 +11,12 @@ structs from its EngineCore to its OutputProcessor, without encoding them.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import msgspec
+
+from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
 # (token logprob, rank, top-N (token id, logprob) pairs) of one sampled or prompt token
 LogprobEntry = tuple[float, int, list[tuple[int, float]]]
@@ -97,8 +100,8 @@ class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
     max_model_len: int
     eos_token_id: int | None
     tokenizer: str | None  # the directory the core's tokenizer came from (None: the model has none)
+    max_num_seqs: int
     num_gpu_blocks: int
-    speculative: bool
 
 
 CoreMessage = StepOutputs | UtilityResult | EngineReady
@@ -107,3 +110,21 @@ CoreMessage = StepOutputs | UtilityResult | EngineReady
 def sample_ids(request_id: str, n: int) -> list[str]:
     """The ids of a request's samples: its own for n == 1, else request_id#0 .. request_id#(n-1)."""
     return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+
+
+def params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in fields(params) if f.init}
+
+
+def params_from_wire(values: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from its fields, checked again (ValueError naming the field)."""
+    values = dict(values)
+    if "output_kind" in values:
+        try:
+            values["output_kind"] = RequestOutputKind(values["output_kind"])
+        except ValueError:
+            raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind, got {values['output_kind']!r}")
+    try:
+        return SamplingParams(**values)
+    except TypeError as e:  # an unknown field
+        raise ValueError(f"SamplingParams: {e}") from None

@@ -8,6 +8,7 @@ until it no longer can or the sample ends.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from fastllm.engine.detokenizer import IncrementalDetokenizer, render_token
@@ -34,6 +35,8 @@ class RequestGroup:
     samples: dict[str, SampleState] = field(default_factory=dict)  # sample id -> state
     prompt_logprobs: list | None = None  # [None, then one dict per scored prompt token]
     error: str | None = None
+    arrival_time: float = 0.0  # time.perf_counter() when it was added
+    first_token_time: float | None = None  # when the first sample got its first token
 
     @property
     def finished(self) -> bool:
@@ -50,7 +53,8 @@ class RequestGroup:
             outputs = [s.output for s in samples]  # the group is dropped: nothing mutates them again
         else:
             outputs = [_copy(s) for s in samples]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished,
+        metrics = {"arrival_time": self.arrival_time, "first_token_time": self.first_token_time}
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished, metrics,
                              prompt_logprobs=self.prompt_logprobs, error=self.error)
 
 
@@ -85,7 +89,8 @@ class OutputProcessor:
         self.group_of: dict[str, RequestGroup] = {}  # sample id -> its group
 
     def add_group(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
-        group = RequestGroup(request_id, prompt, prompt_token_ids, params.output_kind)
+        group = RequestGroup(request_id, prompt, prompt_token_ids, params.output_kind,
+                             arrival_time=time.perf_counter())
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         for index, sample_id in enumerate(sample_ids(request_id, params.n)):
@@ -121,6 +126,8 @@ class OutputProcessor:
                 self._add_prompt_logprobs(group, core_out.request_id, *core_out.prompt_logprobs)
             if out.finish_reason is not None:  # ended here already (a stop string): the rest is dropped
                 continue
+            if group.first_token_time is None and core_out.new_token_ids:
+                group.first_token_time = time.perf_counter()
             self._add_tokens(sample, core_out, stopped)
             if core_out.error is not None:  # its siblings end with it
                 stopped += self._fail_group(group, core_out.error)

@@ -191,10 +191,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from fastllm.entrypoints.openai.limits import ServerLimits
     from fastllm.entrypoints.openai.server import run_server
 
-    run_server(engine_kwargs(args), args.model, args.host, args.port, args.served_model_name, args.chat_template)
-    return 0
+    limits = ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
+    return run_server(engine_kwargs(args), args.model, args.host, args.port, args.served_model_name,
+                      args.chat_template, args.api_key, limits, log_requests=not args.disable_log_requests)
 
 
 def add_generate_parser(sub) -> None:
@@ -210,6 +214,11 @@ def add_generate_parser(sub) -> None:
 
 
 def add_serve_parser(sub) -> None:
+    from dataclasses import fields
+
+    from fastllm.entrypoints.openai.limits import API_KEY_ENV, ServerLimits
+    from fastllm.entrypoints.openai.limits import HELP as LIMITS_HELP
+
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
                            description="An OpenAI-compatible HTTP server for one model.")
     serve.add_argument("--host", default="127.0.0.1", help=_help("address to listen on", "127.0.0.1"))
@@ -218,6 +227,12 @@ def add_serve_parser(sub) -> None:
                        "model directory's name)")
     serve.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one "
                        "(default: the tokenizer's)")
+    serve.add_argument("--api-key", default=None, help="require this key as a Bearer token on /v1/* "
+                       f"(default: ${API_KEY_ENV}; none: open)")
+    for limit in fields(ServerLimits):
+        serve.add_argument("--" + limit.name.replace("_", "-"), type=int, default=limit.default,
+                           help=_help(LIMITS_HELP[limit.name], limit.default))
+    serve.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
     serve.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)

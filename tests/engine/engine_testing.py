@@ -1,5 +1,6 @@
-"""Helpers for tests of the AsyncLLMEngine and the server over it: wait for the engine thread to go
-idle (then the KV pool must be whole), and count the steps it takes meanwhile."""
+"""Helpers for tests of the AsyncLLMEngine and the server over it, with the engine core on a thread of
+the test process (AsyncLLMEngine(llm_engine)): wait until nothing is left on either side (then the KV
+pool must be whole), and count the core's steps meanwhile."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ import contextlib
 import time
 
 
-def wait_idle(engine, timeout_s: float = 5.0) -> None:
-    """Until the AsyncLLMEngine has no request and no queued command; then its block pool is whole."""
+def wait_idle(engine, timeout_s: float = 10.0) -> None:
+    """Until the API side holds no request and the core has none left; then its block pool is whole."""
     deadline = time.monotonic() + timeout_s
-    while engine.engine.has_unfinished_requests() or not engine._commands.empty():
+    while engine.output_processor.groups or engine._streams or engine.engine.has_unfinished_requests():
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.01)
     engine.engine.check_kv_pool_whole()
@@ -18,14 +19,15 @@ def wait_idle(engine, timeout_s: float = 5.0) -> None:
 
 @contextlib.contextmanager
 def count_steps(engine):
-    """steps[0]: the engine steps taken so far (the engine thread calls this wrapper)."""
-    steps, step = [0], engine.engine.step
+    """steps[0]: the core steps taken so far (the core thread calls this wrapper)."""
+    core = engine.engine.core
+    steps, step = [0], core.step
 
     def counted():
         steps[0] += 1
         return step()
-    engine.engine.step = counted
+    core.step = counted
     try:
         yield steps
     finally:
-        del engine.engine.step
+        del core.step

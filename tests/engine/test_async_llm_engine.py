@@ -1,5 +1,7 @@
-"""AsyncLLMEngine: streams equal the offline outputs, concurrent requests do not disturb each other, an
-early-closed stream or an abort frees the request's blocks, and a bad request fails alone."""
+"""AsyncLLMEngine over its engine core (on a thread here; in a process of its own at the end): streams
+equal the offline outputs, concurrent requests do not disturb each other, an early-closed stream or an
+abort frees the request's blocks, a bad request fails alone, a failed step fails only its requests, a
+slow reader gets merged deltas, and a dead core process fails every stream and every new request."""
 
 from __future__ import annotations
 
@@ -9,15 +11,21 @@ import contextlib
 import pytest
 
 from fastllm import SamplingParams
-from fastllm.engine.async_llm_engine import AsyncLLMEngine
+from fastllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from fastllm.engine.llm_engine import LLMEngine
 from fastllm.sampling_params import RequestOutputKind
 from tests.conftest import PROMPTS, cached_llm
 from tests.engine.engine_testing import count_steps, wait_idle
+from tests.engine.test_bad_input import PoisonedStep
+
+
+def in_thread(**kwargs) -> AsyncLLMEngine:
+    return AsyncLLMEngine(LLMEngine.from_kwargs(None, device="cpu", dtype="float32", **kwargs))
 
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=256)
+    eng = in_thread(num_gpu_blocks=256)
     yield eng
     eng.shutdown()
     eng.engine.check_kv_pool_whole()
@@ -115,24 +123,66 @@ def test_bad_request_fails_alone(engine):
     wait_idle(engine)
 
 
-def test_failed_step_fails_open_requests_and_refuses_new_ones():
-    eng = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=64)
-    real_step, calls = eng.engine.step, [0]
+def test_failed_step_fails_its_request_and_the_engine_serves_on(engine):
+    """The step of `poison` raises: its stream raises RequestFailedError with the cause, and the
+    engine goes on serving the requests after it."""
+    async def main():
+        with PoisonedStep(engine.engine, "poison", "launch"):
+            with pytest.raises(RequestFailedError, match="planted launch failure"):
+                await collect(engine, PROMPTS[0], greedy(max_tokens=50), "poison")
+        return await collect(engine, PROMPTS[1], greedy(), "after")
 
-    def failing():
-        calls[0] += 1
-        if calls[0] == 3:
-            raise RuntimeError("device lost")
-        return real_step()
-    eng.engine.step = failing
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert engine.errored is None
+    wait_idle(engine)
+
+
+def test_slow_reader_gets_merged_deltas(engine):
+    """A reader that does not keep up reads fewer outputs, each carrying every token since its last
+    read; together they are the whole text and tokens."""
+    want = cached_llm(device="cpu", dtype="float32").generate(PROMPTS[2], greedy(max_tokens=40),
+                                                              use_tqdm=False)[0].outputs[0]
 
     async def main():
-        with pytest.raises(RuntimeError, match="device lost"):
-            await collect(eng, PROMPTS[0], greedy(max_tokens=50), "open")
-        with pytest.raises(RuntimeError, match="stopped after an error"):
-            await collect(eng, PROMPTS[1], greedy(), "new")
+        outs = []
+        async for out in engine.generate(PROMPTS[2], greedy(RequestOutputKind.DELTA, 40), "slow"):
+            outs.append(out)
+            await asyncio.sleep(0.05)
+        return outs
+
+    outs = asyncio.run(main())
+    assert "".join(o.outputs[0].text for o in outs) == want.text
+    assert [t for o in outs for t in o.outputs[0].token_ids] == want.token_ids
+    assert len(outs) < 40 and outs[-1].finished
+    wait_idle(engine)
+
+
+def test_dead_core_process_fails_every_stream_and_new_request():
+    """The core in its own process, killed mid-stream: the open stream raises EngineDeadError, the
+    death callback runs, and add_request raises it too; nothing hangs."""
+    import os
+    import signal
+
+    eng = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=64)
+    deaths = []
+    eng.on_death(deaths.append)
+
+    async def main():
+        first = await collect(eng, PROMPTS[0], greedy(RequestOutputKind.DELTA, 8), "alive")
+        stream = await eng.add_request("doomed", PROMPTS[1], SamplingParams(max_tokens=400, ignore_eos=True))
+        await anext(stream)
+        os.kill(eng.client._core.proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="exited with code -9"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await eng.add_request("late", PROMPTS[2], greedy())
+        return first
+
     try:
-        asyncio.run(main())
-        assert isinstance(eng.errored, RuntimeError)
+        first = asyncio.wait_for(main(), timeout=60)
+        assert "".join(o.outputs[0].text for o in asyncio.run(first)) != ""
+        assert deaths and "-9" in deaths[0]
     finally:
         eng.shutdown()

@@ -5,6 +5,7 @@ template, bad input is HTTP 400 with OpenAI's error body, a client that leaves f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -15,6 +16,7 @@ import pytest
 
 from fastllm import SamplingParams
 from fastllm.engine.async_llm_engine import AsyncLLMEngine
+from fastllm.engine.llm_engine import LLMEngine
 
 # The server's extra ("serve": fastapi, uvicorn) and the test client: CI installs both; a machine
 # without them (the GPU box) skips this module.
@@ -28,25 +30,34 @@ TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %} {% e
 MODEL = "stories260K"
 
 
-@pytest.fixture(scope="module")
-def server():
-    engine = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=256)
-    app = build_app(engine, MODEL, chat_template=TEMPLATE)
+@contextlib.contextmanager
+def serving(engine, **app_kwargs):
+    """The app under uvicorn on a thread of the test process; yields its URL."""
+    app = build_app(engine, MODEL, **app_kwargs)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    uv = uvicorn.Server(config)
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
-    for _ in range(200):
+    for _ in range(400):
         if uv.started:
             break
         time.sleep(0.05)
     assert uv.started, "uvicorn did not start"
-    yield f"http://127.0.0.1:{port}", engine
-    uv.should_exit = True
-    thread.join(timeout=10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The engine core on a thread (the tests look inside it), the app in front of it."""
+    engine = AsyncLLMEngine(LLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=256))
+    with serving(engine, chat_template=TEMPLATE) as url:
+        yield url, engine
     engine.shutdown()
 
 
@@ -288,28 +299,44 @@ def test_metrics(server, client):
         assert name in text, name
 
 
-def test_engine_failure_is_500_and_unhealthy():
-    from fastapi.testclient import TestClient
+@contextlib.contextmanager
+def first_step_fails(engine):
+    """The first engine step that computes something raises (an idle engine: only the next request's)."""
+    worker = engine.engine.worker
+    execute, fired = worker.execute_model, []
 
-    engine = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=64)
-
-    def broken():
-        raise RuntimeError("device lost")
-    engine.engine.step = broken
+    def execute_once(sched):
+        if not fired and sched.num_scheduled_tokens:
+            fired.append(sched)
+            raise RuntimeError("planted launch failure")
+        return execute(sched)
+    worker.execute_model = execute_once
     try:
-        with TestClient(build_app(engine, MODEL), raise_server_exceptions=False) as http:
-            with http.stream("POST", "/v1/completions", json={"prompt": "Once", "max_tokens": 4, "stream": True}) as r:
-                events = [line for line in r.iter_lines() if line.startswith("data: ")]
-            assert r.status_code == 200  # the engine took the request: the failure comes as an event
-            assert "device lost" in json.loads(events[-2][len("data: "):])["error"]["message"]
-            assert events[-1] == "data: [DONE]"
-            assert http.get("/health").status_code == 503
-            r = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
-            assert r.status_code == 500 and "stopped after an error" in r.json()["error"]["message"]
-            r = http.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4, "stream": True})
-            assert r.status_code == 500 and "stopped after an error" in r.json()["error"]["message"]
+        yield fired
     finally:
-        engine.shutdown()
+        del worker.execute_model
+
+
+def test_failed_step_is_500_for_its_request_only(server):
+    """A step that raises fails its request (a 500, or an error event once the stream has begun); the
+    server stays healthy and serves the next request."""
+    url, engine = server
+    wait_idle(engine)
+    with first_step_fails(engine) as fired:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4})
+    assert fired and r.status_code == 500 and "planted launch failure" in r.json()["error"]["message"]
+    assert httpx.get(url + "/health").status_code == 200
+    with first_step_fails(engine):
+        with httpx.stream("POST", url + "/v1/completions",
+                          json={"model": MODEL, "prompt": "Once", "max_tokens": 4, "stream": True}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200  # the engine took the request: the failure comes as an event
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert "planted launch failure" in error["message"] and error["code"] == 500
+    assert events[-1] == "data: [DONE]"
+    out = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4})
+    assert out.status_code == 200 and out.json()["choices"][0]["finish_reason"] == "length"
+    wait_idle(engine)
 
 
 def test_serve_command_parses():

@@ -1,108 +1,243 @@
-"""The OpenAI API's request bodies (the fields fastllm serves, plus vLLM's sampling extras) and error body.
+"""The OpenAI API's request bodies (msgspec structs: every OpenAI field, plus vLLM's sampling extras),
+their checks, and OpenAI's error body.
 
-Requests are validated by pydantic, then turned into SamplingParams, whose own checks name the field
-and its range; both kinds of failure reach the client as HTTP 400 with OpenAI's error body.
+A body is decoded and type-checked by msgspec (an error names the field: "Expected `int`, got `str` -
+at `$.n`"), then turned into SamplingParams, whose own checks name the field and its range. Every field
+of OpenAI's API is declared: the harmless ones are accepted (user, metadata, response_format "text",
+...), the others are refused as "not supported" (tools, response_format json, audio, ...); only a name
+that is no OpenAI or vLLM field is an "unknown field". Every failure is HTTP 400 with OpenAI's error body.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+import re
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
 
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
 
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
+class APIError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError", param: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.param = status, kind, param
 
 
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
+def error_body(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
-def error_body(status: int, message: str, kind: str = "BadRequestError") -> dict:
-    return ErrorResponse(error=ErrorInfo(message=message, type=kind, code=status)).model_dump()
+_AT = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
+_UNKNOWN = re.compile(r"unknown field `(\w+)`")
+_FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
-class StreamOptions(BaseModel):
+def param_of(message: str) -> str | None:
+    """The field an error message names (msgspec's "at `$.n`", SamplingParams' "SamplingParams.n")."""
+    match = _UNKNOWN.search(message) or _AT.search(message) or _FIELD.search(message)
+    return match.group(1) if match else None
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
+class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """What completions and chat share: OpenAI's sampling fields and vLLM's extras."""
 
-    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not silently ignored
-
     model: str | None = None
-    n: int = 1
+    n: int | None = None
     temperature: float | None = None  # None: 1.0, as OpenAI
-    top_p: float = 1.0
+    top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    stream: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # accepted, not used
     # vLLM's extras
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_token_ids: bool = False  # each choice (and chunk) carries its token ids too
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature, top_p=self.top_p,
-            top_k=self.top_k, min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            n=_or(self.n, 1), temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0), top_k=_or(self.top_k, 0),
+            min_p=_or(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0), skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
+
+    def check_logit_bias(self, vocab_size: int) -> None:
+        """Keys token ids in the vocabulary, values finite in [-100, 100]; then "not supported yet"
+        (the sampler has no logit bias yet), unless it is empty."""
+        if not self.logit_bias:
+            return
+        for key, value in self.logit_bias.items():
+            if not re.fullmatch(r"\d+", key) or int(key) >= vocab_size:
+                raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                               param="logit_bias")
+            if not (math.isfinite(value) and -100 <= value <= 100):
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {value!r}", param="logit_bias")
+        raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+def _or(value, default):
+    return default if value is None else value
+
+
+class CompletionRequest(_Request, kw_only=True):
+    # text, texts, token ids, or lists of token ids (checked by prompts(): msgspec takes one list type)
+    prompt: str | list[Any] | None = None
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    def check_supported(self) -> None:
+        if self.prompt is None:
+            raise APIError(400, "prompt is required", param="prompt")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != _or(self.n, 1):
+            raise APIError(400, "best_of other than n is not supported", param="best_of")
 
     def prompts(self) -> list:
         """One engine prompt per entry: text, or token ids as {"prompt_token_ids": [...]}."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if p and all(isinstance(t, int) for t in p):
-            return [{"prompt_token_ids": list(p)}]
-        return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+        if not p:
+            raise APIError(400, "prompt is empty", param="prompt")
+        if all(_is_token(t) for t in p):
+            return [{"prompt_token_ids": p}]
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(isinstance(x, list) and all(_is_token(t) for t in x) for x in p):
+            return [{"prompt_token_ids": x} for x in p]
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists "
+                       "of token ids", param="prompt")
 
 
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | None = None
+def _is_token(t) -> bool:
+    return type(t) is int
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+class ContentPart(msgspec.Struct, kw_only=True):
+    """A part of a chat message's content: text, or a kind this server does not take."""
+
+    type: str
+    text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: str | None = None
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # accepted, not used
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
+    audio: Any = None
+
+    def text(self, index: int) -> str:
+        """The content as one string: text parts joined by newlines (vLLM's way)."""
+        where = f"messages[{index}]"
+        if self.role in ("tool", "function") or self.tool_calls or self.tool_call_id or self.function_call:
+            raise APIError(400, f"{where}: tool and function calls are not supported", param="messages")
+        if self.audio is not None:
+            raise APIError(400, f"{where}: audio is not supported", param="messages")
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if part.type == "text" and part.text is not None:
+                texts.append(part.text)
+            elif part.type == "refusal" and part.refusal is not None:
+                texts.append(part.refusal)
+            else:
+                raise APIError(400, f"{where}: content parts of type {part.type!r} are not supported (text only)",
+                               param="messages")
+        return "\n".join(texts)
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: Any = None
+
+
+# OpenAI chat fields this server refuses when they ask for something (an empty or default value passes).
+_UNSUPPORTED_CHAT = ("tools", "functions", "audio", "prediction", "web_search_options")
+
+
+class ChatCompletionRequest(_Request, kw_only=True):
+    messages: list[ChatMessage] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
+    # OpenAI fields accepted when harmless
+    response_format: ResponseFormat | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # OpenAI fields refused (not supported)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    # vLLM's
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        if not self.messages:
+            raise APIError(400, "messages must hold at least one message", param="messages")
+        for name in _UNSUPPORTED_CHAT:
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported", param=name)
+        if self.function_call not in (None, "none"):
+            raise APIError(400, "function_call is not supported", param="function_call")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice is not supported (no tools)", param="tool_choice")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(400, f"response_format {self.response_format.type!r} is not supported (text only)",
+                           param="response_format")
+        if self.modalities not in (None, ["text"]):
+            raise APIError(400, "modalities other than [\"text\"] are not supported", param="modalities")
+        if self.store:
+            raise APIError(400, "store is not supported", param="store")
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -110,6 +245,27 @@ class ChatCompletionRequest(SamplingFields):
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
             if self.top_logprobs:
-                raise ValueError("top_logprobs needs logprobs=true")
+                raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
             return None
         return self.top_logprobs or 0
+
+    def texts(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+
+
+def decode_body(body: bytes, kind: type):
+    """A request body as `kind`, or APIError 400 naming what is wrong."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        message = str(e)
+        raise APIError(400, message, param=param_of(message)) from None
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON of valid Unicode: {e}") from None
+
+
+def request_schemas() -> dict:
+    """JSON schemas of the two request bodies (the OpenAPI document's components)."""
+    (completion, chat), components = msgspec.json.schema_components(
+        [CompletionRequest, ChatCompletionRequest], ref_template="#/components/schemas/{name}")
+    return {"completion": completion, "chat": chat, "components": components}

@@ -4,73 +4,87 @@
     POST /v1/chat/completions   messages through the tokenizer's chat template (or --chat-template)
     GET  /v1/models, /health, /metrics (Prometheus)
 
-Each prompt of a request is one engine request (its n samples forked inside the engine). All of them
-are taken by the engine before the response starts, so bad input is an HTTP 400 with OpenAI's error body,
-never a broken stream. A stream's chunks follow the engine's steps (DELTA outputs); a client that goes
-away aborts its requests, which frees their KV blocks.
+This process does HTTP, auth, validation, tokenization, detokenization, stop strings and SSE; the engine
+core runs in a process of its own (AsyncLLMEngine). Each prompt of a request is one engine request (its
+n samples forked inside the engine). All are taken before the response starts, so bad input is an HTTP
+400 with OpenAI's error body naming the field, never a broken stream; a failed engine step is a 500 for
+its requests only. If the engine process dies, /health turns 503, open requests fail with 500 and the
+server exits with a non-zero code (run_server), so a supervisor can restart it.
+
+Streaming is the hot path, one SSE event per engine step per request: the chunks are written as bytes
+with msgspec (no pydantic), and a request's reader that falls behind reads merged deltas. A client that
+goes away aborts its requests, which frees their KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import hmac
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from fastllm.engine.async_llm_engine import AsyncLLMEngine
-from fastllm.engine.detokenizer import IncrementalDetokenizer
-from fastllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from fastllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
+from fastllm.engine.detokenizer import IncrementalDetokenizer, text_bytes
+from fastllm.entrypoints.openai.limits import API_KEY_ENV, ServerLimits
+from fastllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, decode_body,
+                                                  error_body, param_of, request_schemas)
 from fastllm.metrics import ServingMetrics
 from fastllm.outputs import CompletionOutput, RequestOutput
 from fastllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+_LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError"):
-        super().__init__(message)
-        self.status, self.kind = status, kind
+def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None = None,
+              limits: ServerLimits = ServerLimits(), api_key: str | None = None,
+              shutdown_engine: bool = False) -> FastAPI:
+    """The app; with shutdown_engine, the server's shutdown also stops the engine core (uvicorn may end
+    the process right after, on a signal, so nothing after its run() can be relied on)."""
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if shutdown_engine:
+            engine.shutdown()
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str | None = None) -> FastAPI:
-    app = FastAPI(title="fastllm")
-    server = _Server(engine, served_model_name, chat_template)
+    app = FastAPI(title="fastllm", lifespan=lifespan)
+    server = _Server(engine, served_model_name, chat_template, limits)
     app.state.server = server
+    app.add_middleware(_Guard, api_key=api_key, max_request_bytes=limits.max_request_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(error_body(e.status, str(e), e.kind), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_body(request: Request, e: RequestValidationError):
-        message = "; ".join(f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors())
-        return JSONResponse(error_body(400, message), status_code=400)
+        return JSONResponse(error_body(e.status, str(e), e.kind, e.param), status_code=e.status)
 
     @app.exception_handler(ValueError)
     async def _bad_value(request: Request, e: ValueError):
-        return JSONResponse(error_body(400, str(e)), status_code=400)
+        return JSONResponse(error_body(400, str(e), param=param_of(str(e))), status_code=400)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, e: EngineDeadError):
+        return JSONResponse(error_body(500, f"the engine is gone: {e}", "InternalServerError"), status_code=500)
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):  # the engine failed (see /health)
+    async def _internal(request: Request, e: Exception):  # a failed engine step, or a bug of ours
         logger.error("request failed: %r", e)
         return JSONResponse(error_body(500, f"internal error: {e}", "InternalServerError"), status_code=500)
 
     @app.get("/health")
     async def health():
         if engine.errored is not None:
-            raise APIError(503, f"the engine stopped after an error: {engine.errored!r}", "ServiceUnavailableError")
+            raise APIError(503, f"the engine is gone: {engine.errored}", "ServiceUnavailableError")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -79,78 +93,162 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": server.created,
-                                            "owned_by": "fastllm", "max_model_len": server.max_model_len}]}
+        return {"object": "list", "data": [server.model_card()]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await server.complete(body, request)
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        server.check_model(model)
+        return server.model_card()
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await server.chat(body, request)
+    schemas = request_schemas()
 
+    def body_of(name: str) -> dict:
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": schemas[name]}}}}
+
+    @app.post("/v1/completions", openapi_extra=body_of("completion"))
+    async def completions(request: Request):
+        return await server.complete(decode_body(await server.read_body(request), CompletionRequest), request)
+
+    @app.post("/v1/chat/completions", openapi_extra=body_of("chat"))
+    async def chat_completions(request: Request):
+        return await server.chat(decode_body(await server.read_body(request), ChatCompletionRequest), request)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            document = get_openapi(title=app.title, version="1", routes=app.routes)
+            document.setdefault("components", {}).setdefault("schemas", {}).update(schemas["components"])
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
+class _Guard:
+    """ASGI middleware: the API key on /v1/* (Bearer, compared in constant time), and a body size limit
+    read from Content-Length before anything else (read_body enforces it on the body itself)."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return await _reply(send, 401, "Unauthorized: a valid API key is needed (Authorization: Bearer ...)",
+                                    "AuthenticationError")
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_request_bytes):
+            return await _reply(send, 413, f"the request body is larger than {self.max_request_bytes} bytes "
+                                "(--max-request-bytes)", "RequestTooLargeError")
+        return await self.app(scope, receive, send)
+
+
+async def _reply(send, status: int, message: str, kind: str) -> None:
+    body = msgspec.json.encode(error_body(status, message, kind))
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class _Server:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None, limits: ServerLimits):
+        self.engine, self.model_name, self.limits = engine, model_name, limits
         self.tokenizer = engine.tokenizer
         self.chat_template = chat_template
-        self.max_model_len = engine.engine.config.model.max_model_len
-        self.metrics = ServingMetrics(engine.engine)
+        self.max_model_len = engine.max_model_len
+        self.metrics = ServingMetrics(engine)
         self.created = int(time.time())
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fastllm",
+                "max_model_len": self.max_model_len}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
+                           "NotFoundError", "model")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit, size, chunks = self.limits.max_request_bytes, 0, []
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is larger than {limit} bytes (--max-request-bytes)",
+                               "RequestTooLargeError")
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     # the two endpoints
 
     async def complete(self, body: CompletionRequest, request: Request):
-        self._check_model(body.model)
-        if body.suffix is not None or body.best_of not in (None, body.n):
-            raise APIError(400, "suffix and best_of (other than n) are not supported")
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        self.check_model(body.model)
+        body.check_supported()
+        prompts = body.prompts()
+        if len(prompts) > self.limits.max_prompts:
+            raise APIError(400, f"at most {self.limits.max_prompts} prompts a request (--max-prompts), "
+                           f"got {len(prompts)}", param="prompt")
+        self._check_common(body)
+        score_only = body.max_tokens == 0  # echo the prompt with its logprobs, generate nothing
+        if score_only and not body.echo:
+            raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
+        params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs)
         if body.echo:
             if self.tokenizer is None:
-                raise APIError(400, "echo needs the model's tokenizer to write the prompt back")
+                raise APIError(400, "echo needs the model's tokenizer to write the prompt back", param="echo")
             if body.logprobs is not None:  # the prompt's tokens come with their logprobs too
                 params = params.clone(prompt_logprobs=body.logprobs)
-        return await self._respond("cmpl", "text_completion", body.prompts(), params, body, request, chat=False)
+        shape = _Shape("cmpl", "text_completion", self.model_name, params.n, chat=False, num_logprobs=body.logprobs,
+                       echo_tokenizer=self.tokenizer if body.echo else None, score_only=score_only,
+                       token_ids=body.return_token_ids)
+        return await self._respond(shape, prompts, params, body, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        self._check_model(body.model)
+        self.check_model(body.model)
+        body.check_supported()
+        self._check_common(body)
         params = body.sampling_params(body.token_limit(), body.num_logprobs())
-        return await self._respond("chatcmpl", "chat.completion", [self._chat_prompt(body)], params, body, request,
-                                   chat=True)
+        shape = _Shape("chatcmpl", "chat.completion", self.model_name, params.n, chat=True,
+                       num_logprobs=params.logprobs, tokenizer=self.tokenizer, token_ids=body.return_token_ids)
+        return await self._respond(shape, [self._chat_prompt(body)], params, body, request)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                           "NotFoundError")
+    def _check_common(self, body) -> None:
+        if body.n is not None and body.n > self.limits.max_n:
+            raise APIError(400, f"n must be <= {self.limits.max_n} (--max-n), got {body.n}", param="n")
+        body.check_logit_bias(self.engine.input_processor.vocab_size)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> str:
+    def _chat_prompt(self, body: ChatCompletionRequest) -> dict:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
             raise APIError(400, "this model's tokenizer has no chat template; start the server with --chat-template")
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        return self.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                                  add_generation_prompt=body.add_generation_prompt)
+        text = self.tokenizer.apply_chat_template(body.texts(), chat_template=template, tokenize=False,
+                                                  add_generation_prompt=body.add_generation_prompt,
+                                                  **(body.chat_template_kwargs or {}))
+        # A template that writes the BOS itself gets no second one from the tokenizer.
+        bos = getattr(self.tokenizer, "bos_token", None)
+        add_special = not (bos and text.startswith(bos))
+        self.engine.input_processor.check_text_length(text)
+        return {"prompt": text, "prompt_token_ids": self.engine.input_processor.encode(text, add_special)}
 
     # requests and responses
 
-    async def _respond(self, prefix: str, kind: str, prompts: list, params: SamplingParams, body, request: Request,
-                       chat: bool):
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
+    async def _respond(self, shape: "_Shape", prompts: list, params: SamplingParams, body, request: Request):
         arrival = time.perf_counter()
-        streams = await self._add_all(response_id, prompts, params)
-        echo = getattr(body, "echo", False)
-        shape = _Shape(response_id, kind, self.model_name, int(time.time()), params.n, chat, params.logprobs,
-                       self.tokenizer if echo else None)
+        streams = await self._add_all(shape.id, prompts, params)
         if body.stream:
-            return StreamingResponse(self._stream(streams, shape, arrival, body.include_usage),
-                                     media_type="text/event-stream")
-        finals = asyncio.ensure_future(asyncio.gather(*(self._final(s, arrival) for s in streams)))
+            if len(streams) == 1:
+                chunks = self._stream_one(streams[0], shape, arrival, body.include_usage)
+            else:
+                chunks = self._stream_many(streams, shape, arrival, body.include_usage)
+            return StreamingResponse(chunks, media_type="text/event-stream")
+        finals = asyncio.ensure_future(asyncio.gather(*(self._final(s) for s in streams)))
         # A whole response is written at the end: meanwhile, watch for a client that has gone.
         while not (await asyncio.wait({finals}, timeout=DISCONNECT_POLL_S))[0]:
             if await request.is_disconnected():
@@ -159,136 +257,183 @@ class _Server:
                     await finals
                 self.metrics.requests.labels(finish_reason="abort").inc(params.n * len(streams))
                 return Response(status_code=499)  # nobody reads it
-        return shape.full(finals.result())
+        try:
+            outs = finals.result()
+        except (RequestFailedError, EngineDeadError) as e:
+            self.metrics.requests.labels(finish_reason="error").inc(params.n * len(streams))
+            raise APIError(500, str(e), "InternalServerError") from None
+        for out in outs:
+            self._record(out, arrival)
+        return Response(msgspec.json.encode(shape.full(outs)), media_type="application/json")
 
-    async def _add_all(self, response_id: str, prompts: list, params: SamplingParams) -> list:
+    async def _add_all(self, response_id: str, prompts: list, params: SamplingParams) -> list[RequestStream]:
         """Every prompt's engine request, taken; on a refused one, abort those already in."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await self.engine.add_request(f"{response_id}-{i}", prompt, params))
+                request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
+                streams.append(await self.engine.add_request(request_id, prompt, params))
         except BaseException:
             for stream in streams:
                 await stream.aclose()
             raise
         return streams
 
-    async def _final(self, stream: AsyncIterator[RequestOutput], arrival: float) -> RequestOutput:
+    async def _final(self, stream: RequestStream) -> RequestOutput:
         last = None
         async with contextlib.aclosing(stream):
             async for last in stream:  # FINAL_ONLY: the one finished output
                 pass
-        self._record(last, arrival, None)  # its first token's time is not seen here
         return last
 
-    async def _stream(self, streams: list, shape: "_Shape", arrival: float, include_usage: bool):
+    async def _stream_one(self, stream: RequestStream, shape: "_Shape", arrival: float,
+                          include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE events of a one-prompt request: the hot path, one event per step that changed it."""
+        first_token, last, completion_tokens, failed = None, None, 0, False
+        try:
+            if shape.chat:
+                yield shape.role_chunk()
+            async for out in stream:
+                if first_token is None:
+                    first_token = time.perf_counter()
+                for o in out.outputs:
+                    completion_tokens += len(o.token_ids)
+                last = out
+                yield shape.chunk(0, out)
+            if include_usage and last is not None:
+                yield shape.usage_chunk(len(last.prompt_token_ids), completion_tokens)
+            yield b"data: [DONE]\n\n"
+        except (RequestFailedError, EngineDeadError) as e:
+            failed = True
+            yield _sse(error_body(500, str(e), "InternalServerError"))
+            yield b"data: [DONE]\n\n"
+        finally:  # done, failed, or the client went away (then this closes the stream: an abort)
+            await stream.aclose()
+            self._record_stream(last, shape.n, arrival, first_token, completion_tokens, failed)
+
+    async def _stream_many(self, streams: list[RequestStream], shape: "_Shape", arrival: float,
+                           include_usage: bool) -> AsyncIterator[bytes]:
+        """Several prompts: each read by a task of its own into one queue, written in arrival order."""
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, stream):
-            first_token, last, usage, ended_by = None, None, [0, 0], "abort"  # unless it finishes or fails
+        async def pump(index: int, stream: RequestStream):
+            first_token, last, tokens, failed = None, None, 0, False
             try:
-                async with contextlib.aclosing(stream):
-                    async for out in stream:
-                        first_token = first_token or time.perf_counter()
-                        usage[0] = len(out.prompt_token_ids)
-                        usage[1] += sum(len(o.token_ids) for o in out.outputs)
-                        last = out
-                        await merged.put((index, out))
-            except Exception as e:  # the engine failed mid-stream: the client gets an error event
-                logger.error("stream failed: %r", e)
-                ended_by = "error"
+                async for out in stream:
+                    first_token = first_token or time.perf_counter()
+                    tokens += sum(len(o.token_ids) for o in out.outputs)
+                    last = out
+                    await merged.put((index, out))
+            except (RequestFailedError, EngineDeadError) as e:
+                failed = True
                 await merged.put((index, e))
             finally:
-                if last is not None and last.finished:
-                    self._record_stream(last, usage, arrival, first_token)
-                else:  # the client left first (the request was aborted), or the engine failed
-                    self.metrics.requests.labels(finish_reason=ended_by).inc(shape.n)
-                await merged.put((index, usage))
+                await stream.aclose()
+                self._record_stream(last, shape.n, arrival, first_token, tokens, failed)
+                await merged.put((index, (len(last.prompt_token_ids) if last else 0, tokens)))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         try:
             if shape.chat:
-                yield _sse(shape.chunk([_ChoiceDelta(i, role="assistant") for i in range(shape.n)]))
+                yield shape.role_chunk()
             open_streams, prompt_tokens, completion_tokens = len(tasks), 0, 0
             while open_streams:
                 index, item = await merged.get()
-                if isinstance(item, list):  # that prompt's stream ended: its usage
+                if isinstance(item, tuple):  # that prompt's stream ended: its usage
                     open_streams -= 1
                     prompt_tokens, completion_tokens = prompt_tokens + item[0], completion_tokens + item[1]
-                    continue
-                if isinstance(item, Exception):
-                    yield _sse(error_body(500, f"internal error: {item}", "InternalServerError"))
+                elif isinstance(item, Exception):
+                    yield _sse(error_body(500, str(item), "InternalServerError"))
                     break
-                yield _sse(shape.chunk([shape.delta(index, o, item) for o in item.outputs]))
+                else:
+                    yield shape.chunk(index, item)
             if include_usage:
-                yield _sse(shape.usage_chunk(prompt_tokens, completion_tokens))
-            yield "data: [DONE]\n\n"
+                yield shape.usage_chunk(prompt_tokens, completion_tokens)
+            yield b"data: [DONE]\n\n"
         finally:  # done, or the client went away: the pumps close their streams, aborting what is left
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _record(self, out: RequestOutput | None, arrival: float, first_token: float | None) -> None:
-        if out is None:
-            return
+    def _record(self, out: RequestOutput, arrival: float) -> None:
         tokens = sum(len(o.token_ids) for o in out.outputs)
-        self._record_stream(out, [len(out.prompt_token_ids), tokens], arrival, first_token)
-
-    def _record_stream(self, out: RequestOutput, usage: list[int], arrival: float, first_token: float | None):
         m = self.metrics
         for o in out.outputs:
             m.requests.labels(finish_reason=o.finish_reason or "abort").inc()
-        m.prompt_tokens.inc(usage[0])
-        m.generation_tokens.inc(usage[1])
+        m.prompt_tokens.inc(len(out.prompt_token_ids))
+        m.generation_tokens.inc(tokens)
+        first_token = out.metrics.get("first_token_time")
+        if first_token is not None:
+            m.time_to_first_token.observe(first_token - arrival)
+        m.e2e_latency.observe(time.perf_counter() - arrival)
+
+    def _record_stream(self, last: RequestOutput | None, n: int, arrival: float, first_token: float | None,
+                       completion_tokens: int, failed: bool) -> None:
+        m = self.metrics
+        if last is None or not last.finished:  # the engine failed it, or the client left first (an abort)
+            m.requests.labels(finish_reason="error" if failed else "abort").inc(n)
+            return
+        for o in last.outputs:
+            m.requests.labels(finish_reason=o.finish_reason or "abort").inc()
+        m.prompt_tokens.inc(len(last.prompt_token_ids))
+        m.generation_tokens.inc(completion_tokens)
         if first_token is not None:
             m.time_to_first_token.observe(first_token - arrival)
         m.e2e_latency.observe(time.perf_counter() - arrival)
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
-
-
-class _ChoiceDelta:
-    def __init__(self, index: int, role: str | None = None, output: CompletionOutput | None = None,
-                 text_offset: int = 0, echo: "_Echo | None" = None):
-        self.index, self.role, self.output, self.text_offset = index, role, output, text_offset
-        self.echo = echo  # the prompt written back before this choice's first text (completions' echo)
+def _sse(payload) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 class _Echo:
-    """A prompt as `echo` writes it back: its text and, when the prompt was scored, the legacy
-    logprobs of its tokens (the first has none: nothing predicts it), with each token's offset in
-    that text."""
+    """A prompt as `echo` writes it back: its text and, when the prompt was scored, the legacy logprobs
+    of its tokens (the first has none: nothing predicts it), each token as it renders in the prompt."""
 
     def __init__(self, out: RequestOutput, tokenizer):
         ids = out.prompt_token_ids
-        # Each token's place in the text, as the outputs' text is made (special tokens such as BOS add none).
         detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True, stop=[])
-        self.offsets = []
+        self.pieces, self.offsets = [], []
         for token in ids:
             self.offsets.append(len(detokenizer.text))
             detokenizer.add_token(token)
+            self.pieces.append(detokenizer.last_piece)
         self.text = out.prompt if out.prompt is not None else detokenizer.text
         self.logprobs = None
         if out.prompt_logprobs is not None:
             scored = out.prompt_logprobs
-            tokens = [tokenizer.decode(ids[:1])] + [scored[p][ids[p]].decoded_token or "" for p in range(1, len(ids))]
-            self.logprobs = (tokens, [None] + [scored[p][ids[p]].logprob for p in range(1, len(ids))],
-                             [None] + [{(lp.decoded_token or str(t)): lp.logprob for t, lp in scored[p].items()}
-                                       for p in range(1, len(ids))])
+            self.logprobs = (list(self.pieces), [None] + [scored[p][ids[p]].logprob for p in range(1, len(ids))],
+                             [None] + [_top_dict(scored[p], ids[p], self.pieces[p]) for p in range(1, len(ids))])
+
+
+def _top_dict(step: dict, chosen: int, chosen_text: str) -> dict:
+    """Legacy top_logprobs: token string -> logprob, one key per string (the likelier wins)."""
+    top = {}
+    for token_id, lp in step.items():
+        key = chosen_text if token_id == chosen else (lp.decoded_token if lp.decoded_token is not None else str(token_id))
+        if key not in top:
+            top[key] = lp.logprob
+    return top
 
 
 class _Shape:
-    """The OpenAI JSON of one response: completion or chat, whole or as stream chunks."""
+    """The OpenAI JSON of one response: completion or chat, whole or as SSE chunks (bytes)."""
 
-    def __init__(self, response_id: str, kind: str, model: str, created: int, n: int, chat: bool,
-                 num_logprobs: int | None, echo_tokenizer=None):
-        self.id, self.kind, self.model, self.created, self.n, self.chat = response_id, kind, model, created, n, chat
+    def __init__(self, prefix: str, kind: str, model: str, n: int, chat: bool, num_logprobs: int | None,
+                 echo_tokenizer=None, tokenizer=None, score_only: bool = False, token_ids: bool = False):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.kind, self.model, self.n, self.chat = kind, model, n, chat
+        self.created = int(time.time())
         self.num_logprobs = num_logprobs or 0
         self.echo_tokenizer = echo_tokenizer  # set for completions' echo: it writes the prompt back
+        self.tokenizer = tokenizer or echo_tokenizer  # chat logprobs' bytes of "bytes:" tokens
+        self.score_only = score_only  # echo with max_tokens 0: the generated token is not shown
+        self.token_ids = token_ids  # return_token_ids: each choice carries its token ids
         self._echoes: dict[int, _Echo] = {}  # prompt index -> its echo, shared by the prompt's n choices
         self._text_offsets: dict[int, int] = {}  # choice index -> characters streamed so far
+        self.chunk_kind = kind + ".chunk" if chat else kind
+        self._chunk_head = b'data: {"id":' + msgspec.json.encode(self.id) + b',"object":"' + self.chunk_kind.encode() \
+            + b'","created":' + str(self.created).encode() + b',"model":' + msgspec.json.encode(model) + b',"choices":['
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -300,49 +445,93 @@ class _Shape:
             self._echoes[prompt_index] = _Echo(out, self.echo_tokenizer)
         return self._echoes[prompt_index]
 
+    # whole responses
+
     def full(self, finals: list[RequestOutput]) -> dict:
         choices = []
         for p, out in enumerate(finals):
             for o in out.outputs:
-                choice = {"index": p * self.n + o.index, "finish_reason": o.finish_reason}
+                choice = {"index": p * self.n + o.index}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": o.text}
-                    choice["logprobs"] = _chat_logprobs(o, self.num_logprobs)
+                    choice["logprobs"] = self._chat_logprobs(o)
                 else:
                     echo = self._echo(p, out)
-                    choice["text"] = (echo.text if echo else "") + o.text
-                    choice["logprobs"] = _completion_logprobs(o, 0, echo)
+                    generated = o if not self.score_only else _nothing(o)
+                    choice["text"] = (echo.text if echo else "") + generated.text
+                    choice["logprobs"] = _completion_logprobs(generated, 0, echo)
+                choice["finish_reason"] = o.finish_reason
+                if self.token_ids:
+                    choice["token_ids"] = [] if self.score_only else o.token_ids
                 choices.append(choice)
         prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
-        completion_tokens = sum(len(o.token_ids) for out in finals for o in out.outputs)
+        completion_tokens = 0 if self.score_only else sum(len(o.token_ids) for out in finals for o in out.outputs)
         return {**self._head(self.kind), "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
 
-    def delta(self, prompt_index: int, o: CompletionOutput, out: RequestOutput) -> _ChoiceDelta:
-        index = prompt_index * self.n + o.index
-        echo = None
-        if index not in self._text_offsets:  # the choice's first chunk
-            echo = self._echo(prompt_index, out)
-        offset = self._text_offsets.get(index, 0)
-        self._text_offsets[index] = offset + len(o.text) + (len(echo.text) if echo else 0)
-        return _ChoiceDelta(index, output=o, text_offset=offset, echo=echo)
+    # stream chunks
 
-    def chunk(self, deltas: list[_ChoiceDelta]) -> dict:
-        choices = []
-        for d in deltas:
-            o = d.output
+    def role_chunk(self) -> bytes:
+        choices = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": None} for i in range(self.n)]
+        return self._chunk_head + msgspec.json.encode(choices)[1:-1] + b"]}\n\n"
+
+    def chunk(self, prompt_index: int, out: RequestOutput) -> bytes:
+        """One SSE event with each sample's news of one prompt's output."""
+        parts = []
+        for o in out.outputs:
+            index = prompt_index * self.n + o.index
             if self.chat:
-                delta = {"role": d.role, "content": ""} if d.role else {"content": o.text} if o.text else {}
-                choice = {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(o, self.num_logprobs)}
+                choice = {"index": index, "delta": {"content": o.text} if o.text else {},
+                          "logprobs": self._chat_logprobs(o) if o.logprobs is not None else None,
+                          "finish_reason": o.finish_reason}
             else:
-                choice = {"index": d.index, "text": (d.echo.text if d.echo else "") + o.text,
-                          "logprobs": _completion_logprobs(o, d.text_offset, d.echo)}
-            choice["finish_reason"] = o.finish_reason if o is not None else None
-            choices.append(choice)
-        return {**self._head(self.kind + ".chunk" if self.chat else self.kind), "choices": choices}
+                text, logprobs = self._completion_delta(index, prompt_index, o, out)
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
+            if self.token_ids:
+                choice["token_ids"] = [] if self.score_only else o.token_ids
+            parts.append(msgspec.json.encode(choice))
+        return self._chunk_head + b",".join(parts) + b"]}\n\n"
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
-        return {**self._head(self.kind + ".chunk" if self.chat else self.kind), "choices": [],
-                "usage": _usage(prompt_tokens, completion_tokens)}
+    def _completion_delta(self, index: int, prompt_index: int, o: CompletionOutput, out: RequestOutput):
+        echo = None
+        if index not in self._text_offsets:  # the choice's first chunk writes the prompt back
+            echo = self._echo(prompt_index, out)
+        generated = o if not self.score_only else _nothing(o)
+        offset = self._text_offsets.get(index, 0)
+        self._text_offsets[index] = offset + len(generated.text) + (len(echo.text) if echo else 0)
+        text = (echo.text if echo else "") + generated.text
+        logprobs = _completion_logprobs(generated, offset, echo) if o.logprobs is not None else None
+        return text, logprobs
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        payload = {**self._head(self.chunk_kind), "choices": [],
+                   "usage": _usage(prompt_tokens, 0 if self.score_only else completion_tokens)}
+        return _sse(payload)
+
+    def _chat_logprobs(self, o: CompletionOutput) -> dict | None:
+        """The chat form: per token its text, logprob, UTF-8 bytes and the most likely alternatives."""
+        if o.logprobs is None:
+            return None
+        tokenizer, num = self.tokenizer, self.num_logprobs
+
+        def entry(token_id, lp):
+            text = lp.decoded_token if lp.decoded_token is not None else ""
+            return {"token": text, "logprob": lp.logprob, "bytes": text_bytes(text, tokenizer, token_id)}
+
+        content = []
+        for token_id, step in zip(o.token_ids, o.logprobs):
+            top, seen = [], set()
+            for t, lp in sorted(step.items(), key=lambda item: item[1].rank):
+                if lp.rank <= num and lp.decoded_token not in seen:
+                    seen.add(lp.decoded_token)
+                    top.append(entry(t, lp))
+            content.append({**entry(token_id, step[token_id]), "top_logprobs": top[:num]})
+        return {"content": content}
+
+
+def _nothing(o: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(o.index, "", [], o.cumulative_logprob, [] if o.logprobs is not None else None,
+                            o.finish_reason, o.stop_reason)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -352,7 +541,7 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def _completion_logprobs(o: CompletionOutput, text_offset: int, echo: _Echo | None = None) -> dict | None:
     """The legacy completions form: tokens, token_logprobs, top_logprobs, text_offset; an echoed
-    prompt's tokens first."""
+    prompt's tokens first. Each token's string is what it adds to the text, so they join to it."""
     if o.logprobs is None:
         return None
     tokens, token_logprobs, top, offsets = [], [], [], []
@@ -366,44 +555,49 @@ def _completion_logprobs(o: CompletionOutput, text_offset: int, echo: _Echo | No
         text = chosen.decoded_token or ""
         tokens.append(text)
         token_logprobs.append(chosen.logprob)
-        top.append({(lp.decoded_token or str(t)): lp.logprob for t, lp in step.items()})
+        top.append(_top_dict(step, token_id, text))
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-
-def _chat_logprobs(o: CompletionOutput | None, num: int) -> dict | None:
-    """The chat form: per token its text, logprob, UTF-8 bytes and the `num` most likely alternatives."""
-    if o is None or o.logprobs is None:
-        return None
-
-    def entry(lp):
-        text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
-
-    content = []
-    for token_id, step in zip(o.token_ids, o.logprobs):
-        top = sorted((lp for lp in step.values() if lp.rank <= num), key=lambda lp: lp.rank)
-        content.append({**entry(step[token_id]), "top_logprobs": [entry(lp) for lp in top]})
-    return {"content": content}
 
 
 def served_name(model: str | None) -> str:
     return Path(model).name if model else "stories260K"
 
 
+def resolve_api_key(api_key: str | None) -> str | None:
+    """--api-key, else $FASTLLM_API_KEY, else none."""
+    return api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, served_model_name: str | None,
-               chat_template: str | None) -> None:
+               chat_template: str | None, api_key: str | None = None, limits: ServerLimits = ServerLimits(),
+               log_requests: bool = True) -> int:
+    """Serve until stopped; returns the exit code (1 when the engine process died)."""
     import uvicorn
 
+    from fastllm.config import EngineConfig
     from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
     if chat_template and Path(chat_template).is_file():
         chat_template = Path(chat_template).read_text()
-    engine = AsyncLLMEngine.from_kwargs(model, **engine_kwargs)
+    api_key = resolve_api_key(api_key)
+    if api_key is None and host not in _LOCAL_HOSTS:
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key or %s)",
+                       host, API_KEY_ENV)
+    config = EngineConfig.from_kwargs(model, **engine_kwargs)  # a bad argument fails before the engine starts
+    engine = AsyncLLMEngine.from_config(config)
     prepare_gc_for_serving()  # the server process's settings, not the library's (process_setup.py)
-    app = build_app(engine, served_model_name or served_name(model), chat_template)
+    app = build_app(engine, served_model_name or served_name(model), chat_template, limits, api_key,
+                    shutdown_engine=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", access_log=log_requests,
+                                           timeout_graceful_shutdown=5))
+    engine.on_death(lambda reason: setattr(server, "should_exit", True))
     try:
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        server.run()
     finally:
-        engine.shutdown()
+        engine.shutdown()  # if the app never started
+    if engine.errored is not None:
+        logger.error("exiting: %s", engine.errored)
+        return 1
+    return 0
