@@ -1,30 +1,33 @@
 """Serving benchmark (DESIGN.md "Serving"): requests arriving at a given rate to `fastllm serve`.
 
 Each request is a streamed /v1/completions call with a random token-id prompt of input_len tokens and
-output_len new tokens (EOS ignored). Arrivals are a Poisson process at request_rate per second (inf: all at
-once). Per request: TTFT (arrival to the first streamed token), TPOT ((last token - first token) /
-(tokens - 1)), the gaps between streamed chunks (ITL) and the end-to-end latency. The run's row: request
-and output-token throughput over the wall time of the run, and mean / p50 / p99 of each latency.
+output_len new tokens (EOS ignored; `return_token_ids` so a chunk says how many tokens it carries).
+Arrivals are a Poisson process at request_rate per second (inf: all at once). Per request: TTFT (arrival
+to the first streamed token), TPOT ((last token - first token) / (tokens - 1)), the gaps between streamed
+chunks (ITL) and the end-to-end latency. The run's row: request and output-token throughput over the
+wall time of the run, the delivered request rate between the first and the last completion (the rate the
+server keeps up with, without the first request's latency and the last one's drain), and mean / p50 /
+p99 of each latency; from the server's /metrics, the engine's mean batch and step time in the window.
 
-The server runs in its own process (started here from the same engine arguments unless a --url is
-given), so the client's host work does not share a GIL with the engine's.
+The load comes from several client processes (each its own event loop, on a lean HTTP/1.1 client of
+raw asyncio streams), so at ~20,000 streamed chunks a second the client is not what is measured.
+Arrival times are fixed in advance and shared through CLOCK_MONOTONIC, which all processes read alike.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
+import multiprocessing
 import random
+import re
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
-import httpx
-import numpy as np
-
-from fastllm.bench.runner import percentile
+import msgspec
 
 
 @dataclass
@@ -33,87 +36,228 @@ class RequestRecord:
     first_token: float | None = None
     end: float | None = None
     chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens each chunk carried
     output_tokens: int = 0
     error: str | None = None
 
 
-async def _one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
-                       record: RequestRecord) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    record.arrival = time.perf_counter()
+class _Choice(msgspec.Struct):
+    token_ids: list[int] | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int = 0
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] = []
+    usage: _Usage | None = None
+    error: dict | None = None
+
+
+_decode_chunk = msgspec.json.Decoder(_Chunk).decode
+
+
+async def stream_request(host: str, port: int, body: bytes, headers: bytes, record: RequestRecord) -> None:
+    """POST one streamed completion over a fresh connection and read its SSE events as they come."""
+    record.arrival = time.monotonic()
+    writer = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                record.error = f"HTTP {response.status_code}: {(await response.aread()).decode()[:200]}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n%s\r\n" % (host.encode(), len(body), headers) + body)
+        status = await reader.readline()
+        response_headers = (await reader.readuntil(b"\r\n\r\n")).lower()
+        if b" 200 " not in status:
+            record.error = f"{status.decode().strip()}: {(await reader.read(400)).decode(errors='replace')}"
+            return
+        chunked = b"transfer-encoding: chunked" in response_headers
+        pending = b""
+        while True:
+            if chunked:
+                size = int((await reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    break
+                data = (await reader.readexactly(size + 2))[:-2]
+            else:
+                data = await reader.read(65536)
+                if not data:
+                    break
+            now = time.monotonic()
+            events = (pending + data).split(b"\n\n")
+            pending = events.pop()
+            for event in events:
+                if not event.startswith(b"data: ") or event == b"data: [DONE]":
                     continue
-                chunk = json.loads(line[len("data: "):])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    record.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk["choices"]:
-                    record.first_token = record.first_token or now
-                    record.chunk_times.append(now)
-        record.end = time.perf_counter()
-    except httpx.HTTPError as e:
+                chunk = _decode_chunk(event[6:])
+                if chunk.error is not None:
+                    record.error = str(chunk.error.get("message", chunk.error))
+                    return
+                if chunk.usage is not None:
+                    record.output_tokens = chunk.usage.completion_tokens
+                if chunk.choices:
+                    ids = chunk.choices[0].token_ids
+                    tokens = 1 if ids is None else len(ids)
+                    if tokens:
+                        record.first_token = record.first_token or now
+                        record.chunk_times.append(now)
+                        record.chunk_tokens.append(tokens)
+        record.end = time.monotonic()
+    except (OSError, asyncio.IncompleteReadError, ValueError, msgspec.DecodeError) as e:
         record.error = repr(e)
+    finally:
+        if writer is not None:
+            writer.close()
 
 
-async def run_load(url: str, model: str, prompts: list[list[int]], output_len: int, request_rate: float,
-                   seed: int = 0, max_concurrency: int | None = None) -> tuple[list[RequestRecord], float]:
-    """Send the prompts at Poisson arrivals; returns each request's record and the run's wall seconds."""
-    rng = random.Random(seed)
-    records = [RequestRecord() for _ in prompts]
+def request_body(model: str, prompt: list[int], output_len: int) -> bytes:
+    return msgspec.json.encode({"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+                                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                                "return_token_ids": True})
+
+
+async def _send_all(url: str, bodies: list[bytes], offsets: list[float], start: float, api_key: str | None,
+                    max_concurrency: int | None) -> list[RequestRecord]:
+    parts = urlsplit(url)
+    host, port = parts.hostname, parts.port or 80
+    headers = b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    timeout = httpx.Timeout(None, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None)) as client:
-        async def send(prompt, record):
-            if limit is None:
-                return await _one_request(client, url, model, prompt, output_len, record)
-            async with limit:
-                return await _one_request(client, url, model, prompt, output_len, record)
+    records = [RequestRecord() for _ in bodies]
 
-        start = time.perf_counter()
-        tasks = []
-        for prompt, record in zip(prompts, records):
-            tasks.append(asyncio.create_task(send(prompt, record)))
-            if request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(request_rate))
-        await asyncio.gather(*tasks)
-        wall = time.perf_counter() - start
-    return records, wall
+    async def send(body: bytes, offset: float, record: RequestRecord):
+        delay = start + offset - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if limit is None:
+            return await stream_request(host, port, body, headers, record)
+        async with limit:
+            return await stream_request(host, port, body, headers, record)
+
+    await asyncio.gather(*(send(b, o, r) for b, o, r in zip(bodies, offsets, records)))
+    return records
+
+
+def _client_process(url: str, bodies: list[bytes], offsets: list[float], api_key: str | None,
+                    max_concurrency: int | None, conn) -> None:
+    """One client process: wait for the start time, send its share, return the records."""
+    conn.send("ready")
+    start = conn.recv()
+    records = asyncio.run(_send_all(url, bodies, offsets, start, api_key, max_concurrency))
+    conn.send([(r.arrival, r.first_token, r.end, r.chunk_times, r.chunk_tokens, r.output_tokens, r.error)
+               for r in records])
+    conn.close()
+
+
+def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:
+    """Poisson arrivals: seconds after the start (all 0 at rate inf)."""
+    rng = random.Random(seed)
+    offsets, t = [], 0.0
+    for _ in range(num):
+        offsets.append(t)
+        if math.isfinite(request_rate):
+            t += rng.expovariate(request_rate)
+    return offsets
+
+
+def run_load(url: str, model: str, prompts: list[list[int]], output_len: int, request_rate: float, seed: int = 0,
+             max_concurrency: int | None = None, num_clients: int = 1,
+             api_key: str | None = None) -> tuple[list[RequestRecord], float]:
+    """Send the prompts at Poisson arrivals from num_clients processes (1: this one); returns each
+    request's record and the run's wall seconds (start to the last request's end)."""
+    bodies = [request_body(model, p, output_len) for p in prompts]
+    offsets = arrival_offsets(len(prompts), request_rate, seed)
+    num_clients = max(1, min(num_clients, len(prompts)))
+    if num_clients == 1:
+        start = time.monotonic() + 0.05
+        records = asyncio.run(_send_all(url, bodies, offsets, start, api_key, max_concurrency))
+    else:
+        context = multiprocessing.get_context("spawn")
+        share = None if max_concurrency is None else max(1, max_concurrency // num_clients)
+        procs, conns = [], []
+        for k in range(num_clients):  # request i goes to client i % num_clients
+            parent, child = context.Pipe()
+            procs.append(context.Process(target=_client_process, daemon=True, args=(
+                url, bodies[k::num_clients], offsets[k::num_clients], api_key, share, child)))
+            procs[-1].start()
+            conns.append(parent)
+        for conn in conns:
+            assert conn.recv() == "ready"
+        start = time.monotonic() + 0.2
+        for conn in conns:
+            conn.send(start)
+        records = [None] * len(prompts)
+        for k, conn in enumerate(conns):
+            for j, fields in enumerate(conn.recv()):
+                records[k + j * num_clients] = RequestRecord(*fields)
+        for proc in procs:
+            proc.join()
+    ends = [r.end for r in records if r.end is not None]
+    return records, (max(ends) if ends else time.monotonic()) - start
 
 
 def summarize(records: list[RequestRecord], wall: float, request_rate: float, input_len: int,
               output_len: int) -> dict:
+    import numpy as np
+
     done = [r for r in records if r.error is None and r.end is not None and r.first_token is not None]
-    ms = lambda xs, q: percentile(xs, q) * 1e3 if xs else None  # noqa: E731
+    ms = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else None  # noqa: E731
     mean = lambda xs: float(np.mean(xs)) * 1e3 if xs else None  # noqa: E731
     ttft = [r.first_token - r.arrival for r in done]
     tpot = [(r.end - r.first_token) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     itl = [b - a for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
     e2e = [r.end - r.arrival for r in done]
     out_tokens = sum(r.output_tokens for r in done)
+    chunks = sum(len(r.chunk_tokens) for r in done)
+    merged = sum(1 for r in done for k in r.chunk_tokens[1:] if k > 1)  # the first may carry the prefill's
     errors = [r.error for r in records if r.error is not None]
+    ends = sorted(r.end for r in done)
+    arrivals = sorted(r.arrival for r in records)
     return {
-        "request_rate": request_rate if math.isfinite(request_rate) else "inf", "num_prompts": len(records), "completed": len(done), "failed": len(errors),
+        "request_rate": request_rate if math.isfinite(request_rate) else "inf", "num_prompts": len(records),
+        "completed": len(done), "failed": len(records) - len(done),
         "first_error": errors[0] if errors else None, "input_len": input_len, "output_len": output_len,
         "wall_s": wall, "req_s": len(done) / wall, "output_tok_s": out_tokens / wall,
         "total_tok_s": (out_tokens + input_len * len(done)) / wall,
+        # the rate requests were sent at, and the rate they completed at, first to last completion
+        "offered_req_s": (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1
+        and arrivals[-1] > arrivals[0] else None,
+        "delivered_req_s": (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else None,
         "ttft_ms_mean": mean(ttft), "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99),
         "tpot_ms_mean": mean(tpot), "tpot_ms_p50": ms(tpot, 50), "tpot_ms_p99": ms(tpot, 99),
         "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99),
+        "itl_p99_over_tpot": (ms(itl, 99) / mean(tpot)) if itl and tpot else None,
         "e2e_ms_mean": mean(e2e), "e2e_ms_p99": ms(e2e, 99),
+        "merged_chunk_frac": merged / chunks if chunks else None,  # chunks of several tokens: the server lagged
     }
+
+
+_METRIC = re.compile(r"^(fastllm_engine_\w+_total) ([0-9.eE+-]+)$", re.M)
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The engine's step totals from the server's /metrics."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {name: float(value) for name, value in _METRIC.findall(text)}
+
+
+def engine_columns(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Mean batch and step time of the engine steps between two scrapes."""
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    steps = delta("fastllm_engine_steps_total")
+    return {"engine_steps": int(steps),
+            "engine_mean_batch": delta("fastllm_engine_scheduled_requests_total") / steps if steps else None,
+            "engine_step_ms": delta("fastllm_engine_step_seconds_total") / steps * 1e3 if steps else None}
 
 
 class ServerProcess:
     """`fastllm serve` in a child process, ready once /health answers."""
 
     def __init__(self, serve_args: list[str], port: int, startup_timeout: float = 900.0):
+        import httpx
+
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", str(port), *serve_args])
         deadline = time.monotonic() + startup_timeout
@@ -133,7 +277,7 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=30)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 

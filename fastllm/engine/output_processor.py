@@ -26,7 +26,7 @@ class SampleState:
     sent_text: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestGroup:
     request_id: str
     prompt: str | None
@@ -128,7 +128,12 @@ class OutputProcessor:
                 continue
             if group.first_token_time is None and core_out.new_token_ids:
                 group.first_token_time = time.perf_counter()
-            self._add_tokens(sample, core_out, stopped)
+            if sample.detokenizer is None and out.logprobs is None:  # token ids only (no tokenizer)
+                out.token_ids += core_out.new_token_ids
+                if core_out.finish_reason is not None:
+                    out.finish_reason, out.stop_reason = core_out.finish_reason, core_out.stop_reason
+            else:
+                self._add_tokens(sample, core_out, stopped)
             if core_out.error is not None:  # its siblings end with it
                 stopped += self._fail_group(group, core_out.error)
             touched[group.request_id] = group

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import msgspec
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from fastllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
 from fastllm.engine.detokenizer import IncrementalDetokenizer, text_bytes
@@ -247,7 +247,7 @@ class _Server:
                 chunks = self._stream_one(streams[0], shape, arrival, body.include_usage)
             else:
                 chunks = self._stream_many(streams, shape, arrival, body.include_usage)
-            return StreamingResponse(chunks, media_type="text/event-stream")
+            return _EventStream(chunks)
         finals = asyncio.ensure_future(asyncio.gather(*(self._final(s) for s in streams)))
         # A whole response is written at the end: meanwhile, watch for a client that has gone.
         while not (await asyncio.wait({finals}, timeout=DISCONNECT_POLL_S))[0]:
@@ -380,6 +380,43 @@ class _Server:
         if first_token is not None:
             m.time_to_first_token.observe(first_token - arrival)
         m.e2e_latency.observe(time.perf_counter() - arrival)
+
+
+class _EventStream(Response):
+    """An SSE response: Starlette's StreamingResponse without its task group per response, so each
+    event costs one send. A client that disconnects cancels the writing (which aborts the requests)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, chunks: AsyncIterator[bytes]):
+        super().__init__(media_type=self.media_type)
+        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]  # chunked
+        self.chunks = chunks
+
+    async def __call__(self, scope, receive, send) -> None:
+        writer = asyncio.current_task()
+        gone = False
+
+        async def watch():
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            writer.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            writer.uncancel()  # the client left: the response simply ends
+        finally:
+            watcher.cancel()
+            await self.chunks.aclose()
 
 
 def _sse(payload) -> bytes:
