@@ -221,7 +221,9 @@ def summarize(records: list[RequestRecord], wall: float, request_rate: float, in
         # the rate requests were sent at, and the rate they completed at, first to last completion
         "offered_req_s": (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1
         and arrivals[-1] > arrivals[0] else None,
-        "delivered_req_s": (len(ends) - 1) / (ends[-1] - ends[0]) if len(ends) > 1 and ends[-1] > ends[0] else None,
+        # (at rate inf requests end in waves, all at once: no rate to speak of)
+        "delivered_req_s": (len(ends) - 1) / (ends[-1] - ends[0]) if math.isfinite(request_rate) and len(ends) > 1
+        and ends[-1] > ends[0] else None,
         "ttft_ms_mean": mean(ttft), "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99),
         "tpot_ms_mean": mean(tpot), "tpot_ms_p50": ms(tpot, 50), "tpot_ms_p99": ms(tpot, 99),
         "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99),
@@ -286,3 +288,52 @@ class ServerProcess:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def warm_up(url: str, model: str, prompts: list[list[int]], num_clients: int, api_key: str | None) -> None:
+    """Requests of the workload's prompt length, all at once, before anything is timed: the engine's
+    first prefill and mixed steps at these sizes (Triton autotuning, cuBLAS heuristics) and the
+    server's first requests happen here."""
+    records, _ = run_load(url, model, prompts, 8, float("inf"), num_clients=num_clients, api_key=api_key)
+    failed = [r.error for r in records if r.error is not None]
+    if failed:
+        raise RuntimeError(f"warm-up: {len(failed)} of {len(records)} requests failed, the first: {failed[0]}")
+
+
+def serving_row(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float, seed: int,
+                max_concurrency: int | None, num_clients: int, api_key: str | None) -> dict:
+    """One rate: the load, its latencies, and the engine's steps meanwhile (from /metrics)."""
+    before = engine_counters(url)
+    records, wall = run_load(url, model, prompts, output_len, rate, seed=seed, max_concurrency=max_concurrency,
+                             num_clients=num_clients, api_key=api_key)
+    row = summarize(records, wall, rate, len(prompts[0]), output_len)
+    return {**row, **engine_columns(before, engine_counters(url))}
+
+
+def offline_reference(config, prompts: list[list[int]], output_len: int, batch_sizes: list[int],
+                      progress: bool) -> dict:
+    """The offline engine on the same workload (`fastllm bench throughput`'s run: all requests at once)
+    and its decode step time at each batch size (`fastllm bench latency`'s), in this process."""
+    from fastllm.bench.latency import run_latency
+    from fastllm.bench.roofline import ModelShape
+    from fastllm.bench.throughput import run_throughput
+    from fastllm.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(config)
+    row = run_throughput(engine, prompts, output_len, progress=progress, warmup_len=min(len(prompts[0]), 512))
+    shape = ModelShape.from_hf_config(config.model.hf_config, str(engine.worker.runner.dtype).replace("torch.", ""))
+    steps = {}
+    for b in sorted(set(batch_sizes)):
+        latency = run_latency(engine, [b], len(prompts[0]), min(output_len, 64), None, shape, progress=False)[0]
+        steps[b] = latency["tpot_ms_mean"]
+    return {"output_tok_s": row["output_tok_s"], "requests_s": row["requests_s"], "step_ms_at_batch": steps}
+
+
+def compare_with_offline(row: dict, offline: dict) -> dict:
+    """The serving row's numbers against the offline engine's on the same workload."""
+    batch = round(row["engine_mean_batch"]) if row.get("engine_mean_batch") else None
+    step = offline["step_ms_at_batch"].get(batch)
+    return {**row, "offline_output_tok_s": offline["output_tok_s"],
+            "vs_offline": row["output_tok_s"] / offline["output_tok_s"] if offline["output_tok_s"] else None,
+            "offline_step_ms": step,
+            "tpot_vs_offline_step": row["tpot_ms_mean"] / step if step and row.get("tpot_ms_mean") else None}

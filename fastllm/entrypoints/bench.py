@@ -68,6 +68,11 @@ def add_bench_parser(subparsers) -> None:
     w.add_argument("--url", default=None, help="serving: a running `fastllm serve` (default: start one with the "
                    "engine arguments below)")
     w.add_argument("--served-model-name", default=None, help="serving: the model name that server answers to")
+    w.add_argument("--api-key", default=None, help="serving: the Bearer key of a --url server that wants one")
+    w.add_argument("--client-processes", type=int, default=4,
+                   help="serving: processes sending the requests (each its own event loop)")
+    w.add_argument("--no-offline", action="store_true", help="serving: skip the offline engine's run on the "
+                   "same workload (skipped anyway with --url)")
     w.add_argument("--matmul-floor", action="store_true",
                    help="latency: also time the step's weight matmuls alone (one CUDA graph) per batch size")
     o = p.add_argument_group("output")
@@ -135,6 +140,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--profile-batch-size must be >= 1, got {args.profile_batch_size}")
     if args.dataset and args.mode != "throughput":
         raise ValueError("--dataset is for `fastllm bench throughput`")
+    if args.client_processes < 1:
+        raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
     if args.dataset and args.shared_prefix_len:
         raise ValueError("--dataset and --shared-prefix-len do not combine")
 
@@ -305,7 +312,8 @@ def parse_rates(text: str) -> list[float]:
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:
-    """The `fastllm serve` flags that give the server this run's engine arguments (those not at their default)."""
+    """The `fastllm serve` flags that give the server this run's engine arguments (those not at their
+    default), and no access log."""
     out = []
     for field in engine_fields():
         value, flag = getattr(args, field.name), "--" + field.name.replace("_", "-")
@@ -318,47 +326,52 @@ def serve_args(args: argparse.Namespace) -> list[str]:
     for name in SPECULATIVE_FLAGS:
         if getattr(args, name) is not None:
             out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
-    return out
+    return out + ["--disable-log-requests", "--uvicorn-log-level", "warning"]
 
 
 def cmd_serving(args: argparse.Namespace, config) -> int:
-    """Requests at each rate to a `fastllm serve` (started here unless --url), one row per rate."""
-    import asyncio
+    """Requests at each rate to a `fastllm serve` (started here unless --url), one row per rate; then,
+    once the server is gone, the offline engine on the same workload (unless --no-offline)."""
     import socket
+
+    import numpy as np
 
     from fastllm.bench import ceilings as ceil
     from fastllm.bench import report
-    import numpy as np
-
+    from fastllm.bench import serving
     from fastllm.bench.runner import random_prompts
-    from fastllm.bench.serving import ServerProcess, run_load, summarize
     from fastllm.entrypoints.openai.server import served_name
     from fastllm.worker.worker import select_device
 
     rates = parse_rates(args.request_rates)
+    offline = not args.no_offline and not args.url  # a server of someone else's holds the GPU
     model_name = args.served_model_name or served_name(args.model)
     vocab = config.model.hf_config["vocab_size"]
     meta = {**ceil.environment(select_device(config, 0)), "model": model_name, "model_path": config.model.model,
             "dtype": config.model.dtype, "load_format": config.model.load_format, "mode": "serving",
             "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
             "request_rates": rates, "url": args.url, "engine_args": serve_args(args),
+            "client_processes": args.client_processes,
             "execution": "fastllm serve, streamed /v1/completions"}
     result = {"benchmark": "serving", "meta": meta, "ceilings": None, "startup": None, "rows": []}
+    # Each rate its own prompts (no prefix-cache hits across rates); the offline run takes the last rate's.
+    prompts = [random_prompts(np.random.default_rng(config.model.seed + i), args.num_prompts, args.input_len, vocab)
+               for i in range(len(rates))]
+
+    def save() -> None:
+        if args.output_json:
+            report.write_json(result, args.output_json)
 
     def run(url: str) -> None:
         print(report.header(result), flush=True)
-        warm = random_prompts(np.random.default_rng(1), 2, min(args.input_len, 16), vocab)
-        asyncio.run(run_load(url, model_name, warm, 4, float("inf")))  # first-use compiles, connections
+        warm = random_prompts(np.random.default_rng(12345), min(args.num_prompts, 64), args.input_len, vocab)
+        serving.warm_up(url, model_name, warm, args.client_processes, args.api_key)
         for i, rate in enumerate(rates):
-            prompts = random_prompts(np.random.default_rng(config.model.seed + i), args.num_prompts, args.input_len,
-                                     vocab)
-            records, wall = asyncio.run(run_load(url, model_name, prompts, args.output_len, rate,
-                                                 seed=config.model.seed + i, max_concurrency=args.max_concurrency))
-            row = summarize(records, wall, rate, args.input_len, args.output_len)
+            row = serving.serving_row(url, model_name, prompts[i], args.output_len, rate, config.model.seed + i,
+                                      args.max_concurrency, args.client_processes, args.api_key)
             result["rows"].append(row)
             print(report.row_line("serving", row), flush=True)
-            if args.output_json:
-                report.write_json(result, args.output_json)
+            save()
 
     if args.url:
         run(args.url.rstrip("/"))
@@ -366,11 +379,19 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        with ServerProcess(serve_args(args), port) as server:
+        with serving.ServerProcess(serve_args(args), port) as server:
             run(server.url)
+    if offline:
+        batches = [round(r["engine_mean_batch"]) for r in result["rows"]
+                   if r.get("engine_mean_batch") and r["request_rate"] != "inf"]
+        progress = sys.stderr.isatty() if args.progress is None else args.progress
+        reference = serving.offline_reference(config, prompts[-1], args.output_len, batches, progress)
+        meta["offline"] = reference
+        result["rows"] = [serving.compare_with_offline(r, reference) for r in result["rows"]]
+        print(f"offline engine, same workload: {reference['output_tok_s']:.1f} out tok/s, "
+              f"{reference['requests_s']:.2f} req/s", flush=True)
     print(report.table(result), flush=True)
-    if args.output_json:
-        report.write_json(result, args.output_json)
+    save()
     if args.output_csv:
         report.write_csv(result, args.output_csv)
     return 0

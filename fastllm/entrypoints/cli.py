@@ -198,7 +198,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
     return run_server(engine_kwargs(args), args.model, args.host, args.port, args.served_model_name,
-                      args.chat_template, args.api_key, limits, log_requests=not args.disable_log_requests)
+                      args.chat_template, args.api_key, limits, log_requests=not args.disable_log_requests,
+                      uvicorn_log_level=args.uvicorn_log_level)
 
 
 def add_generate_parser(sub) -> None:
@@ -233,6 +234,8 @@ def add_serve_parser(sub) -> None:
         serve.add_argument("--" + limit.name.replace("_", "-"), type=int, default=limit.default,
                            help=_help(LIMITS_HELP[limit.name], limit.default))
     serve.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
     serve.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)

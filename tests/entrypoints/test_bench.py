@@ -149,21 +149,30 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
 
 
 def test_serving_against_a_started_server(tmp_path, capsys):
-    """`fastllm bench serving` starts `fastllm serve` in a child process and streams requests to it at two
-    rates: every request completes, with its tokens counted and its latencies measured."""
+    """`fastllm bench serving` starts `fastllm serve` in a child process (its engine core in another),
+    warms it up and streams requests to it from two client processes at two rates: every request
+    completes, with its tokens counted and its latencies measured; the engine's mean batch and step time
+    come from /metrics; then the offline engine runs the same workload and each row is compared with it."""
     out = tmp_path / "serving.json"
     argv = ["bench", "serving", "--num-prompts", "6", "--request-rates", "40,inf", "--input-len", "8",
-            "--output-len", "6", "--device", "cpu", "--output-json", str(out), "--output-csv", str(tmp_path / "s.csv"),
-            *SMALL]
+            "--output-len", "6", "--device", "cpu", "--client-processes", "2", "--output-json", str(out),
+            "--output-csv", str(tmp_path / "s.csv"), *SMALL]
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert [row["request_rate"] for row in result["rows"]] == [40.0, "inf"]
+    offline = result["meta"]["offline"]
+    assert offline["output_tok_s"] > 0
     for row in result["rows"]:
         assert row["completed"] == 6 and row["failed"] == 0, row["first_error"]
         assert row["output_tok_s"] == pytest.approx(6 * 6 / row["wall_s"])
         assert 0 < row["ttft_ms_p50"] <= row["e2e_ms_p99"] and row["tpot_ms_mean"] > 0
+        assert row["engine_steps"] >= 6 and 1 <= row["engine_mean_batch"] <= 6 and row["engine_step_ms"] > 0
+        assert row["vs_offline"] == pytest.approx(row["output_tok_s"] / offline["output_tok_s"])
+    finite = result["rows"][0]
+    assert finite["offline_step_ms"] == offline["step_ms_at_batch"][str(round(finite["engine_mean_batch"]))]
     assert len(pd.read_csv(tmp_path / "s.csv")) == 2
-    assert "fastllm bench serving" in capsys.readouterr().out
+    stdout = capsys.readouterr().out
+    assert "fastllm bench serving" in stdout and "offline engine, same workload" in stdout
 
 
 ROPE = dict(rms_norm_eps=1e-5, rope_theta=1e4, rope_scaling={}, max_position_embeddings=64)  # no bytes or FLOPs
