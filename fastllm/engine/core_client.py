@@ -76,7 +76,7 @@ class _CoreProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        os.close(self.sentinel)
+        _close_once(self)
 
 
 class _CoreThread:
@@ -109,7 +109,13 @@ class _CoreThread:
 
     def stop(self, timeout: float) -> None:
         self.thread.join(timeout)
-        os.close(self.sentinel)
+        _close_once(self)
+
+
+def _close_once(core) -> None:
+    if core.sentinel is not None:
+        os.close(core.sentinel)
+        core.sentinel = None
 
 
 class EngineCoreClient:
@@ -132,7 +138,8 @@ class EngineCoreClient:
         self._calls = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
         self._core = start(input_address, output_address)
-        self._finalizer = weakref.finalize(self, _cleanup, self._core, self._dir)
+        self._finalizer = weakref.finalize(self, _release, self._core, self._dir, self._context, self._input,
+                                           self._output)
         self.ready = self._wait_ready()
 
     @classmethod
@@ -149,7 +156,8 @@ class EngineCoreClient:
         while not self._output.poll(200):
             if not self._core.alive():
                 reason = self._core.reason()
-                self.close()
+                self._closing = True
+                self._finalizer()
                 raise RuntimeError(f"the engine core failed to start: {reason} (its log above says why)")
         message = self._decoder.decode(self._output.recv())
         if not isinstance(message, EngineReady):
@@ -246,30 +254,31 @@ class EngineCoreClient:
     # the end
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        """Ask the core to stop (kill it if it does not within timeout) and release everything."""
         if self._closing:
             return
         self._closing = True
-        if self.dead is None:
-            try:
-                self._input.send(self._encoder.encode(Shutdown()), flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._output.getsockopt(zmq.FD))
             self._loop.remove_reader(self._core.sentinel)
-        self._core.stop(timeout)
-        self.close()
-
-    def close(self) -> None:
-        self._closing = True
-        self._input.close()
-        self._output.close()
-        self._context.term()
+        _stop_core(self._core, self._input, timeout)
         self._finalizer()
 
 
-def _cleanup(core, directory: str) -> None:
-    """At exit (or when the client is dropped): no core process outlives its client."""
-    if isinstance(core, _CoreProcess) and core.alive():
-        core.proc.kill()
+def _stop_core(core, input_socket: zmq.Socket, timeout: float) -> None:
+    if not input_socket.closed:
+        try:
+            input_socket.send(msgspec.msgpack.encode(Shutdown()), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # no live core to tell
+            pass
+    core.stop(timeout)
+
+
+def _release(core, directory: str, context: zmq.Context, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
+    """After shutdown(), or at exit or when a client is dropped without it: no core outlives its client,
+    and no socket keeps the interpreter from exiting."""
+    _stop_core(core, input_socket, timeout=5)
+    input_socket.close(linger=0)
+    output_socket.close(linger=0)
+    context.term()
     shutil.rmtree(directory, ignore_errors=True)

@@ -155,18 +155,17 @@ class OutputProcessor:
             if entry is not None:  # its alternatives are rendered after the tokens before it
                 out.logprobs.append(self._logprob_dict(token, entry, detok))
                 out.cumulative_logprob += entry[0]
-            if i == len(tokens) - 1 and core_out.finish_reason is not None:  # the core's stop comes first
-                out.finish_reason, out.stop_reason = core_out.finish_reason, core_out.stop_reason
             if detok is not None:
                 hit = detok.add_token(token)
                 out.text = detok.text
                 if entry is not None and token in out.logprobs[-1]:
                     out.logprobs[-1][token].decoded_token = detok.last_piece
-                if hit is not None and out.finish_reason is None:
+                if hit is not None:  # it wins over the core's length or stop token on the same token
                     out.finish_reason, out.stop_reason = "stop", hit
-                    stopped.append(core_out.request_id)
-                    break
-        if not tokens and core_out.finish_reason is not None:
+                    if core_out.finish_reason is None:
+                        stopped.append(core_out.request_id)
+                    return
+        if core_out.finish_reason is not None:
             out.finish_reason, out.stop_reason = core_out.finish_reason, core_out.stop_reason
 
     def _fail_group(self, group: RequestGroup, error: str) -> list[str]:
