@@ -96,7 +96,7 @@ class AsyncLLMEngine:
         """Validate, tokenize and send the request; return the stream of its outputs (until the last,
         finished=True). Raises the request's ValueError (nothing sent) or EngineDeadError."""
         self._check_alive()
-        self._attach()
+        self.attach()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str) and len(prompt) > TOKENIZE_IN_THREAD_CHARS:
@@ -146,7 +146,7 @@ class AsyncLLMEngine:
 
     async def call_core(self, method: str, *args):
         """An EngineCore utility (core_proc.UTILITIES), e.g. "is_idle"."""
-        self._attach()
+        self.attach()
         return await self.client.call(method, *args)
 
     def shutdown(self) -> None:
@@ -156,8 +156,9 @@ class AsyncLLMEngine:
 
     # messages from the core
 
-    def _attach(self) -> None:
-        """Read the core on the running loop; streams of an earlier loop (closed: nobody reads them) end."""
+    def attach(self) -> None:
+        """Read the core on the running loop (a server calls this at startup, so a core that dies before
+        any request is seen at once); streams of an earlier loop (closed: nobody reads them) end."""
         loop = asyncio.get_running_loop()
         if loop is self._loop:
             return

@@ -18,23 +18,7 @@ from fastllm import SamplingParams  # noqa: E402
 from fastllm.engine.async_llm_engine import AsyncLLMEngine  # noqa: E402
 from fastllm.engine.llm_engine import LLMEngine  # noqa: E402
 from tests.conftest import PROMPTS, cached_llm  # noqa: E402
-from tests.engine.engine_testing import wait_idle  # noqa: E402
-from tests.entrypoints.test_openai_server import MODEL, TEMPLATE, serving  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def server():
-    engine = AsyncLLMEngine(LLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=256))
-    with serving(engine, chat_template=TEMPLATE) as url:
-        yield url, engine
-    engine.shutdown()
-
-
-@pytest.fixture
-def client(server):
-    url, engine = server
-    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    wait_idle(engine)
+from tests.entrypoints.conftest import MODEL  # noqa: E402
 
 
 def offline_text(prompt, **params) -> str:

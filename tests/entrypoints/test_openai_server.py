@@ -7,65 +7,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import threading
-import time
 
 import httpx
 import pytest
 
 from fastllm import SamplingParams
 from fastllm.engine.async_llm_engine import AsyncLLMEngine
-from fastllm.engine.llm_engine import LLMEngine
 
 # The server's extra ("serve": fastapi, uvicorn) and the test client: CI installs both; a machine
 # without them (the GPU box) skips this module.
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 build_app = pytest.importorskip("fastllm.entrypoints.openai.server").build_app
-from tests.conftest import PROMPTS, cached_llm
-from tests.engine.engine_testing import count_steps, wait_idle
-
-TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %} {% endif %}{% endfor %}"
-MODEL = "stories260K"
-
-
-@contextlib.contextmanager
-def serving(engine, **app_kwargs):
-    """The app under uvicorn on a thread of the test process; yields its URL."""
-    app = build_app(engine, MODEL, **app_kwargs)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    for _ in range(400):
-        if uv.started:
-            break
-        time.sleep(0.05)
-    assert uv.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def server():
-    """The engine core on a thread (the tests look inside it), the app in front of it."""
-    engine = AsyncLLMEngine(LLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=256))
-    with serving(engine, chat_template=TEMPLATE) as url:
-        yield url, engine
-    engine.shutdown()
-
-
-@pytest.fixture
-def client(server):
-    url, engine = server
-    yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    wait_idle(engine)
+from tests.conftest import PROMPTS, cached_llm  # noqa: E402
+from tests.engine.engine_testing import count_steps, wait_idle  # noqa: E402
+from tests.entrypoints.conftest import MODEL  # noqa: E402
 
 
 def offline(prompts, **params):

@@ -261,7 +261,28 @@ def decode_body(body: bytes, kind: type):
         message = str(e)
         raise APIError(400, message, param=param_of(message)) from None
     except msgspec.DecodeError as e:
-        raise APIError(400, f"the request body is not valid JSON of valid Unicode: {e}") from None
+        message, position = str(e), None
+        surrogate = _LONE_SURROGATE.search(body)
+        if surrogate is not None:  # msgspec says only "truncated"
+            message, position = f"a string holds a lone surrogate ({surrogate.group().decode()})", surrogate.start()
+        elif (match := _BYTE.search(message)) is not None:
+            position = int(match.group(1))
+        field = _field_at(body, position)
+        where = f" (at `{field}`)" if field else ""
+        raise APIError(400, f"the request body is not valid JSON of valid Unicode{where}: {message}",
+                       param=field) from None
+
+
+_BYTE = re.compile(r"\(byte (\d+)\)")
+_KEY = re.compile(rb'"(\w+)"\s*:')
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|"
+                             rb"(?<![0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def _field_at(body: bytes, position: int | None) -> str | None:
+    """The object key last opened before `position` (where a JSON error is: NaN, Infinity, ...)."""
+    keys = _KEY.findall(body[:position]) if position is not None else []
+    return keys[-1].decode() if keys else None
 
 
 def request_schemas() -> dict:

@@ -55,6 +55,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        engine.attach()
         yield
         if shutdown_engine:
             engine.shutdown()

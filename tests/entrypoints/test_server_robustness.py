@@ -1,0 +1,287 @@
+"""No request can take the server down: a fuzz of the HTTP layer (hypothesis; zero 5xx, healthy after
+each case), every sampling field's extreme values (served, or 400 naming the field), the API key, the
+request limits, 72 concurrent streams of which a third disconnect (then every queue and the KV pool
+are empty), and a dead engine process (/health 503, open requests 500, `fastllm serve` exits 1)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from fastllm.engine.async_llm_engine import AsyncLLMEngine  # noqa: E402
+from fastllm.entrypoints.openai.limits import ServerLimits  # noqa: E402
+from fastllm.entrypoints.openai.server import API_KEY_ENV, resolve_api_key  # noqa: E402
+from tests.conftest import PROMPTS  # noqa: E402
+from tests.engine.engine_testing import wait_idle  # noqa: E402
+from tests.engine.test_bad_input import EXTREMES  # noqa: E402
+from tests.entrypoints.conftest import MODEL, TEMPLATE, serving, thread_engine  # noqa: E402
+
+
+def post(url: str, path: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()  # NaN and inf as JSON can't
+    return httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=60,
+                      **kwargs)
+
+
+def healthy(url: str) -> bool:
+    return httpx.get(url + "/health").status_code == 200
+
+
+# --- the fuzz: bodies built from OpenAI's fields with values of every JSON kind, valid or not
+
+SMALL_INTS = st.sampled_from([-1, 0, 1, 2, 3, 20, 21, 2**31, 2**63, 2**64, -2**70])
+JSON_SCALARS = st.one_of(st.none(), st.booleans(), SMALL_INTS, st.floats(allow_nan=False, width=32),
+                         st.text(max_size=8))
+ANY_JSON = st.recursive(JSON_SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                               st.dictionaries(st.text(max_size=6), inner,
+                                                                               max_size=3)), max_leaves=6)
+TOKEN_IDS = st.lists(st.integers(-3, 515), min_size=0, max_size=6)
+PROMPT = st.one_of(st.sampled_from(["Once", "", "\u00e9\U0001f600", "x" * 5000]), TOKEN_IDS,
+                   st.lists(st.sampled_from(["Once", "The dog", ""]), max_size=3), st.lists(TOKEN_IDS, max_size=2),
+                   ANY_JSON)
+FIELDS = {  # field -> values: mostly of its own kind (so requests get past the types), sometimes anything
+    "max_tokens": st.one_of(st.integers(-2, 6), ANY_JSON), "n": st.one_of(st.integers(-1, 3), ANY_JSON),
+    "temperature": st.one_of(st.floats(-1, 3), ANY_JSON), "top_p": st.one_of(st.floats(-0.5, 1.5), ANY_JSON),
+    "top_k": st.one_of(SMALL_INTS, ANY_JSON), "min_p": st.floats(-1, 2), "seed": st.one_of(SMALL_INTS, ANY_JSON),
+    "stop": st.one_of(st.text(max_size=4), st.lists(st.text(max_size=4), max_size=3), ANY_JSON),
+    "stop_token_ids": st.one_of(TOKEN_IDS, ANY_JSON), "logprobs": st.one_of(SMALL_INTS, st.booleans(), ANY_JSON),
+    "top_logprobs": SMALL_INTS, "echo": st.one_of(st.booleans(), ANY_JSON), "stream": st.booleans(),
+    "stream_options": st.one_of(st.just({"include_usage": True}), ANY_JSON),
+    "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
+    "repetition_penalty": st.floats(-1, 3), "min_tokens": st.integers(-1, 8), "ignore_eos": st.booleans(),
+    "logit_bias": st.one_of(st.dictionaries(st.sampled_from(["1", "600", "x"]), st.floats(-200, 200)), ANY_JSON),
+    "user": ANY_JSON, "suffix": ANY_JSON, "best_of": SMALL_INTS, "response_format": ANY_JSON,
+    "tools": ANY_JSON, "model": st.sampled_from([MODEL, "other", None]), "unknown_field": ANY_JSON,
+}
+MESSAGES = st.one_of(
+    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                                    "content": st.one_of(st.text(max_size=8), ANY_JSON)}), max_size=3), ANY_JSON)
+COMPLETION = st.fixed_dictionaries({"prompt": PROMPT},
+                                   optional={k: v for k, v in FIELDS.items() if k != "top_logprobs"})
+CHAT = st.fixed_dictionaries({"messages": MESSAGES}, optional={k: v for k, v in FIELDS.items()
+                                                               if k not in ("echo", "suffix", "best_of")})
+RAW = st.one_of(st.binary(max_size=40), st.sampled_from([b"", b"{", b"[1,2]", b"null", b'{"prompt": "\\ud800"}',
+                                                         b'{"prompt": NaN}', b'{"prompt":"a","n":1e999}']))
+
+
+@pytest.fixture(scope="module")
+def fuzzed_server():
+    engine = thread_engine(num_gpu_blocks=256, max_model_len=128)
+    with serving(engine, chat_template=TEMPLATE, limits=ServerLimits(max_n=3, max_prompts=3)) as url:
+        yield url, engine
+    engine.shutdown()
+
+
+@settings(max_examples=120, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=st.one_of(st.tuples(st.just("/v1/completions"), COMPLETION), st.tuples(st.just("/v1/chat/completions"), CHAT),
+                      st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), RAW)))
+def test_fuzzed_requests_get_no_5xx_and_leave_the_server_healthy(fuzzed_server, case):
+    url, engine = fuzzed_server
+    path, body = case
+    r = post(url, path, body)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        error = r.json()["error"]
+        assert error["code"] == r.status_code and error["message"]
+    assert healthy(url)
+    wait_idle(engine)
+
+
+# --- every sampling field at its extremes
+
+
+def test_extreme_sampling_values_over_http(server):
+    """Each of test_bad_input's extreme values in a request: 200, or 400 whose error names the field;
+    then a normal request is served."""
+    url, engine = server
+    answers = {}
+    for field, values in EXTREMES.items():
+        for value in values:
+            if isinstance(value, float) and not math.isfinite(value):
+                body = b'{"prompt": "Once", "max_tokens": 4, "%s": %s}' % (field.encode(), repr(value).encode())
+            else:
+                body = {"prompt": "Once", "max_tokens": 4, field: value}
+            r = post(url, "/v1/completions", body)
+            assert r.status_code in (200, 400), (field, value, r.text)
+            if r.status_code == 400:
+                error = r.json()["error"]
+                assert error["param"] == field or field in error["message"], (field, value, error)
+            answers[(field, repr(value))] = r.status_code
+            assert healthy(url)
+    assert answers[("seed", repr(2**64))] == 400 and answers[("seed", repr(2**64 - 1))] == 200
+    assert answers[("top_k", repr(2**63))] == 400 and answers[("stop_token_ids", repr([512]))] == 400
+    r = post(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+    wait_idle(engine)
+
+
+# --- the API key and the limits
+
+
+def test_api_key_guards_v1_only(monkeypatch):
+    engine = thread_engine(num_gpu_blocks=64)
+    try:
+        with serving(engine, api_key="sesame") as url:
+            assert httpx.get(url + "/v1/models").status_code == 401
+            wrong = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "AuthenticationError"
+            assert healthy(url) and httpx.get(url + "/metrics").status_code == 200  # not under /v1
+            good = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0)
+            assert good.completions.create(model=MODEL, prompt="Once", max_tokens=2).choices[0].finish_reason
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        engine.shutdown()
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert resolve_api_key(None) == "from-env" and resolve_api_key("flag") == "flag"
+    monkeypatch.delenv(API_KEY_ENV)
+    assert resolve_api_key(None) is None
+
+
+def test_limits():
+    engine = thread_engine(num_gpu_blocks=64)
+    limits = ServerLimits(max_request_bytes=4096, max_n=2, max_prompts=2)
+    try:
+        with serving(engine, limits=limits) as url:
+            r = post(url, "/v1/completions", {"prompt": "x" * 5000})
+            assert r.status_code == 413 and "4096" in r.json()["error"]["message"]
+
+            def chunks():  # no Content-Length: the limit holds on the body itself
+                for _ in range(5):
+                    yield b" " * 1000
+            r = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+            assert r.status_code == 413
+            r = post(url, "/v1/completions", {"prompt": "Once", "n": 3})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "n" and "--max-n" in r.text
+            r = post(url, "/v1/completions", {"prompt": ["a", "b", "c"]})
+            assert r.status_code == 400 and "--max-prompts" in r.text
+            # a text that cannot fit max_model_len is refused before it is tokenized
+            r = post(url, "/v1/completions", {"prompt": "Once " * 800, "max_tokens": 1})
+            assert r.status_code == 400 and "characters) is longer than max_model_len" in r.text
+            assert post(url, "/v1/completions", {"prompt": "Once", "n": 2, "max_tokens": 2}).status_code == 200
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="--max-n"):
+        ServerLimits(max_n=0)
+
+
+# --- the engine core in its own process: load with disconnects, and its death
+
+
+@pytest.fixture(scope="module")
+def process_server():
+    engine = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=512)
+    with serving(engine) as url:
+        yield url, engine
+    engine.shutdown()
+
+
+def call_core(engine, method: str):
+    """A core utility from the test's thread, run on the server's event loop (the one reading the core)."""
+    return asyncio.run_coroutine_threadsafe(engine.call_core(method), engine._loop).result(30)
+
+
+def test_many_streams_with_disconnects_leave_every_queue_and_the_pool_empty(process_server):
+    """72 concurrent streams, every third client leaving after two events: the others finish whole, the
+    leavers are aborted, and then nothing is left: no stream or request on the API side, none in the
+    core, every KV block free (the core checks)."""
+    url, engine = process_server
+    num, max_tokens = 72, 24
+
+    async def one(client, i):
+        stream = await client.completions.create(model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
+                                                 temperature=0.8, seed=i, stream=True,
+                                                 extra_body={"ignore_eos": True, "return_token_ids": True})
+        tokens, events = 0, 0
+        async for chunk in stream:
+            events += 1
+            tokens += sum(len(c.model_extra.get("token_ids") or []) for c in chunk.choices)
+            if i % 3 == 0 and events == 2:
+                await stream.close()  # this client leaves
+                return None
+        return tokens
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(num)))
+
+    results = asyncio.run(main())
+    assert [r for i, r in enumerate(results) if i % 3] == [max_tokens] * (num - num // 3)
+    deadline = time.monotonic() + 30
+    while not call_core(engine, "is_idle"):  # (it raises if a block is still held once idle)
+        assert time.monotonic() < deadline, "the core kept requests"
+        time.sleep(0.1)
+    assert not engine._streams and not engine.output_processor.groups
+    metrics = httpx.get(url + "/metrics").text
+    assert 'fastllm_requests_total{finish_reason="abort"} 24.0' in metrics
+    assert "fastllm_num_requests_running 0.0" in metrics and "fastllm_kv_cache_usage_perc 0.0" in metrics
+
+
+def test_dead_engine_process_fails_open_requests_and_health():
+    engine = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=64)
+    try:
+        with serving(engine) as url:
+            assert healthy(url)
+
+            async def main():
+                async with httpx.AsyncClient(timeout=60) as http:
+                    body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True}
+                    whole = asyncio.ensure_future(http.post(url + "/v1/completions", json=body))
+                    async with http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+                        lines = r.aiter_lines()
+                        assert (await anext(lines)).startswith("data: ")
+                        os.kill(engine.client._core.proc.pid, signal.SIGKILL)
+                        events = [line async for line in lines if line.startswith("data: ")]
+                    return await whole, events
+
+            whole, events = asyncio.run(main())
+            assert whole.status_code == 500 and "exited with code -9" in whole.json()["error"]["message"]
+            error = json.loads(events[-2][len("data: "):])["error"]
+            assert error["code"] == 500 and "exited" in error["message"] and events[-1] == "data: [DONE]"
+            r = httpx.get(url + "/health")
+            assert r.status_code == 503 and "exited with code -9" in r.json()["error"]["message"]
+            assert post(url, "/v1/completions", {"prompt": "Once"}).status_code == 500
+    finally:
+        engine.shutdown()
+
+
+def test_fastllm_serve_exits_1_when_its_engine_dies():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", str(port), "--device", "cpu",
+                               "--num-gpu-blocks", "64", "--uvicorn-log-level", "warning"])
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "fastllm serve did not start"
+            try:
+                if healthy(f"http://127.0.0.1:{port}"):
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.3)
+        core = subprocess.run(["pgrep", "-P", str(server.pid), "-f", "fastllm.engine.core_proc"], capture_output=True,
+                              text=True).stdout.split()
+        assert len(core) == 1
+        os.kill(int(core[0]), signal.SIGKILL)
+        assert server.wait(timeout=60) == 1
+    finally:
+        if server.poll() is None:
+            server.kill()
