@@ -61,7 +61,8 @@ class FakeCore:
         for sample_id in list(self.left):
             self.left[sample_id] -= 1
             done = self.left[sample_id] == 0
-            outputs.append(EngineCoreOutput(sample_id, [self.left[sample_id] % VOCAB], "length" if done else None))
+            token = self.left[sample_id] % VOCAB
+            outputs.append(EngineCoreOutput(sample_id, [token], "length" if done else None))
             if done:
                 del self.left[sample_id]
         self.stats.num_steps += 1
@@ -148,7 +149,8 @@ def main() -> int:
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--clients", type=int, default=2, help="client processes")
-    p.add_argument("--profile", default=None, metavar="FILE", help="cProfile the API process into FILE (pstats)")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="cProfile the API process into FILE (pstats)")
     args = p.parse_args()
 
     with socket.socket() as s:
@@ -171,7 +173,8 @@ def main() -> int:
     prompts = [[(i * 7 + j) % VOCAB for j in range(args.input_len)] for i in range(args.num_prompts)]
     run_load(url, "fake", prompts[:32], 8, float("inf"), num_clients=1)  # warm-up
     cpu0 = cpu_seconds(pid)
-    records, wall = run_load(url, "fake", prompts, args.output_len, args.request_rate, num_clients=args.clients)
+    records, wall = run_load(url, "fake", prompts, args.output_len, args.request_rate,
+                             num_clients=args.clients)
     user, system = (b - a for a, b in zip(cpu0, cpu_seconds(pid)))
     cpu = user + system
     row = summarize(records, wall, args.request_rate, args.input_len, args.output_len)
@@ -180,8 +183,8 @@ def main() -> int:
     ceiling = args.max_num_seqs / (args.step_ms / 1e3)
     print(f"{row['completed']}/{row['num_prompts']} done, {tokens} tokens in {wall:.2f} s: "
           f"{row['output_tok_s']:.0f} tok/s (the fake core's ceiling {ceiling:.0f}), "
-          f"API process {cpu:.2f} CPU s ({user:.2f} user, {system:.2f} system) = {cpu / tokens * 1e6:.1f} us per "
-          f"token, {cpu / chunks * 1e6:.1f} us per "
+          f"API process {cpu:.2f} CPU s ({user:.2f} user, {system:.2f} system) = "
+          f"{cpu / tokens * 1e6:.1f} us per token, {cpu / chunks * 1e6:.1f} us per "
           f"SSE event ({chunks} events; {100 * (row['merged_chunk_frac'] or 0):.1f}% carried merged tokens), "
           f"tpot {row['tpot_ms_mean']:.1f} ms, "
           f"itl p99 {row['itl_ms_p99']:.1f} ms")

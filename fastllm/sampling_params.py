@@ -12,7 +12,8 @@ MAX_LOGPROBS = 20  # top-N logprobs per token, at most (vLLM's default max_logpr
 
 
 def _int_in(value, low: int, high: int | None) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value and (high is None or value <= high)
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value \
+        and (high is None or value <= high)
 
 
 def _real_in(value, low: float, high: float | None) -> bool:
@@ -75,7 +76,8 @@ class SamplingParams:
         else:
             raise ValueError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}")
         if not (self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple))):
-            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, "
+                             f"got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
         self._validate_logits_filters()
@@ -85,19 +87,23 @@ class SamplingParams:
         integers are ints (not bools), floats finite, strings valid Unicode."""
         checks = [
             ("n", _int_in(self.n, 1, None), "must be an integer >= 1"),
-            ("temperature", _real_in(self.temperature, 0, None), "must be a finite number >= 0 (0 means greedy)"),
+            ("temperature", _real_in(self.temperature, 0, None),
+             "must be a finite number >= 0 (0 means greedy)"),
             ("top_p", _real_in(self.top_p, 0, 1) and self.top_p > 0, "must be a number in (0, 1]"),
-            ("top_k", _int_in(self.top_k, 0, _INT64_MAX), "must be -1, 0 (off) or a positive integer < 2**63"),
+            ("top_k", _int_in(self.top_k, 0, _INT64_MAX),
+             "must be -1, 0 (off) or a positive integer < 2**63"),
             ("min_p", _real_in(self.min_p, 0, 1), "must be a number in [0, 1]"),
             # torch seeds are 64-bit; the samples of n > 1 take seed, seed + 1, ...
-            ("seed", self.seed is None or (_int_in(self.n, 1, None) and _int_in(self.seed, -2**63, 2**64 - self.n)),
+            ("seed", self.seed is None
+             or (_int_in(self.n, 1, None) and _int_in(self.seed, -2**63, 2**64 - self.n)),
              "must be None or an integer in [-2**63, 2**64 - n]"),
             ("max_tokens", self.max_tokens is None or _int_in(self.max_tokens, 1, None),
              "must be an integer >= 1 or None"),
             ("min_tokens", _int_in(self.min_tokens, 0, None), "must be an integer >= 0"),
             ("logprobs", self.logprobs is None or _int_in(self.logprobs, 0, MAX_LOGPROBS),
              f"must be None or an integer in [0, {MAX_LOGPROBS}]"),
-            ("prompt_logprobs", self.prompt_logprobs is None or _int_in(self.prompt_logprobs, 0, MAX_LOGPROBS),
+            ("prompt_logprobs",
+             self.prompt_logprobs is None or _int_in(self.prompt_logprobs, 0, MAX_LOGPROBS),
              f"must be None or an integer in [0, {MAX_LOGPROBS}]"),
             ("presence_penalty", _real_in(self.presence_penalty, -2, 2), "must be a number in [-2, 2]"),
             ("frequency_penalty", _real_in(self.frequency_penalty, -2, 2), "must be a number in [-2, 2]"),

@@ -64,8 +64,9 @@ async def stream_request(host: str, port: int, body: bytes, headers: bytes, reco
     writer = None
     try:
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n%s\r\n" % (host.encode(), len(body), headers) + body)
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n%s\r\n")
+        writer.write(head % (host.encode(), len(body), headers) + body)
         status = await reader.readline()
         response_headers = (await reader.readuntil(b"\r\n\r\n")).lower()
         if b" 200 " not in status:
@@ -159,8 +160,8 @@ def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:
     return offsets
 
 
-def run_load(url: str, model: str, prompts: list[list[int]], output_len: int, request_rate: float, seed: int = 0,
-             max_concurrency: int | None = None, num_clients: int = 1,
+def run_load(url: str, model: str, prompts: list[list[int]], output_len: int, request_rate: float,
+             seed: int = 0, max_concurrency: int | None = None, num_clients: int = 1,
              api_key: str | None = None) -> tuple[list[RequestRecord], float]:
     """Send the prompts at Poisson arrivals from num_clients processes (1: this one); returns each
     request's record and the run's wall seconds (start to the last request's end)."""
@@ -222,14 +223,14 @@ def summarize(records: list[RequestRecord], wall: float, request_rate: float, in
         "offered_req_s": (len(arrivals) - 1) / (arrivals[-1] - arrivals[0]) if len(arrivals) > 1
         and arrivals[-1] > arrivals[0] else None,
         # (at rate inf requests end in waves, all at once: no rate to speak of)
-        "delivered_req_s": (len(ends) - 1) / (ends[-1] - ends[0]) if math.isfinite(request_rate) and len(ends) > 1
-        and ends[-1] > ends[0] else None,
+        "delivered_req_s": (len(ends) - 1) / (ends[-1] - ends[0])
+        if math.isfinite(request_rate) and len(ends) > 1 and ends[-1] > ends[0] else None,
         "ttft_ms_mean": mean(ttft), "ttft_ms_p50": ms(ttft, 50), "ttft_ms_p99": ms(ttft, 99),
         "tpot_ms_mean": mean(tpot), "tpot_ms_p50": ms(tpot, 50), "tpot_ms_p99": ms(tpot, 99),
         "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99),
         "itl_p99_over_tpot": (ms(itl, 99) / mean(tpot)) if itl and tpot else None,
         "e2e_ms_mean": mean(e2e), "e2e_ms_p99": ms(e2e, 99),
-        "merged_chunk_frac": merged / chunks if chunks else None,  # chunks of several tokens: the server lagged
+        "merged_chunk_frac": merged / chunks if chunks else None,  # several tokens a chunk: the server lagged
     }
 
 
@@ -261,7 +262,8 @@ class ServerProcess:
         import httpx
 
         self.url = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", str(port), *serve_args])
+        self.proc = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", str(port),
+                                      *serve_args])
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -297,15 +299,16 @@ def warm_up(url: str, model: str, prompts: list[list[int]], num_clients: int, ap
     records, _ = run_load(url, model, prompts, 8, float("inf"), num_clients=num_clients, api_key=api_key)
     failed = [r.error for r in records if r.error is not None]
     if failed:
-        raise RuntimeError(f"warm-up: {len(failed)} of {len(records)} requests failed, the first: {failed[0]}")
+        raise RuntimeError(f"warm-up: {len(failed)} of {len(records)} requests failed, the first: "
+                           f"{failed[0]}")
 
 
 def serving_row(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float, seed: int,
                 max_concurrency: int | None, num_clients: int, api_key: str | None) -> dict:
     """One rate: the load, its latencies, and the engine's steps meanwhile (from /metrics)."""
     before = engine_counters(url)
-    records, wall = run_load(url, model, prompts, output_len, rate, seed=seed, max_concurrency=max_concurrency,
-                             num_clients=num_clients, api_key=api_key)
+    records, wall = run_load(url, model, prompts, output_len, rate, seed=seed,
+                             max_concurrency=max_concurrency, num_clients=num_clients, api_key=api_key)
     row = summarize(records, wall, rate, len(prompts[0]), output_len)
     return {**row, **engine_columns(before, engine_counters(url))}
 
@@ -321,11 +324,12 @@ def offline_reference(config, prompts: list[list[int]], output_len: int, batch_s
 
     engine = LLMEngine(config)
     row = run_throughput(engine, prompts, output_len, progress=progress, warmup_len=min(len(prompts[0]), 512))
-    shape = ModelShape.from_hf_config(config.model.hf_config, str(engine.worker.runner.dtype).replace("torch.", ""))
+    dtype = str(engine.worker.runner.dtype).replace("torch.", "")
+    shape = ModelShape.from_hf_config(config.model.hf_config, dtype)
     steps = {}
     for b in sorted(set(batch_sizes)):
-        latency = run_latency(engine, [b], len(prompts[0]), min(output_len, 64), None, shape, progress=False)[0]
-        steps[b] = latency["tpot_ms_mean"]
+        latency = run_latency(engine, [b], len(prompts[0]), min(output_len, 64), None, shape, progress=False)
+        steps[b] = latency[0]["tpot_ms_mean"]
     return {"output_tok_s": row["output_tok_s"], "requests_s": row["requests_s"], "step_ms_at_batch": steps}
 
 

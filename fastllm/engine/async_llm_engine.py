@@ -2,7 +2,7 @@
 
     engine = AsyncLLMEngine.from_kwargs("path/to/model")      # the core in its own process
     async for out in engine.generate("Once upon a time", SamplingParams(max_tokens=32), "req-1"):
-        ...   # one RequestOutput per engine step that changed the request (params.output_kind decides its form)
+        ...   # one RequestOutput per engine step that changed it (params.output_kind decides its form)
 
 This process tokenizes and validates (a bad request raises its ValueError from add_request, before
 anything reaches the core), sends token ids to the core (EngineCoreClient: ZeroMQ + msgspec), and turns
@@ -29,7 +29,8 @@ from collections.abc import AsyncIterator, Callable
 from fastllm.config import EngineConfig
 from fastllm.engine.core_client import EngineCoreClient, EngineDeadError
 from fastllm.engine.input_processor import InputProcessor, PromptType
-from fastllm.engine.messages import Abort, EngineCoreRequest, SchedulerStats, StepOutputs, params_to_wire, sample_ids
+from fastllm.engine.messages import (Abort, EngineCoreRequest, SchedulerStats, StepOutputs, params_to_wire,
+                                     sample_ids)
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
@@ -65,7 +66,8 @@ class AsyncLLMEngine:
             tokenizer = None
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
-        self.input_processor = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len, ready.max_num_seqs)
+        self.input_processor = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len,
+                                              ready.max_num_seqs)
         # Long texts are encoded on a thread, with a tokenizer of their own (a tokenizer is not thread-safe).
         self._thread_input_processor = copy.copy(self.input_processor)
         self._thread_input_processor.tokenizer = copy.deepcopy(tokenizer)
@@ -92,7 +94,8 @@ class AsyncLLMEngine:
 
     # requests
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> "RequestStream":
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams) -> "RequestStream":
         """Validate, tokenize and send the request; return the stream of its outputs (until the last,
         finished=True). Raises the request's ValueError (nothing sent) or EngineDeadError."""
         self._check_alive()
@@ -248,7 +251,8 @@ def _merge_delta(into: RequestOutput, new: RequestOutput) -> None:
         a.token_ids.extend(b.token_ids)
         if b.logprobs is not None:
             a.logprobs.extend(b.logprobs)
-        a.cumulative_logprob, a.finish_reason, a.stop_reason = b.cumulative_logprob, b.finish_reason, b.stop_reason
+        a.cumulative_logprob = b.cumulative_logprob
+        a.finish_reason, a.stop_reason = b.finish_reason, b.stop_reason
     into.finished, into.prompt_logprobs, into.error = new.finished, new.prompt_logprobs, new.error
     into.metrics.update(new.metrics)
 

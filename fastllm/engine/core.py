@@ -111,7 +111,8 @@ class EngineCore:
             outputs += self._finish(*self._in_flight.popleft())
         with nvtx_range("schedule"):
             scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty and not self._in_flight and self.scheduler.has_unfinished_requests() \
+        if scheduler_output.is_empty and not self._in_flight \
+                and self.scheduler.has_unfinished_requests() \
                 and not (scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.requests)} requests "
                                "pending")
@@ -202,7 +203,8 @@ class EngineCore:
             s.num_steps += 1
             s.num_scheduled_requests += len(scheduler_output.num_scheduled_tokens)
             s.step_seconds += seconds
-        s.num_running, s.num_waiting, s.num_swapped = len(sched.running), len(sched.waiting), len(sched.swapped)
+        s.num_running, s.num_waiting = len(sched.running), len(sched.waiting)
+        s.num_swapped = len(sched.swapped)
         s.kv_usage = sched.kv.usage
         s.num_preemptions = sched.num_preemptions
         spec = sched.spec_stats

@@ -52,10 +52,11 @@ class _CoreProcess:
         level = logging.getLogger("fastllm").getEffectiveLevel()
         # The same fastllm as this process's, wherever the working directory is.
         root = str(Path(fastllm.__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        path = [root, *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "fastllm.engine.core_proc", input_address, output_address, str(os.getpid()),
-             str(level)], stdin=subprocess.PIPE, pass_fds=(write_end,), env=env)
+            [sys.executable, "-m", "fastllm.engine.core_proc", input_address, output_address,
+             str(os.getpid()), str(level)], stdin=subprocess.PIPE, pass_fds=(write_end,), env=env)
         os.close(write_end)
         self.proc.stdin.write(pickle.dumps(config))
         self.proc.stdin.close()
@@ -105,7 +106,7 @@ class _CoreThread:
         return self.thread.is_alive()
 
     def reason(self) -> str:
-        return f"the engine core thread ended: {self.error!r}" if self.error else "the engine core thread ended"
+        return "the engine core thread ended" + (f": {self.error!r}" if self.error else "")
 
     def stop(self, timeout: float) -> None:
         self.thread.join(timeout)
@@ -274,7 +275,8 @@ def _stop_core(core, input_socket: zmq.Socket, timeout: float) -> None:
     core.stop(timeout)
 
 
-def _release(core, directory: str, context: zmq.Context, input_socket: zmq.Socket, output_socket: zmq.Socket) -> None:
+def _release(core, directory: str, context: zmq.Context, input_socket: zmq.Socket,
+             output_socket: zmq.Socket) -> None:
     """After shutdown(), or at exit or when a client is dropped without it: no core outlives its client,
     and no socket keeps the interpreter from exiting."""
     _stop_core(core, input_socket, timeout=5)

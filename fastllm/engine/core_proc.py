@@ -66,7 +66,8 @@ def run_engine_core(make_engine: Callable, input_address: str, output_address: s
         config = engine.config
         tokenizer = config.model.tokenizer or config.model.model
         ready = EngineReady(engine.vocab_size, config.model.max_model_len, engine.eos_token_id,
-                            tokenizer if engine.tokenizer is not None else None, config.scheduler.max_num_seqs,
+                            tokenizer if engine.tokenizer is not None else None,
+                            config.scheduler.max_num_seqs,
                             engine.worker.num_gpu_blocks)
         outbound.send(msgspec.msgpack.encode(ready))
         CoreLoop(engine.core, inbound, outbound, parent_pid).run()
@@ -77,7 +78,8 @@ def run_engine_core(make_engine: Callable, input_address: str, output_address: s
 
 
 def main(argv: list[str]) -> None:
-    """The process's entry point: python -m fastllm.engine.core_proc IN OUT PARENT_PID LOG_LEVEL < pickled config."""
+    """The process's entry point: `python -m fastllm.engine.core_proc IN OUT PARENT_PID LOG_LEVEL`, the
+    config pickled on stdin."""
     from fastllm.compile_cache import keep_bytecode
 
     keep_bytecode()  # before torch is imported (see fastllm/compile_cache.py)
@@ -132,7 +134,8 @@ class CoreLoop:
         """Apply one message; False means stop."""
         if isinstance(message, EngineCoreRequest):
             try:
-                self.core.add_request(message.request_id, message.prompt_token_ids, params_from_wire(message.params))
+                params = params_from_wire(message.params)
+                self.core.add_request(message.request_id, message.prompt_token_ids, params)
             except ValueError as e:
                 self.refused.append(EngineCoreOutput(message.request_id, [], "error", error=str(e)))
         elif isinstance(message, Abort):

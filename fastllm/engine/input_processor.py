@@ -35,11 +35,13 @@ class InputProcessor:
             return prompt, self.encode(prompt)
         if isinstance(prompt, list):
             return None, _token_list(prompt)
-        raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
+        raise ValueError(f"a prompt must be a str, a list of token ids or a dict, got "
+                         f"{type(prompt).__name__}")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: give prompts as token ids ({'prompt_token_ids': [...]})")
+            raise ValueError("this model has no tokenizer: give prompts as token ids "
+                             "({'prompt_token_ids': [...]})")
         self.check_text_length(text)
         try:
             text.encode("utf-8")
@@ -51,15 +53,16 @@ class InputProcessor:
         if not text:
             raise ValueError("prompt is empty")
         if len(text) > self.max_model_len * self.max_token_chars:
-            raise ValueError(f"prompt ({len(text)} characters) is longer than max_model_len ({self.max_model_len} "
-                             "tokens) can hold")
+            raise ValueError(f"prompt ({len(text)} characters) is longer than max_model_len "
+                             f"({self.max_model_len} tokens) can hold")
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError (naming the field) unless the request can be served; returns its max_tokens."""
         if not token_ids:
             raise ValueError("prompt is empty")
         if params.n > self.max_num_seqs:  # its samples could never run together
-            raise ValueError(f"SamplingParams.n must be <= max_num_seqs ({self.max_num_seqs}), got {params.n}")
+            raise ValueError(f"SamplingParams.n must be <= max_num_seqs ({self.max_num_seqs}), "
+                             f"got {params.n}")
         vocab = self.vocab_size
         for t in token_ids:
             if not (type(t) is int and 0 <= t < vocab):
@@ -67,7 +70,8 @@ class InputProcessor:
         params.check_token_ids(vocab)  # logit_bias, allowed_token_ids, bad_words
         for t in params.stop_token_ids:
             if t >= vocab:
-                raise ValueError(f"SamplingParams.stop_token_ids must be below the vocabulary size {vocab}, got {t}")
+                raise ValueError(f"SamplingParams.stop_token_ids must be below the vocabulary size {vocab}, "
+                                 f"got {t}")
         max_len = self.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)
         if len(token_ids) + max_tokens > max_len:

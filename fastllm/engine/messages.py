@@ -1,7 +1,7 @@
 """What the API process and the engine-core process send each other: msgspec structs, msgpack over ZeroMQ.
 
     API process -> core   AddRequest, Abort, UtilityCall, Shutdown
-    core -> API process   EngineReady (once), StepOutputs (one per step that produced something), UtilityResult
+    core -> API process   EngineReady (once), StepOutputs (one per step with news), UtilityResult
 
 A step's outputs travel as one message: every request's new token ids, finish reason and logprobs, so the
 cost per message is paid once a step, not once a token. Requests carry token ids only: tokenization and
@@ -58,7 +58,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id that ended it
     logprobs: list[LogprobEntry] | None = None  # one entry per new token, when asked for
-    prompt_logprobs: tuple[int, list[LogprobEntry]] | None = None  # (first position, entries) scored this step
+    prompt_logprobs: tuple[int, list[LogprobEntry]] | None = None  # (first position, entries) of this step
     error: str | None = None  # why the sample failed (finish_reason "error")
 
     @property
@@ -123,7 +123,8 @@ def params_from_wire(values: dict[str, Any]) -> SamplingParams:
         try:
             values["output_kind"] = RequestOutputKind(values["output_kind"])
         except ValueError:
-            raise ValueError(f"SamplingParams.output_kind must be a RequestOutputKind, got {values['output_kind']!r}")
+            raise ValueError("SamplingParams.output_kind must be a RequestOutputKind, got "
+                             f"{values['output_kind']!r}")
     try:
         return SamplingParams(**values)
     except TypeError as e:  # an unknown field

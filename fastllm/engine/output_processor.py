@@ -75,7 +75,8 @@ def _copy(s: SampleState) -> CompletionOutput:
 def _delta(s: SampleState) -> CompletionOutput:
     o = s.output
     shown = _shown(s)
-    delta = CompletionOutput(o.index, o.text[s.sent_text:shown], o.token_ids[s.sent_tokens:], o.cumulative_logprob,
+    delta = CompletionOutput(o.index, o.text[s.sent_text:shown], o.token_ids[s.sent_tokens:],
+                             o.cumulative_logprob,
                              o.logprobs[s.sent_tokens:] if o.logprobs is not None else None,
                              o.finish_reason, o.stop_reason)
     s.sent_tokens, s.sent_text = len(o.token_ids), shown
@@ -88,7 +89,8 @@ class OutputProcessor:
         self.groups: dict[str, RequestGroup] = {}
         self.group_of: dict[str, RequestGroup] = {}  # sample id -> its group
 
-    def add_group(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+    def add_group(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                  params: SamplingParams) -> None:
         group = RequestGroup(request_id, prompt, prompt_token_ids, params.output_kind,
                              arrival_time=time.perf_counter())
         if params.prompt_logprobs is not None:

@@ -347,7 +347,8 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
     offline = not args.no_offline and not args.url  # a server of someone else's holds the GPU
     model_name = args.served_model_name or served_name(args.model)
     vocab = config.model.hf_config["vocab_size"]
-    meta = {**ceil.environment(select_device(config, 0)), "model": model_name, "model_path": config.model.model,
+    meta = {**ceil.environment(select_device(config, 0)), "model": model_name,
+            "model_path": config.model.model,
             "dtype": config.model.dtype, "load_format": config.model.load_format, "mode": "serving",
             "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
             "request_rates": rates, "url": args.url, "engine_args": serve_args(args),
@@ -355,8 +356,8 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
             "execution": "fastllm serve, streamed /v1/completions"}
     result = {"benchmark": "serving", "meta": meta, "ceilings": None, "startup": None, "rows": []}
     # Each rate its own prompts (no prefix-cache hits across rates); the offline run takes the last rate's.
-    prompts = [random_prompts(np.random.default_rng(config.model.seed + i), args.num_prompts, args.input_len, vocab)
-               for i in range(len(rates))]
+    prompts = [random_prompts(np.random.default_rng(config.model.seed + i), args.num_prompts, args.input_len,
+                              vocab) for i in range(len(rates))]
 
     def save() -> None:
         if args.output_json:
@@ -367,8 +368,9 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
         warm = random_prompts(np.random.default_rng(12345), min(args.num_prompts, 64), args.input_len, vocab)
         serving.warm_up(url, model_name, warm, args.client_processes, args.api_key)
         for i, rate in enumerate(rates):
-            row = serving.serving_row(url, model_name, prompts[i], args.output_len, rate, config.model.seed + i,
-                                      args.max_concurrency, args.client_processes, args.api_key)
+            row = serving.serving_row(url, model_name, prompts[i], args.output_len, rate,
+                                      config.model.seed + i, args.max_concurrency, args.client_processes,
+                                      args.api_key)
             result["rows"].append(row)
             print(report.row_line("serving", row), flush=True)
             save()

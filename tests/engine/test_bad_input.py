@@ -172,12 +172,14 @@ def test_extreme_sampling_values_are_served_or_refused_by_name():
             seen[(field, repr(value))] = serve_or_refuse(engine, f"{field}-{i}", PROMPTS[0], field, value)
     refused = {k for k, v in seen.items() if v == "refused"}
     # The cases and a few others are refused; the edges of each range are served.
-    for case in [("seed", repr(2**64)), ("seed", repr(-2**63 - 1)), ("top_k", repr(2**63)), ("n", repr(2**31)),
-                 ("temperature", repr(INF)), ("top_p", repr(NAN)), ("stop", repr(["\ud800"])),
-                 ("stop_token_ids", repr([512])), ("logprobs", repr(21)), ("n", repr(True))]:
+    for case in [("seed", repr(2**64)), ("seed", repr(-2**63 - 1)), ("top_k", repr(2**63)),
+                 ("n", repr(2**31)), ("temperature", repr(INF)), ("top_p", repr(NAN)),
+                 ("stop", repr(["\ud800"])), ("stop_token_ids", repr([512])), ("logprobs", repr(21)),
+                 ("n", repr(True))]:
         assert case in refused, case
     for case in [("seed", repr(2**64 - 1)), ("seed", repr(-2**63)), ("top_k", repr(2**63 - 1)),
-                 ("temperature", repr(1e30)), ("stop_token_ids", repr([511])), ("logprobs", repr(20)), ("n", repr(2))]:
+                 ("temperature", repr(1e30)), ("stop_token_ids", repr([511])), ("logprobs", repr(20)),
+                 ("n", repr(2))]:
         assert seen[case] == "served", case
     good = cached_llm(max_model_len=128).generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8),
                                                   use_tqdm=False)[0]
@@ -189,7 +191,8 @@ def test_bad_prompts_name_what_is_wrong():
     engine = cached_llm(max_model_len=128).engine
     for prompt, match in [("\ud800 once", "Unicode"), ({"prompt_token_ids": [1, 512]}, "512"),
                           ({"prompt_token_ids": [1, -1]}, "-1"), ({"prompt_token_ids": [1, True]}, "True"),
-                          ({"prompt_token_ids": "12"}, "list"), ({"prompt_token_ids": [1], "prompt": 5}, "string"),
+                          ({"prompt_token_ids": "12"}, "list"),
+                          ({"prompt_token_ids": [1], "prompt": 5}, "string"),
                           ("x" * 10_000, "longer than max_model_len")]:
         with pytest.raises(ValueError, match=match):
             engine.add_request("bad", prompt, SamplingParams())

@@ -34,8 +34,8 @@ def test_logprob_tokens_join_to_the_text(client, server):
     assert any(t.startswith(" ") for t in lp.tokens)  # word-boundary spaces are part of the tokens
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     # top_logprobs: the raw JSON holds each token string once per position
-    raw = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": PROMPTS[0], "temperature": 0,
-                                                          "max_tokens": 24, "logprobs": 5}).text
+    body = {"model": MODEL, "prompt": PROMPTS[0], "temperature": 0, "max_tokens": 24, "logprobs": 5}
+    raw = httpx.post(server[0] + "/v1/completions", json=body).text
     pairs = []
     json.loads(raw, object_pairs_hook=lambda kv: pairs.append([k for k, _ in kv]) or dict(kv))
     tops = json.loads(raw)["choices"][0]["logprobs"]["top_logprobs"]
@@ -53,10 +53,11 @@ def test_chat_logprobs_bytes_and_content_parts(client):
     for t in content:
         assert bytes(t.bytes) == t.token.encode() and len(t.top_logprobs) == 3
         assert len({a.token for a in t.top_logprobs}) == 3
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Once upon"}, {"type": "text", "text": "a time"}]}]
-    as_parts = client.chat.completions.create(model=MODEL, messages=parts, temperature=0, max_tokens=16)
-    joined = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once upon\na time"}],
-                                            temperature=0, max_tokens=16)
+    parts = [{"type": "text", "text": "Once upon"}, {"type": "text", "text": "a time"}]
+    as_parts = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}],
+                                              temperature=0, max_tokens=16)
+    joined = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=16,
+                                            messages=[{"role": "user", "content": "Once upon\na time"}])
     assert as_parts.choices[0].message.content == joined.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="image_url.*not supported"):
         client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
@@ -72,12 +73,14 @@ def test_chat_template_that_writes_the_bos_gets_no_second_one():
     template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     messages = [{"role": "user", "content": PROMPTS[0]}]
     tokenizer = engine.tokenizer
-    ids = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True, add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                        add_generation_prompt=True)
     ids = ids if isinstance(ids, list) else ids["input_ids"]
     assert ids.count(tokenizer.bos_token_id) == 1
     try:
         with TestClient(build_app(engine, MODEL, chat_template=template)) as http:
-            r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "temperature": 0})
+            body = {"messages": messages, "max_tokens": 2, "temperature": 0}
+            r = http.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == len(ids)  # one BOS, the template's
     finally:
@@ -96,8 +99,8 @@ def test_chat_template_that_writes_the_bos_gets_no_second_one():
 def test_unsupported_openai_fields_are_refused_by_name(client, endpoint, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         if endpoint == "chat":
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once"}], max_tokens=4,
-                                           **extra)
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once"}],
+                                           max_tokens=4, **extra)
         else:
             client.completions.create(model=MODEL, prompt="Once", max_tokens=4, **extra)
     assert "not supported" in e.value.body["message"] and e.value.body["param"] == param
@@ -110,8 +113,8 @@ def test_harmless_openai_fields_are_accepted(client):
         max_tokens=4, user="someone", metadata={"k": "v"}, response_format={"type": "text"}, store=False,
         parallel_tool_calls=False, service_tier="auto", seed=3, tool_choice="none", n=1)
     assert out.choices[0].finish_reason == "length"
-    out = client.completions.create(model=MODEL, prompt="Once", max_tokens=4, user="someone", best_of=1, echo=False,
-                                    logit_bias={})
+    out = client.completions.create(model=MODEL, prompt="Once", max_tokens=4, user="someone", best_of=1,
+                                    echo=False, logit_bias={})
     assert out.choices[0].finish_reason == "length"
 
 
@@ -147,7 +150,8 @@ def test_stop_strings_are_never_streamed_then_taken_back(client):
     full = offline_text(PROMPTS[0], temperature=0, max_tokens=40)
     target = "girl named"  # several tokens: "girl" streams before " named" decides
     assert target in full
-    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=40, stop=[target])
+    whole = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=40,
+                                      stop=[target])
     assert whole.choices[0].text == full[:full.index(target)] and whole.choices[0].finish_reason == "stop"
     pieces, finish = stream_texts(client, prompt=PROMPTS[0], temperature=0, max_tokens=40, stop=[target])
     assert "".join(pieces) == whole.choices[0].text and finish == "stop"
@@ -162,12 +166,13 @@ def test_stop_strings_wait_for_min_tokens(client, server):
     # the tokens up to and including the first "Lily": a stop string there does not count
     before = next(i for i in range(1, len(plain.token_ids) + 1)
                   if "Lily" in tokenizer.decode(plain.token_ids[:i], skip_special_tokens=True))
-    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=60, stop=["Lily"],
-                                    extra_body={"min_tokens": before + 1})
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=60,
+                                    stop=["Lily"], extra_body={"min_tokens": before + 1})
     text = out.choices[0].text
     assert text.startswith(plain.text[:first + 4]) and len(text) > first + 4
     if "Lily" in plain.text[first + 4:]:  # the next one stops it
-        assert out.choices[0].finish_reason == "stop" and text == plain.text[:plain.text.index("Lily", first + 4)]
+        second = plain.text.index("Lily", first + 4)
+        assert out.choices[0].finish_reason == "stop" and text == plain.text[:second]
 
 
 def ttft_count(url: str) -> float:

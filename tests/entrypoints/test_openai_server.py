@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from fastllm import SamplingParams
-from fastllm.engine.async_llm_engine import AsyncLLMEngine
 
 # The server's extra ("serve": fastapi, uvicorn) and the test client: CI installs both; a machine
 # without them (the GPU box) skips this module.

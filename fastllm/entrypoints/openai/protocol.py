@@ -73,11 +73,14 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
-            n=_or(self.n, 1), temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0), top_k=_or(self.top_k, 0),
+            n=_or(self.n, 1), temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
+            top_k=_or(self.top_k, 0),
             min_p=_or(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
-            repetition_penalty=_or(self.repetition_penalty, 1.0), skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
@@ -91,7 +94,8 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
                                param="logit_bias")
             if not (math.isfinite(value) and -100 <= value <= 100):
-                raise APIError(400, f"logit_bias values must be in [-100, 100], got {value!r}", param="logit_bias")
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {value!r}",
+                               param="logit_bias")
         raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
 
     @property
@@ -133,8 +137,8 @@ class CompletionRequest(_Request, kw_only=True):
             return list(p)
         if all(isinstance(x, list) and all(_is_token(t) for t in x) for x in p):
             return [{"prompt_token_ids": x} for x in p]
-        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of lists "
-                       "of token ids", param="prompt")
+        raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                       "lists of token ids", param="prompt")
 
 
 def _is_token(t) -> bool:
@@ -178,8 +182,8 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             elif part.type == "refusal" and part.refusal is not None:
                 texts.append(part.refusal)
             else:
-                raise APIError(400, f"{where}: content parts of type {part.type!r} are not supported (text only)",
-                               param="messages")
+                raise APIError(400, f"{where}: content parts of type {part.type!r} are not supported "
+                               "(text only)", param="messages")
         return "\n".join(texts)
 
 
@@ -264,7 +268,8 @@ def decode_body(body: bytes, kind: type):
         message, position = str(e), None
         surrogate = _LONE_SURROGATE.search(body)
         if surrogate is not None:  # msgspec says only "truncated"
-            message, position = f"a string holds a lone surrogate ({surrogate.group().decode()})", surrogate.start()
+            message = f"a string holds a lone surrogate ({surrogate.group().decode()})"
+            position = surrogate.start()
         elif (match := _BYTE.search(message)) is not None:
             position = int(match.group(1))
         field = _field_at(body, position)

@@ -35,8 +35,8 @@ from fastapi.responses import JSONResponse, Response
 from fastllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
 from fastllm.engine.detokenizer import IncrementalDetokenizer, text_bytes
 from fastllm.entrypoints.openai.limits import API_KEY_ENV, ServerLimits
-from fastllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest, decode_body,
-                                                  error_body, param_of, request_schemas)
+from fastllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                                  decode_body, error_body, param_of, request_schemas)
 from fastllm.metrics import ServingMetrics
 from fastllm.outputs import CompletionOutput, RequestOutput
 from fastllm.sampling_params import SamplingParams
@@ -75,7 +75,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, e: EngineDeadError):
-        return JSONResponse(error_body(500, f"the engine is gone: {e}", "InternalServerError"), status_code=500)
+        return JSONResponse(error_body(500, f"the engine is gone: {e}", "InternalServerError"),
+                            status_code=500)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):  # a failed engine step, or a bug of ours
@@ -141,8 +142,8 @@ class _Guard:
         if self.api_key is not None and scope["path"].startswith("/v1"):
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                return await _reply(send, 401, "Unauthorized: a valid API key is needed (Authorization: Bearer ...)",
-                                    "AuthenticationError")
+                return await _reply(send, 401, "Unauthorized: a valid API key is needed "
+                                    "(Authorization: Bearer ...)", "AuthenticationError")
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_request_bytes):
             return await _reply(send, 413, f"the request body is larger than {self.max_request_bytes} bytes "
@@ -152,13 +153,14 @@ class _Guard:
 
 async def _reply(send, status: int, message: str, kind: str) -> None:
     body = msgspec.json.encode(error_body(status, message, kind))
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
 class _Server:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None, limits: ServerLimits):
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, chat_template: str | None,
+                 limits: ServerLimits):
         self.engine, self.model_name, self.limits = engine, model_name, limits
         self.tokenizer = engine.tokenizer
         self.chat_template = chat_template
@@ -172,8 +174,8 @@ class _Server:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`.",
-                           "NotFoundError", "model")
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                           f"`{self.model_name}`.", "NotFoundError", "model")
 
     async def read_body(self, request: Request) -> bytes:
         limit, size, chunks = self.limits.max_request_bytes, 0, []
@@ -204,9 +206,9 @@ class _Server:
                 raise APIError(400, "echo needs the model's tokenizer to write the prompt back", param="echo")
             if body.logprobs is not None:  # the prompt's tokens come with their logprobs too
                 params = params.clone(prompt_logprobs=body.logprobs)
-        shape = _Shape("cmpl", "text_completion", self.model_name, params.n, chat=False, num_logprobs=body.logprobs,
-                       echo_tokenizer=self.tokenizer if body.echo else None, score_only=score_only,
-                       token_ids=body.return_token_ids)
+        shape = _Shape("cmpl", "text_completion", self.model_name, params.n, chat=False,
+                       num_logprobs=body.logprobs, echo_tokenizer=self.tokenizer if body.echo else None,
+                       score_only=score_only, token_ids=body.return_token_ids)
         return await self._respond(shape, prompts, params, body, request)
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -215,7 +217,8 @@ class _Server:
         self._check_common(body)
         params = body.sampling_params(body.token_limit(), body.num_logprobs())
         shape = _Shape("chatcmpl", "chat.completion", self.model_name, params.n, chat=True,
-                       num_logprobs=params.logprobs, tokenizer=self.tokenizer, token_ids=body.return_token_ids)
+                       num_logprobs=params.logprobs, tokenizer=self.tokenizer,
+                       token_ids=body.return_token_ids)
         return await self._respond(shape, [self._chat_prompt(body)], params, body, request)
 
     def _check_common(self, body) -> None:
@@ -228,7 +231,8 @@ class _Server:
             raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
         if not template:
-            raise APIError(400, "this model's tokenizer has no chat template; start the server with --chat-template")
+            raise APIError(400, "this model's tokenizer has no chat template; start the server with "
+                           "--chat-template")
         text = self.tokenizer.apply_chat_template(body.texts(), chat_template=template, tokenize=False,
                                                   add_generation_prompt=body.add_generation_prompt,
                                                   **(body.chat_template_kwargs or {}))
@@ -440,15 +444,19 @@ class _Echo:
         self.logprobs = None
         if out.prompt_logprobs is not None:
             scored = out.prompt_logprobs
-            self.logprobs = (list(self.pieces), [None] + [scored[p][ids[p]].logprob for p in range(1, len(ids))],
-                             [None] + [_top_dict(scored[p], ids[p], self.pieces[p]) for p in range(1, len(ids))])
+            rest = range(1, len(ids))
+            self.logprobs = (list(self.pieces), [None] + [scored[p][ids[p]].logprob for p in rest],
+                             [None] + [_top_dict(scored[p], ids[p], self.pieces[p]) for p in rest])
 
 
 def _top_dict(step: dict, chosen: int, chosen_text: str) -> dict:
     """Legacy top_logprobs: token string -> logprob, one key per string (the likelier wins)."""
     top = {}
     for token_id, lp in step.items():
-        key = chosen_text if token_id == chosen else (lp.decoded_token if lp.decoded_token is not None else str(token_id))
+        if token_id == chosen:
+            key = chosen_text
+        else:
+            key = lp.decoded_token if lp.decoded_token is not None else str(token_id)
         if key not in top:
             top[key] = lp.logprob
     return top
@@ -470,8 +478,9 @@ class _Shape:
         self._echoes: dict[int, _Echo] = {}  # prompt index -> its echo, shared by the prompt's n choices
         self._text_offsets: dict[int, int] = {}  # choice index -> characters streamed so far
         self.chunk_kind = kind + ".chunk" if chat else kind
-        self._chunk_head = b'data: {"id":' + msgspec.json.encode(self.id) + b',"object":"' + self.chunk_kind.encode() \
-            + b'","created":' + str(self.created).encode() + b',"model":' + msgspec.json.encode(model) + b',"choices":['
+        self._chunk_head = (b'data: {"id":' + msgspec.json.encode(self.id) + b',"object":"'
+                            + self.chunk_kind.encode() + b'","created":' + str(self.created).encode()
+                            + b',"model":' + msgspec.json.encode(model) + b',"choices":[')
 
     def _head(self, object_name: str) -> dict:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -503,8 +512,9 @@ class _Shape:
                     choice["token_ids"] = [] if self.score_only else o.token_ids
                 choices.append(choice)
         prompt_tokens = sum(len(out.prompt_token_ids) for out in finals)
-        completion_tokens = 0 if self.score_only else sum(len(o.token_ids) for out in finals for o in out.outputs)
-        return {**self._head(self.kind), "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+        completion_tokens = sum(len(o.token_ids) for out in finals for o in out.outputs)
+        usage = _usage(prompt_tokens, 0 if self.score_only else completion_tokens)
+        return {**self._head(self.kind), "choices": choices, "usage": usage}
 
     # stream chunks
 
@@ -524,7 +534,8 @@ class _Shape:
                           "finish_reason": o.finish_reason}
             else:
                 text, logprobs = self._completion_delta(index, prompt_index, o, out)
-                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": o.finish_reason}
+                choice = {"index": index, "text": text, "logprobs": logprobs,
+                          "finish_reason": o.finish_reason}
             if self.token_ids:
                 choice["token_ids"] = [] if self.score_only else o.token_ids
             parts.append(msgspec.json.encode(choice))
@@ -635,8 +646,8 @@ def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, ser
         chat_template = Path(chat_template).read_text()
     api_key = resolve_api_key(api_key)
     if api_key is None and host not in _LOCAL_HOSTS:
-        logger.warning("serving on %s without an API key: anyone who can reach it can use it (--api-key or %s)",
-                       host, API_KEY_ENV)
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it "
+                       "(--api-key or %s)", host, API_KEY_ENV)
     config = EngineConfig.from_kwargs(model, **engine_kwargs)  # a bad argument fails before the engine starts
     engine = AsyncLLMEngine.from_config(config)
     prepare_gc_for_serving()  # the server process's settings, not the library's (process_setup.py)
