@@ -165,8 +165,11 @@ def test_async_engine_streams_several_tokens_a_step_and_aborts_cleanly():
     from fastllm.sampling_params import RequestOutputKind
 
     offline = cached_llm().generate(PROMPTS[:3], GREEDY, use_tqdm=False)
-    engine = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=128,
-                                        speculative_model=DRAFT, num_speculative_tokens=4)
+    from fastllm.engine.llm_engine import LLMEngine
+
+    # the core on a thread of this process, so that the pool can be checked afterwards
+    engine = AsyncLLMEngine(LLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=128,
+                                                  speculative_model=DRAFT, num_speculative_tokens=4))
     delta = GREEDY.clone(output_kind=RequestOutputKind.DELTA)
 
     async def main():
