@@ -25,6 +25,7 @@ import contextlib
 import copy
 import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from fastllm.config import EngineConfig
 from fastllm.engine.core_client import EngineCoreClient, EngineDeadError
@@ -68,9 +69,11 @@ class AsyncLLMEngine:
         self.max_model_len = ready.max_model_len
         self.input_processor = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len,
                                               ready.max_num_seqs)
-        # Long texts are encoded on a thread, with a tokenizer of their own (a tokenizer is not thread-safe).
+        # Long texts are encoded on a thread of their own, with a tokenizer of their own (a tokenizer is
+        # not thread-safe), one at a time.
         self._thread_input_processor = copy.copy(self.input_processor)
         self._thread_input_processor.tokenizer = copy.deepcopy(tokenizer)
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="fastllm-tokenize")
         self.output_processor = OutputProcessor(tokenizer)
         self.stats = SchedulerStats()  # the core's, after its last step
         self.errored: EngineDeadError | None = None
@@ -102,9 +105,8 @@ class AsyncLLMEngine:
         self.attach()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str) and len(prompt) > TOKENIZE_IN_THREAD_CHARS:
-            self.input_processor.check_text_length(prompt)
-            text, token_ids = await asyncio.to_thread(self._thread_input_processor.tokenize, prompt)
+        if isinstance(prompt, str):
+            text, token_ids = prompt, await self.encode(prompt)
         else:
             text, token_ids = self.input_processor.tokenize(prompt)
         self.input_processor.check_request(token_ids, params)
@@ -122,6 +124,14 @@ class AsyncLLMEngine:
             self._drop(request_id)
             raise
         return RequestStream(self, request_id, collector)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text (ValueError if it cannot be one); a long one on a worker thread."""
+        if len(text) <= TOKENIZE_IN_THREAD_CHARS:
+            return self.input_processor.encode(text, add_special_tokens)
+        self.input_processor.check_text_length(text)  # too long for the context: refused at once
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, self._thread_input_processor.encode, text, add_special_tokens)
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """add_request and iterate: vLLM's AsyncLLMEngine.generate."""
@@ -156,6 +166,7 @@ class AsyncLLMEngine:
         for request_id in list(self._streams):
             self.abort(request_id)
         self.client.shutdown()
+        self._tokenizer_thread.shutdown(wait=False)
 
     # messages from the core
 

@@ -186,3 +186,27 @@ def test_ttft_is_recorded_for_whole_responses(client, server):
     before = ttft_count(server[0])
     client.completions.create(model=MODEL, prompt=["Once", "The dog"], max_tokens=4)
     assert ttft_count(server[0]) == before + 2
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(client, server, monkeypatch):
+    """A text past TOKENIZE_IN_THREAD_CHARS goes through the tokenizer thread, with the same ids."""
+    from fastllm.engine import async_llm_engine
+
+    monkeypatch.setattr(async_llm_engine, "TOKENIZE_IN_THREAD_CHARS", 100)  # the model's context is short
+    engine = server[1]
+    text = "Once upon a time there was a dog. " * 10
+    calls = []
+    encode = engine._thread_input_processor.encode
+
+    def spy(*args):
+        import threading
+
+        calls.append(threading.current_thread().name)
+        return encode(*args)
+    engine._thread_input_processor.encode = spy
+    try:
+        out = client.completions.create(model=MODEL, prompt=text, max_tokens=1, echo=True, logprobs=0)
+    finally:
+        del engine._thread_input_processor.encode
+    assert calls and calls[0].startswith("fastllm-tokenize")
+    assert out.usage.prompt_tokens == len(engine.tokenizer(text)["input_ids"])

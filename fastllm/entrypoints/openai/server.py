@@ -219,14 +219,14 @@ class _Server:
         shape = _Shape("chatcmpl", "chat.completion", self.model_name, params.n, chat=True,
                        num_logprobs=params.logprobs, tokenizer=self.tokenizer,
                        token_ids=body.return_token_ids)
-        return await self._respond(shape, [self._chat_prompt(body)], params, body, request)
+        return await self._respond(shape, [await self._chat_prompt(body)], params, body, request)
 
     def _check_common(self, body) -> None:
         if body.n is not None and body.n > self.limits.max_n:
             raise APIError(400, f"n must be <= {self.limits.max_n} (--max-n), got {body.n}", param="n")
         body.check_logit_bias(self.engine.input_processor.vocab_size)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> dict:
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> dict:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids")
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -239,8 +239,7 @@ class _Server:
         # A template that writes the BOS itself gets no second one from the tokenizer.
         bos = getattr(self.tokenizer, "bos_token", None)
         add_special = not (bos and text.startswith(bos))
-        self.engine.input_processor.check_text_length(text)
-        return {"prompt": text, "prompt_token_ids": self.engine.input_processor.encode(text, add_special)}
+        return {"prompt": text, "prompt_token_ids": await self.engine.encode(text, add_special)}
 
     # requests and responses
 
