@@ -321,15 +321,21 @@ def offline_reference(config, prompts: list[list[int]], output_len: int, batch_s
     from fastllm.bench.roofline import ModelShape
     from fastllm.bench.throughput import run_throughput
     from fastllm.engine.llm_engine import LLMEngine
+    from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
     engine = LLMEngine(config)
-    row = run_throughput(engine, prompts, output_len, progress=progress, warmup_len=min(len(prompts[0]), 512))
-    dtype = str(engine.worker.runner.dtype).replace("torch.", "")
-    shape = ModelShape.from_hf_config(config.model.hf_config, dtype)
-    steps = {}
-    for b in sorted(set(batch_sizes)):
-        latency = run_latency(engine, [b], len(prompts[0]), min(output_len, 64), None, shape, progress=False)
-        steps[b] = latency[0]["tpot_ms_mean"]
+    prepare_gc_for_serving()  # as the server's processes and `fastllm bench` do
+    try:
+        row = run_throughput(engine, prompts, output_len, progress=progress,
+                             warmup_len=min(len(prompts[0]), 512))
+        dtype = str(engine.worker.runner.dtype).replace("torch.", "")
+        shape = ModelShape.from_hf_config(config.model.hf_config, dtype)
+        steps = {}
+        for b in sorted(set(batch_sizes)):
+            rows = run_latency(engine, [b], len(prompts[0]), min(output_len, 64), None, shape, progress=False)
+            steps[b] = rows[0]["tpot_ms_mean"]
+    finally:
+        engine.shutdown()  # the workers of tensor/pipeline parallelism
     return {"output_tok_s": row["output_tok_s"], "requests_s": row["requests_s"], "step_ms_at_batch": steps}
 
 

@@ -109,6 +109,7 @@ class AsyncLLMEngine:
             text, token_ids = prompt, await self.encode(prompt)
         else:
             text, token_ids = self.input_processor.tokenize(prompt)
+        params.tokenize_bad_words(self.tokenizer)
         self.input_processor.check_request(token_ids, params)
         self._check_alive()
         processor = self.output_processor

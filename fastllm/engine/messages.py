@@ -113,19 +113,32 @@ def sample_ids(request_id: str, n: int) -> list[str]:
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    return {f.name: getattr(params, f.name) for f in fields(params) if f.init}
+    """Its fields, and bad_words as token ids (the core has no tokenizer to spell them)."""
+    values = {f.name: getattr(params, f.name) for f in fields(params) if f.init}
+    values["bad_words_token_ids"] = params.bad_words_token_ids if params.bad_words else None
+    return values
 
 
 def params_from_wire(values: dict[str, Any]) -> SamplingParams:
     """SamplingParams from its fields, checked again (ValueError naming the field)."""
     values = dict(values)
+    bad_words_token_ids = values.pop("bad_words_token_ids", None)
     if "output_kind" in values:
         try:
             values["output_kind"] = RequestOutputKind(values["output_kind"])
         except ValueError:
             raise ValueError("SamplingParams.output_kind must be a RequestOutputKind, got "
                              f"{values['output_kind']!r}")
+    if isinstance(values.get("logit_bias"), dict):  # msgpack keeps int keys; be sure of it
+        values["logit_bias"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v
+                                for k, v in values["logit_bias"].items()}
     try:
-        return SamplingParams(**values)
+        params = SamplingParams(**values)
     except TypeError as e:  # an unknown field
         raise ValueError(f"SamplingParams: {e}") from None
+    if params.bad_words:
+        ids = bad_words_token_ids
+        if not (isinstance(ids, list) and all(isinstance(w, list) for w in ids)):
+            raise ValueError("SamplingParams.bad_words came without their token ids")
+        params._bad_words_token_ids = bad_words_token_ids
+    return params

@@ -1,6 +1,6 @@
 """The server as OpenAI's API, checked with the official `openai` client: logprob tokens that join to the
 text (offsets, unique top_logprobs keys, chat bytes), chat content as parts and no second BOS, OpenAI's
-unsupported fields refused by name and its harmless ones accepted, logit_bias checked, echo with
+unsupported fields refused by name and its harmless ones accepted, logit_bias checked and applied, echo with
 max_tokens 0, stop strings (never streamed and then taken back; after min_tokens; finish_reason "stop"),
 and TTFT recorded for whole responses."""
 
@@ -118,12 +118,29 @@ def test_harmless_openai_fields_are_accepted(client):
     assert out.choices[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("bias,match", [({"512": 1}, "token ids in \\[0, 512\\)"), ({"x": 1}, "token ids"),
-                                        ({"5": 101}, "\\[-100, 100\\]"), ({"5": -3.5}, "not supported yet")])
-def test_logit_bias_is_checked_then_not_supported_yet(client, bias, match):
+@pytest.mark.parametrize("bias,match", [
+    ({"512": 1}, "outside the vocabulary of 512"), ({"x": 1}, "token ids"), ({"5": 101}, "\\[-100, 100\\]"),
+    ({"5": -100.5}, "\\[-100, 100\\]")])
+def test_logit_bias_is_checked(client, bias, match):
     with pytest.raises(openai.BadRequestError, match=match) as e:
         client.completions.create(model=MODEL, prompt="Once", max_tokens=4, logit_bias=bias)
     assert e.value.body["param"] == "logit_bias"
+
+
+def test_logit_bias_and_vllm_filters_apply(client):
+    """A +100 bias makes greedy pick that token every time; allowed_token_ids and bad_words (vLLM's
+    extras) reach the sampler too."""
+    forced = client.completions.create(model=MODEL, prompt="Once", max_tokens=5, temperature=0,
+                                       logit_bias={"300": 100}, extra_body={"return_token_ids": True})
+    assert forced.choices[0].model_extra["token_ids"] == [300] * 5
+    allowed = client.completions.create(model=MODEL, prompt="Once", max_tokens=5, temperature=1.0, seed=1,
+                                        extra_body={"allowed_token_ids": [7, 9], "return_token_ids": True})
+    assert set(allowed.choices[0].model_extra["token_ids"]) <= {7, 9}
+    plain = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert "Lily" in plain.choices[0].text
+    banned = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                       extra_body={"bad_words": ["Lily"]})
+    assert "Lily" not in banned.choices[0].text
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt(client):

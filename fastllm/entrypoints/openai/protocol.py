@@ -69,6 +69,8 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     return_token_ids: bool = False  # each choice (and chunk) carries its token ids too
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -81,22 +83,24 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             frequency_penalty=_or(self.frequency_penalty, 0.0),
             repetition_penalty=_or(self.repetition_penalty, 1.0),
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output,
+            include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.token_bias(),
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY)
 
-    def check_logit_bias(self, vocab_size: int) -> None:
-        """Keys token ids in the vocabulary, values finite in [-100, 100]; then "not supported yet"
-        (the sampler has no logit bias yet), unless it is empty."""
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with token-id keys, each value in OpenAI's [-100, 100]; the ids are checked against
+        the vocabulary where it is known (SamplingParams.check_token_ids)."""
         if not self.logit_bias:
-            return
+            return None
+        bias = {}
         for key, value in self.logit_bias.items():
-            if not re.fullmatch(r"\d+", key) or int(key) >= vocab_size:
-                raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
-                               param="logit_bias")
+            if not re.fullmatch(r"\d{1,19}", key):
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
             if not (math.isfinite(value) and -100 <= value <= 100):
                 raise APIError(400, f"logit_bias values must be in [-100, 100], got {value!r}",
                                param="logit_bias")
-        raise APIError(400, "logit_bias is not supported yet", param="logit_bias")
+            bias[int(key)] = value
+        return bias
 
     @property
     def include_usage(self) -> bool:

@@ -224,7 +224,6 @@ class _Server:
     def _check_common(self, body) -> None:
         if body.n is not None and body.n > self.limits.max_n:
             raise APIError(400, f"n must be <= {self.limits.max_n} (--max-n), got {body.n}", param="n")
-        body.check_logit_bias(self.engine.input_processor.vocab_size)
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> dict:
         if self.tokenizer is None:
