@@ -18,7 +18,7 @@ class ServingMetrics:
     content_type = "text/plain; version=0.0.4; charset=utf-8"
 
     def __init__(self, engine):
-        """engine: an AsyncLLMEngine (its `stats` are the core's, as of its last step)."""
+        """engine: an AsyncLLMEngine or an LLMEngine (its `stats` are the core's, as of its last step)."""
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("fastllm_requests", "Finished requests, by finish reason", ["finish_reason"],
                                 registry=registry)

@@ -143,6 +143,11 @@ class LLMEngine:
         return len(self.output_processor.groups) + len(self.scheduler.beam_searches)
 
     @property
+    def stats(self):
+        """The core's SchedulerStats as of its last step (what ServingMetrics reads)."""
+        return self.core.stats
+
+    @property
     def last_step_wait_s(self) -> float:
         """Time the last step() spent waiting for the GPU (bench: host = step - wait)."""
         return self.core.last_step_wait_s
