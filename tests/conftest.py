@@ -60,10 +60,13 @@ def cached_llm(model: str = STORIES, **kwargs) -> LLM:
     kwargs.setdefault("dtype", "float32")
     # FASTLLM_TEST_DEVICE=cuda reruns the engine tests on a GPU, with the Triton kernels on.
     kwargs.setdefault("device", os.environ.get("FASTLLM_TEST_DEVICE", "cpu"))
+    # The session keeps every cached engine: a small KV pool each (thousands of blocks for the tiny
+    # models) keeps the whole suite's memory well under CI's (the default 0.25 GiB each did not), and on a
+    # GPU leaves room for the next engine (a profiling run would size each to 90% of what is free).
     if kwargs["device"] == "cpu" and "num_gpu_blocks" not in kwargs:
-        # The session keeps every cached engine: a small KV pool each (thousands of blocks for the tiny
-        # models) keeps the whole suite's memory well under CI's, where the default 0.25 GiB did not.
         kwargs.setdefault("cpu_kv_cache_gib", 0.03)
+    elif "gpu_memory_utilization" not in kwargs:
+        kwargs.setdefault("num_gpu_blocks", 2048)
     key = (model, repr(sorted(kwargs.items())))  # (repr: dict values, e.g. speculative_config)
     if key not in _cache:
         _cache[key] = LLM(model, **kwargs)

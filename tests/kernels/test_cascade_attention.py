@@ -70,10 +70,10 @@ class SharedPrefixKV:
 def cascade(impl, query, skv: SharedPrefixKV, scale, key=None, value=None, plan=None):
     """Cascade attention with one implementation's kernels ("triton" or "reference"): prefix, suffix, merge."""
     kv = skv.kv
-    kv_start, prefix_rows, prefix_lens, rows, row_start, max_rows, max_prefix = plan or skv.plan()
+    kv_start, prefix_rows, prefix_lens, rows, row_start, max_rows, max_prefix = (plan or skv.plan())[:7]
     get = triton_impl if impl == "triton" else reference_impl
-    if key is None:  # decode rows
-        max_suffix = int((kv.seq_lens - kv_start).max())
+    if key is None:  # decode rows (the bound on the host before a capture: plan[-1] if given)
+        max_suffix = int((kv.seq_lens - kv_start).max()) if plan is None or len(plan) == 7 else plan[7]
         out, lse = get("paged_decode_attention")(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
                                                  max_suffix, scale, None, kv_start, True)
     else:
@@ -217,7 +217,8 @@ def test_cascade_decode_gpu(device, gen, dtype, hq, hkv, d):
 def test_cascade_decode_gpu_graph_replay(device, gen):
     # replayed launches with fresh queries: the three kernels in one graph give the same as run eagerly
     skv = SharedPrefixKV([16], [512], [64] * 16, 8, 128, 16, torch.bfloat16, device, gen)
-    plan = skv.plan()  # (its device tensors are made outside the capture)
+    plan = skv.plan()  # (its device tensors, and the host bound on the suffixes, are made outside the capture)
+    plan = (*plan, int((skv.kv.seq_lens - plan[0]).max()))
     query = torch.randn(16, 32, 128, device=device, dtype=torch.bfloat16)
     cascade("triton", query, skv, 128**-0.5, plan=plan)
     graph = torch.cuda.CUDAGraph()

@@ -146,17 +146,25 @@ def test_blocks_held_are_bounded_by_the_window(windowed):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_kernels_equal_reference(windowed, dtype, monkeypatch):
     # the windowed decode, fused rotary decode and prefill kernels against the reference kernels, eager
-    from tests.kernels.test_model_with_kernels import run
+    from tests.kernels.test_model_with_kernels import BF16_MARGIN, run
 
-    ref, _ = run(windowed, "reference", PROMPT_SET, MAX_TOKENS, dtype, monkeypatch, max_model_len=512)
-    got, paths = run(windowed, "auto", PROMPT_SET, MAX_TOKENS, dtype, monkeypatch, max_model_len=512)
+    ref, _ = run(windowed, "reference", PROMPT_SET, MAX_TOKENS, dtype, monkeypatch, outputs=True, max_model_len=512)
+    got, paths = run(windowed, "auto", PROMPT_SET, MAX_TOKENS, dtype, monkeypatch, outputs=True, max_model_len=512)
     assert paths and not any(m.endswith("reference") for m in paths.values()), paths
     if dtype == "float32":
-        assert got == ref
-    else:  # bf16 rounds differently in the kernels: most sequences still agree to the end
-        agree = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(g)) for g, r in zip(got, ref)]
-        print(f"\nbf16 windowed stories260K, Triton vs reference kernels: leading tokens agreeing {agree}")
-        assert sum(a == MAX_TOKENS for a in agree) >= 4, agree
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+        return
+    # bf16 rounds differently in the kernels: a sequence may part from the reference only where the
+    # reference's own top-2 margin is a near-tie (after that the two continue from different text).
+    partings = []
+    for g, r in zip(got, ref):
+        want = r.outputs[0]
+        n = next((i for i, (a, b) in enumerate(zip(g.outputs[0].token_ids, want.token_ids)) if a != b), None)
+        if n is not None:
+            top = sorted(want.logprobs[n].values(), key=lambda x: -x.logprob)
+            partings.append((n, round(top[0].logprob - top[1].logprob, 4)))
+            assert partings[-1][1] < BF16_MARGIN, partings
+    print(f"\nbf16 windowed stories260K, Triton vs reference kernels: partings (position, margin) {partings}")
 
 
 @pytest.mark.gpu
