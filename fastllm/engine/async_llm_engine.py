@@ -30,8 +30,14 @@ from concurrent.futures import ThreadPoolExecutor
 from fastllm.config import EngineConfig
 from fastllm.engine.core_client import EngineCoreClient, EngineDeadError
 from fastllm.engine.input_processor import InputProcessor, PromptType
-from fastllm.engine.messages import (Abort, EngineCoreRequest, SchedulerStats, StepOutputs, params_to_wire,
-                                     sample_ids)
+from fastllm.engine.messages import (
+    Abort,
+    EngineCoreRequest,
+    SchedulerStats,
+    StepOutputs,
+    params_to_wire,
+    sample_ids,
+)
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import RequestOutputKind, SamplingParams

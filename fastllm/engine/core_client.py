@@ -31,7 +31,6 @@ import msgspec
 import zmq
 
 import fastllm
-
 from fastllm.engine.core_proc import make_socket, receive_all, run_engine_core
 from fastllm.engine.messages import CoreMessage, EngineReady, Shutdown, UtilityCall, UtilityResult
 

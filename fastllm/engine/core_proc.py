@@ -25,9 +25,19 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from fastllm.engine.messages import (Abort, ClientMessage, CoreMessage, EngineCoreOutput, EngineCoreRequest,
-                                     EngineReady, Shutdown, StepOutputs, UtilityCall, UtilityResult,
-                                     params_from_wire)
+from fastllm.engine.messages import (
+    Abort,
+    ClientMessage,
+    CoreMessage,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineReady,
+    Shutdown,
+    StepOutputs,
+    UtilityCall,
+    UtilityResult,
+    params_from_wire,
+)
 
 logger = logging.getLogger("fastllm.engine.core_proc")  # also when run as __main__
 

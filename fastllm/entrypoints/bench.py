@@ -337,8 +337,7 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
     import numpy as np
 
     from fastllm.bench import ceilings as ceil
-    from fastllm.bench import report
-    from fastllm.bench import serving
+    from fastllm.bench import report, serving
     from fastllm.bench.runner import random_prompts
     from fastllm.entrypoints.openai.server import served_name
     from fastllm.worker.worker import select_device

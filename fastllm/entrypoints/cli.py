@@ -14,8 +14,15 @@ import re
 import sys
 import typing
 
-from fastllm.config import (CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                            SpeculativeConfig)
+from fastllm.config import (
+    CacheConfig,
+    CompileConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, CompileConfig, EngineConfig)
 # Speculative decoding's engine arguments, which build a SpeculativeConfig (EngineConfig.from_kwargs): vLLM's

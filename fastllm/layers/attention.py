@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastllm.kernels import dispatch as ops
 from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
+from fastllm.kernels import dispatch as ops
 from fastllm.layers.rotary import RotaryEmbedding
 from fastllm.worker.attn_metadata import get_attn_metadata
 

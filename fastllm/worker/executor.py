@@ -342,7 +342,7 @@ class MultiprocExecutor:
         that names the worker behind it."""
         try:
             return fn(*args)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             culprit = self._find_failed_worker(grace_s=3.0)
             if culprit is None:
                 raise

@@ -22,7 +22,6 @@ from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.attn_metadata import forward_context
 from fastllm.worker.cache_engine import CacheEngine
 from fastllm.worker.cascade import CascadePlanner
-from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
 from fastllm.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fastllm.worker.staging import StepInputStager

@@ -32,8 +32,12 @@ import torch.distributed as dist
 
 from fastllm.config import EngineConfig
 from fastllm.distributed.communication import get_tp_group
-from fastllm.distributed.parallel_state import (ParallelRank, ProcessGroups, destroy_distributed,
-                                                init_distributed)
+from fastllm.distributed.parallel_state import (
+    ParallelRank,
+    ProcessGroups,
+    destroy_distributed,
+    init_distributed,
+)
 from fastllm.worker.worker import Worker, select_device
 
 logger = logging.getLogger(__name__)
@@ -229,7 +233,7 @@ def serve_rank(setup: RankSetup, conn: Connection | None = None, progress=None) 
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.error("rank %d: the engine's connection closed: exiting", rank)
         os._exit(1)
-    except BaseException:  # noqa: BLE001  (whatever it is, the engine must hear of it)
+    except BaseException:
         text = traceback.format_exc()
         logger.error("rank %d failed:\n%s", rank, text)
         if conn is not None:

@@ -35,8 +35,15 @@ from fastapi.responses import JSONResponse, Response
 from fastllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
 from fastllm.engine.detokenizer import IncrementalDetokenizer, text_bytes
 from fastllm.entrypoints.openai.limits import API_KEY_ENV, ServerLimits
-from fastllm.entrypoints.openai.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                                  decode_body, error_body, param_of, request_schemas)
+from fastllm.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_body,
+    error_body,
+    param_of,
+    request_schemas,
+)
 from fastllm.metrics import ServingMetrics
 from fastllm.outputs import CompletionOutput, RequestOutput
 from fastllm.sampling_params import SamplingParams
