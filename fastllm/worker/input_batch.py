@@ -100,23 +100,69 @@ def build_step_inputs(
     spec_tokens: each request's draft tokens, the last of its scheduled tokens (speculative decoding):
     every row of a sampling request from its last known token on gives logits (verify rows).
     cascade: the step's shared-prefix groups (worker/cascade.py), sent with the rest."""
-    num_reqs = len(states)
     counts = np.asarray(num_scheduled, dtype=np.int64)
-    start_list = [s.num_computed_tokens for s in states]
-    starts = np.asarray(start_list, dtype=np.int64)
+    starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
     ends = starts + counts
-    max_blocks = max(len(s.block_ids) for s in states)
     # A graph's replay size of rows: the padding rows stay 0, the null block.
-    table_rows = graph.padded_size(num_reqs) if graph is not None else num_reqs
-    block_tables = np.zeros((table_rows, max_blocks), dtype=np.int32)
-    input_ids: list[int] = []
-    from_device: list[tuple[int, int]] = []  # (flat input row, row of in_flight.sampled)
-    sample_rows, sample_states = [], []
-    num_spec = [len(t) for t in spec_tokens] if spec_tokens else None
-    for i, (state, start, count) in enumerate(zip(states, start_list, num_scheduled)):
-        end = start + count
-        if num_spec:
-            end -= num_spec[i]  # the draft tokens come after the known ones
+    table_rows = graph.padded_size(len(states)) if graph is not None else len(states)
+    batch = _gather(states, num_scheduled, spec_tokens, in_flight, table_rows)
+    query_start_loc, positions, slots = flat_positions(starts, counts, batch.block_tables, block_size)
+    logits_indices, verify_rows = _logits_indices(query_start_loc, batch.sample_rows, spec_tokens)
+    # Every token samples (a decode step): the hidden states are the logits' rows as they are.
+    every_row = len(logits_indices) == int(query_start_loc[-1])
+    if every_row:
+        logits_indices = np.zeros(0, np.int64)
+    ids = np.asarray(batch.input_ids, dtype=np.int64)
+    seq_lens = ends.astype(np.int32)
+    if graph is not None:
+        assert not spec_tokens, "draft tokens are verified without CUDA graphs"
+        return _stage_for_graph(graph, stager, in_flight, batch.from_device, ids, positions, slots, seq_lens,
+                                batch.block_tables, None if every_row else logits_indices, batch.sample_states,
+                                vocab_size, eos_token_id, cascade)
+    scatter = np.asarray(batch.from_device, dtype=np.int64).reshape(-1, 2).T
+    (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d, *cascade_d) = stager.send(
+        [ids, positions, slots, logits_indices, scatter],
+        [batch.block_tables, seq_lens, query_start_loc, *(cascade.arrays() if cascade is not None else ())])
+    if batch.from_device:
+        ids_d.index_copy_(0, scatter_d[0], in_flight.sampled.index_select(0, scatter_d[1]))
+    metadata = AttentionMetadata(
+        slot_mapping=slots_d, block_tables=tables_d, seq_lens=seq_lens_d, query_start_loc=qsl_d,
+        max_query_len=int(counts.max()), max_seq_len=int(ends.max()),
+        cascade=None if cascade is None else CascadeMetadata(*cascade_d, cascade.max_group_rows, cascade.max_prefix_len,
+                                                             cascade.max_suffix_len),
+    )
+    drafts = None if verify_rows is None else [spec_tokens[i] for i in batch.sample_rows]
+    return StepInputs(
+        input_ids=ids_d,
+        positions=positions_d,
+        attn_metadata=metadata,
+        logits_indices=None if every_row else logits_d,
+        sample_states=batch.sample_states,
+        sampling_metadata=_sampling_metadata(batch.sample_states, vocab_size, eos_token_id, stager.device, drafts),
+        num_verify_rows=None if verify_rows is None else verify_rows.tolist(),
+    )
+
+
+@dataclass
+class _Gathered:
+    """A step's requests as flat host lists: what build_step_inputs stages."""
+
+    input_ids: list[int]
+    from_device: list[tuple[int, int]]  # (flat input row, row of in_flight.sampled): tokens still on the device
+    sample_rows: list[int]  # requests that sample this step (their last row's logits give the next token)
+    sample_states: list[CachedRequestState]
+    block_tables: np.ndarray  # [table_rows, widest table] int32; padding rows 0 (the null block)
+
+
+def _gather(states, num_scheduled, spec_tokens, in_flight, table_rows: int) -> _Gathered:
+    """Each request's input tokens (known ones, the in-flight one's place, its drafts), block table row, and
+    whether it samples: one pass, O(1) Python a request."""
+    batch = _Gathered([], [], [], [], np.zeros((table_rows, max(len(s.block_ids) for s in states)), dtype=np.int32))
+    input_ids = batch.input_ids
+    for i, (state, count) in enumerate(zip(states, num_scheduled)):
+        start = state.num_computed_tokens
+        drafts = spec_tokens[i] if spec_tokens else ()
+        end = start + count - len(drafts)  # the draft tokens come after the known ones
         num_tokens = state.num_tokens
         if end <= num_tokens:
             input_ids.extend(state.token_slice(start, end))
@@ -124,59 +170,27 @@ def build_step_inputs(
             assert end == num_tokens + 1 and in_flight is not None, "only the last step's token may be unknown"
             if start < num_tokens:
                 input_ids.extend(state.token_slice(start, num_tokens))
-            from_device.append((len(input_ids), in_flight.rows[state.req_id]))
+            batch.from_device.append((len(input_ids), in_flight.rows[state.req_id]))
             input_ids.append(0)
-        if num_spec:
-            input_ids.extend(spec_tokens[i])
+        input_ids.extend(drafts)
         num_blocks = len(state.block_ids)
-        block_tables[i, :num_blocks] = state.block_table[:num_blocks]
+        batch.block_tables[i, :num_blocks] = state.block_table[:num_blocks]
         if end == num_tokens + state.num_pending:  # caught up: the last row's logits give the next token
-            sample_rows.append(i)
-            sample_states.append(state)
+            batch.sample_rows.append(i)
+            batch.sample_states.append(state)
+    return batch
 
-    query_start_loc, positions, slots = flat_positions(starts, counts, block_tables, block_size)
-    num_tokens = int(query_start_loc[-1])
-    logits_indices = query_start_loc[1:][sample_rows].astype(np.int64) - 1  # each sample state's last row
-    verify_rows = None
-    if spec_tokens:  # and the rows of its draft tokens before it: the last verify_rows[j] of its query
-        verify_rows = np.asarray(num_spec, dtype=np.int64)[sample_rows] + 1
-        logits_indices = np.repeat(logits_indices - verify_rows + 1, verify_rows) + \
-            (np.arange(int(verify_rows.sum())) - np.repeat(np.cumsum(verify_rows) - verify_rows, verify_rows))
-    # Every token samples (a decode step): the hidden states are the logits' rows as they are.
-    every_row = len(logits_indices) == num_tokens
-    if every_row:
-        logits_indices = np.zeros(0, np.int64)
-    ids = np.asarray(input_ids, dtype=np.int64)
-    seq_lens = ends.astype(np.int32)
 
-    if graph is not None:
-        assert not spec_tokens, "draft tokens are verified without CUDA graphs"
-        return _stage_for_graph(graph, stager, in_flight, from_device, ids, positions, slots, seq_lens,
-                                block_tables, None if every_row else logits_indices, sample_states, vocab_size,
-                                eos_token_id, cascade)
-    scatter = np.asarray(from_device, dtype=np.int64).reshape(-1, 2).T
-    (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d, *cascade_d) = stager.send(
-        [ids, positions, slots, logits_indices, scatter],
-        [block_tables, seq_lens, query_start_loc, *(cascade.arrays() if cascade is not None else ())])
-    if from_device:
-        ids_d.index_copy_(0, scatter_d[0], in_flight.sampled.index_select(0, scatter_d[1]))
-
-    metadata = AttentionMetadata(
-        slot_mapping=slots_d, block_tables=tables_d, seq_lens=seq_lens_d, query_start_loc=qsl_d,
-        max_query_len=int(counts.max()), max_seq_len=int(ends.max()),
-        cascade=None if cascade is None else CascadeMetadata(*cascade_d, cascade.max_group_rows, cascade.max_prefix_len,
-                                                             cascade.max_suffix_len),
-    )
-    return StepInputs(
-        input_ids=ids_d,
-        positions=positions_d,
-        attn_metadata=metadata,
-        logits_indices=None if every_row else logits_d,
-        sample_states=sample_states,
-        sampling_metadata=_sampling_metadata(sample_states, vocab_size, eos_token_id, stager.device,
-                                             None if verify_rows is None else [spec_tokens[i] for i in sample_rows]),
-        num_verify_rows=None if verify_rows is None else verify_rows.tolist(),
-    )
+def _logits_indices(query_start_loc: np.ndarray, sample_rows: list[int],
+                    spec_tokens: list[list[int]] | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The flat rows whose logits are sampled: each sampling request's last row, or with drafts (speculative
+    decoding) its last len(drafts) + 1 rows (verify_rows, per sampling request; None without drafts)."""
+    logits_indices = query_start_loc[1:][sample_rows].astype(np.int64) - 1
+    if not spec_tokens:
+        return logits_indices, None
+    verify_rows = np.fromiter((len(spec_tokens[i]) for i in sample_rows), dtype=np.int64, count=len(sample_rows)) + 1
+    offsets = np.arange(int(verify_rows.sum())) - np.repeat(np.cumsum(verify_rows) - verify_rows, verify_rows)
+    return np.repeat(logits_indices - verify_rows + 1, verify_rows) + offsets, verify_rows
 
 
 def flat_positions(starts: np.ndarray, counts: np.ndarray, block_tables: np.ndarray,
