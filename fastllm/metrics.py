@@ -9,7 +9,7 @@ The engine's numbers come with its outputs: every step's message carries the cor
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0)
 
@@ -63,3 +63,9 @@ class _EngineCollector:
              s.spec_num_accepted_tokens),
         ):
             yield CounterMetricFamily(name, doc, value=value)
+        if s.spec_num_drafts:  # the counters' ratios, as vLLM exports them
+            yield GaugeMetricFamily("fastllm_spec_decode_acceptance_rate", "Draft tokens accepted / verified",
+                                    value=s.spec_num_accepted_tokens / s.spec_num_draft_tokens)
+            yield GaugeMetricFamily("fastllm_spec_decode_mean_accepted_length",
+                                    "Tokens a verification gives a request: accepted drafts + the target's own",
+                                    value=1 + s.spec_num_accepted_tokens / s.spec_num_drafts)

@@ -215,4 +215,7 @@ def test_metrics_count_drafts_and_accepted_tokens():
     lines = ServingMetrics(llm.engine).render().decode().splitlines()
     assert f"fastllm_spec_decode_num_draft_tokens_total {float(stats.num_draft_tokens)}" in lines
     assert f"fastllm_spec_decode_num_accepted_tokens_total {float(stats.num_accepted_tokens)}" in lines
+    assert f"fastllm_spec_decode_num_drafts_total {float(stats.num_drafts)}" in lines
+    assert f"fastllm_spec_decode_acceptance_rate {stats.acceptance_rate}" in lines
+    assert f"fastllm_spec_decode_mean_accepted_length {stats.mean_acceptance_length}" in lines
     assert stats.num_accepted_tokens > 0
