@@ -167,6 +167,38 @@ def test_bad_completion_requests(server, body, status, match):
     wait_idle(engine)
 
 
+@pytest.mark.parametrize("kwargs", [{"tokenize": True}, {"add_generation_prompt": False}, {"conversation": []}])
+def test_chat_template_kwargs_that_clash_are_400(server, kwargs):
+    url, engine = server
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Once"}], "max_tokens": 2,
+            "chat_template_kwargs": kwargs}
+    r = httpx.post(url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs"
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_chat_template_that_raises_is_400():
+    """A template's own refusal (raise_exception: "roles must alternate", ...) is the request's fault."""
+    from fastapi.testclient import TestClient
+
+    from tests.entrypoints.conftest import thread_engine
+
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first role must be user') }}" \
+               "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    engine = thread_engine(num_gpu_blocks=64)
+    try:
+        with TestClient(build_app(engine, MODEL, chat_template=template)) as http:
+            body = {"messages": [{"role": "system", "content": "Once"}], "max_tokens": 2}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400, r.text
+            assert "the first role must be user" in r.json()["error"]["message"]
+            body["messages"][0]["role"] = "user"
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+    finally:
+        engine.shutdown()
+
+
 def test_bad_request_through_the_client(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt=["fine", ""], max_tokens=4)  # the second is empty

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import jinja2
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -239,9 +240,14 @@ class _Server:
         if not template:
             raise APIError(400, "this model's tokenizer has no chat template; start the server with "
                            "--chat-template")
-        text = self.tokenizer.apply_chat_template(body.texts(), chat_template=template, tokenize=False,
-                                                  add_generation_prompt=body.add_generation_prompt,
-                                                  **(body.chat_template_kwargs or {}))
+        try:
+            text = self.tokenizer.apply_chat_template(body.texts(), chat_template=template, tokenize=False,
+                                                      add_generation_prompt=body.add_generation_prompt,
+                                                      **(body.chat_template_kwargs or {}))
+        except TypeError as e:  # a chat_template_kwargs key that is one of apply_chat_template's own
+            raise APIError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+        except jinja2.TemplateError as e:  # the template refuses the messages (raise_exception)
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
         # A template that writes the BOS itself gets no second one from the tokenizer.
         bos = getattr(self.tokenizer, "bos_token", None)
         add_special = not (bos and text.startswith(bos))
