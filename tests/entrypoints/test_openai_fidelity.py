@@ -154,6 +154,31 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client):
         client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0)
 
 
+def test_streamed_echo_of_a_prompt_scored_in_chunks():
+    """A prompt longer than a step's token budget is scored over several steps: the streamed echo waits
+    for all of its logprobs and equals the whole response's."""
+    from tests.engine.engine_testing import wait_idle
+    from tests.entrypoints.conftest import serving, thread_engine
+
+    engine = thread_engine(num_gpu_blocks=64, max_num_batched_tokens=8)
+    prompt = "Once upon a time there was a little girl named Lily. She loved to play outside."
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 1}
+    try:
+        with serving(engine) as url:
+            whole = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+            client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+            text, tokens = "", []
+            for chunk in client.completions.create(**body, stream=True):
+                for c in chunk.choices:
+                    text += c.text
+                    tokens += c.logprobs.tokens if c.logprobs else []
+            wait_idle(engine)
+    finally:
+        engine.shutdown()
+    assert len(engine.tokenizer(prompt)["input_ids"]) > 2 * 8
+    assert text == whole["text"] and tokens == whole["logprobs"]["tokens"]
+
+
 def stream_texts(client, **kwargs) -> tuple[list[str], str | None]:
     pieces, finish = [], None
     for chunk in client.completions.create(model=MODEL, stream=True, **kwargs):

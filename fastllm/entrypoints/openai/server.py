@@ -555,6 +555,8 @@ class _Shape:
     def _completion_delta(self, index: int, prompt_index: int, o: CompletionOutput, out: RequestOutput):
         echo = None
         if index not in self._text_offsets:  # the choice's first chunk writes the prompt back
+            if out.prompt_logprobs is not None and len(out.prompt_logprobs) < len(out.prompt_token_ids):
+                return "", None  # a prompt scored in chunks: its echo waits for the last chunk's logprobs
             echo = self._echo(prompt_index, out)
         generated = o if not self.score_only else _nothing(o)
         offset = self._text_offsets.get(index, 0)
