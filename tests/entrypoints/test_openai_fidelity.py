@@ -200,6 +200,20 @@ def test_stop_strings_are_never_streamed_then_taken_back(client):
     assert len([p for p in pieces if p]) > 3  # it did stream, piece by piece
 
 
+def test_streamed_text_offsets_count_text_held_for_a_stop_string(client):
+    """A token whose text is held back (it could begin a stop string) comes in one chunk, its text in a
+    later one: the offsets of the tokens after it still count it."""
+    kwargs = dict(model=MODEL, prompt=PROMPTS[0], temperature=0, max_tokens=12, logprobs=0)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    stop = [whole.tokens[2] + "\x01", whole.tokens[5] + "\x01"]  # never met: the same text, held twice
+    tokens, offsets = [], []
+    for chunk in client.completions.create(**kwargs, stop=stop, stream=True):
+        for c in chunk.choices:
+            tokens += c.logprobs.tokens
+            offsets += c.logprobs.text_offset
+    assert tokens == whole.tokens and offsets == whole.text_offset
+
+
 def test_stop_strings_wait_for_min_tokens(client, server):
     tokenizer = server[1].tokenizer
     plain = cached_llm(device="cpu", dtype="float32").generate(

@@ -560,7 +560,11 @@ class _Shape:
             echo = self._echo(prompt_index, out)
         generated = o if not self.score_only else _nothing(o)
         offset = self._text_offsets.get(index, 0)
-        self._text_offsets[index] = offset + len(generated.text) + (len(echo.text) if echo else 0)
+        # The next token's offset: after this chunk's tokens, the text of which may come in a later chunk
+        # (held back while it could begin a stop string).
+        added = len(generated.text) if o.logprobs is None else sum(
+            len(step[t].decoded_token or "") for t, step in zip(generated.token_ids, generated.logprobs))
+        self._text_offsets[index] = offset + added + (len(echo.text) if echo else 0)
         text = (echo.text if echo else "") + generated.text
         logprobs = _completion_logprobs(generated, offset, echo) if o.logprobs is not None else None
         return text, logprobs
