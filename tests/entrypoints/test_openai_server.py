@@ -101,6 +101,25 @@ def test_streamed_choices_of_several_prompts_and_samples(client):
     assert roles == {0: "assistant", 1: "assistant"} and set(contents) == {0, 1}
 
 
+def test_streamed_choice_says_its_finish_reason_once(client):
+    """Samples that end at different steps (a stop string): a choice's finish_reason comes once, in its
+    last chunk, as OpenAI and vLLM send it; the choices still running go on."""
+    params = dict(model=MODEL, temperature=1.0, seed=1, max_tokens=25, n=3, stop=["."], stream=True)
+    streams = [client.completions.create(prompt=PROMPTS[0], **params),
+               client.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[0]}], **params)]
+    for stream in streams:
+        finished, ended_at, chunks = {}, set(), 0
+        for chunk in stream:
+            chunks += 1
+            for c in chunk.choices:
+                assert c.index not in finished, f"choice {c.index} goes on after its finish_reason"
+                if c.finish_reason is not None:
+                    finished[c.index] = c.finish_reason
+                    ended_at.add(chunks)
+        assert sorted(finished) == [0, 1, 2]
+        assert len(ended_at) > 1  # they did end at different steps
+
+
 def test_chat_through_the_template(client):
     messages = [{"role": "system", "content": "Once upon a time"}, {"role": "user", "content": "there was"}]
     want = offline(["Once upon a time there was"], temperature=0, max_tokens=20)[0]

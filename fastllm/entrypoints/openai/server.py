@@ -315,7 +315,8 @@ class _Server:
                 for o in out.outputs:
                     completion_tokens += len(o.token_ids)
                 last = out
-                yield shape.chunk(0, out)
+                if chunk := shape.chunk(0, out):
+                    yield chunk
             if include_usage and last is not None:
                 yield shape.usage_chunk(len(last.prompt_token_ids), completion_tokens)
             yield b"data: [DONE]\n\n"
@@ -361,8 +362,8 @@ class _Server:
                 elif isinstance(item, Exception):
                     yield _sse(error_body(500, str(item), "InternalServerError"))
                     break
-                else:
-                    yield shape.chunk(index, item)
+                elif chunk := shape.chunk(index, item):
+                    yield chunk
             if include_usage:
                 yield shape.usage_chunk(prompt_tokens, completion_tokens)
             yield b"data: [DONE]\n\n"
@@ -488,6 +489,7 @@ class _Shape:
         self.token_ids = token_ids  # return_token_ids: each choice carries its token ids
         self._echoes: dict[int, _Echo] = {}  # prompt index -> its echo, shared by the prompt's n choices
         self._text_offsets: dict[int, int] = {}  # choice index -> characters streamed so far
+        self._ended: set[int] = set()  # choices whose finish_reason has been streamed
         self.chunk_kind = kind + ".chunk" if chat else kind
         self._chunk_head = (b'data: {"id":' + msgspec.json.encode(self.id) + b',"object":"'
                             + self.chunk_kind.encode() + b'","created":' + str(self.created).encode()
@@ -535,10 +537,15 @@ class _Shape:
         return self._chunk_head + msgspec.json.encode(choices)[1:-1] + b"]}\n\n"
 
     def chunk(self, prompt_index: int, out: RequestOutput) -> bytes:
-        """One SSE event with each sample's news of one prompt's output."""
+        """One SSE event with each sample's news of one prompt's output (b"" when none has any): a choice
+        that has ended is not written again (its delta repeats its finish_reason)."""
         parts = []
         for o in out.outputs:
             index = prompt_index * self.n + o.index
+            if index in self._ended:
+                continue
+            if o.finish_reason is not None:
+                self._ended.add(index)
             if self.chat:
                 choice = {"index": index, "delta": {"content": o.text} if o.text else {},
                           "logprobs": self._chat_logprobs(o) if o.logprobs is not None else None,
@@ -550,7 +557,7 @@ class _Shape:
             if self.token_ids:
                 choice["token_ids"] = [] if self.score_only else o.token_ids
             parts.append(msgspec.json.encode(choice))
-        return self._chunk_head + b",".join(parts) + b"]}\n\n"
+        return self._chunk_head + b",".join(parts) + b"]}\n\n" if parts else b""
 
     def _completion_delta(self, index: int, prompt_index: int, o: CompletionOutput, out: RequestOutput):
         echo = None
