@@ -345,6 +345,30 @@ def test_failed_step_is_500_for_its_request_only(server):
     wait_idle(engine)
 
 
+def test_failed_prompt_of_a_whole_response_stops_the_others(server):
+    """One prompt of a non-streamed request fails in the engine: the response is a 500 at once, and the
+    request's other prompts are aborted, not generated to their end for nobody."""
+    url, engine = server
+    wait_idle(engine)
+    core = engine.engine.core
+    add = core.add_request
+
+    def refuse_second(request_id, *args):
+        if request_id.endswith("-1"):
+            raise ValueError("planted refusal")
+        return add(request_id, *args)
+    core.add_request = refuse_second
+    try:
+        with count_steps(engine) as steps:
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [PROMPTS[2], "Once"],
+                                                          "max_tokens": 450, "ignore_eos": True}, timeout=60)
+            wait_idle(engine)
+    finally:
+        del core.add_request
+    assert r.status_code == 500 and "planted refusal" in r.json()["error"]["message"]
+    assert steps[0] < 400, "the engine generated (nearly) all 450 tokens of a prompt whose response had failed"
+
+
 def test_serve_command_parses():
     from fastllm.entrypoints.cli import main
 

@@ -264,7 +264,8 @@ class _Server:
             else:
                 chunks = self._stream_many(streams, shape, arrival, body.include_usage)
             return _EventStream(chunks)
-        finals = asyncio.ensure_future(asyncio.gather(*(self._final(s) for s in streams)))
+        readers = [asyncio.ensure_future(self._final(s)) for s in streams]
+        finals = asyncio.gather(*readers)
         # A whole response is written at the end: meanwhile, watch for a client that has gone.
         while not (await asyncio.wait({finals}, timeout=DISCONNECT_POLL_S))[0]:
             if await request.is_disconnected():
@@ -276,6 +277,8 @@ class _Server:
         try:
             outs = finals.result()
         except (RequestFailedError, EngineDeadError) as e:
+            for reader in readers:  # the other prompts' output would go unread: abort them
+                reader.cancel()
             self.metrics.requests.labels(finish_reason="error").inc(params.n * len(streams))
             raise APIError(500, str(e), "InternalServerError") from None
         for out in outs:
