@@ -127,7 +127,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = collector
         try:
             self.client.send(EngineCoreRequest(request_id, token_ids, params_to_wire(params)))
-        except EngineDeadError:
+        except BaseException:  # not sent: nothing of it may stay here
             self._drop(request_id)
             raise
         return RequestStream(self, request_id, collector)

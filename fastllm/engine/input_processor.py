@@ -80,6 +80,9 @@ class InputProcessor:
         if max_tokens < 1:
             raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room to generate within "
                              f"max_model_len ({max_len})")
+        if params.min_tokens > max_tokens:  # (max_tokens None leaves min_tokens unchecked until here)
+            raise ValueError(f"SamplingParams.min_tokens must be <= max_tokens ({max_tokens}, with the prompt "
+                             f"within max_model_len {max_len}), got {params.min_tokens}")
         return max_tokens
 
 

@@ -123,6 +123,25 @@ def test_bad_request_fails_alone(engine):
     wait_idle(engine)
 
 
+def test_min_tokens_beyond_the_context_is_refused_and_holds_nothing(engine):
+    """With max_tokens None, min_tokens had no bound: past 2**64 it could not be sent to the core (an
+    OverflowError, the request left held in this process); past the room the prompt leaves it asks for
+    what can never be generated."""
+    async def main():
+        for min_tokens in (10**20, 600):
+            with pytest.raises(ValueError, match="SamplingParams.min_tokens"):
+                await engine.add_request(f"min-{min_tokens}", PROMPTS[0],
+                                         SamplingParams(max_tokens=None, min_tokens=min_tokens))
+        return await collect(engine, PROMPTS[0], SamplingParams(max_tokens=None, min_tokens=8), "fine")
+
+    outs = asyncio.run(main())
+    assert len(outs[-1].outputs[0].token_ids) >= 8
+    assert not engine.output_processor.groups and not engine._streams
+    wait_idle(engine)
+    with pytest.raises(ValueError, match="SamplingParams.min_tokens"):
+        engine.engine.add_request("offline", PROMPTS[0], SamplingParams(max_tokens=None, min_tokens=600))
+
+
 def test_failed_step_fails_its_request_and_the_engine_serves_on(engine):
     """The step of `poison` raises: its stream raises RequestFailedError with the cause, and the
     engine goes on serving the requests after it."""
