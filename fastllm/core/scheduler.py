@@ -435,7 +435,10 @@ class Scheduler:
     def _fork_beam(self, search: BeamSearch, parent: Request, token: int) -> Request:
         """A new beam: the parent's tokens and token, sharing all the parent's blocks when it runs
         (else recomputed from the waiting queue, hitting the prefix cache)."""
-        child = parent.copy_as(search.next_beam_id())
+        beam_id = search.next_beam_id()
+        while beam_id in self.requests:  # a request of the caller's took the name
+            beam_id = search.next_beam_id()
+        child = parent.copy_as(beam_id)
         child.append_token(token)
         if parent.status == RequestStatus.RUNNING and self.kv.fork(parent, child, parent.num_computed_tokens):
             child.status = RequestStatus.RUNNING

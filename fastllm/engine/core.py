@@ -62,7 +62,7 @@ class EngineCore:
         max_tokens = self.checker.check_request(prompt_token_ids, params)
         ids = sample_ids(request_id, params.n)
         for i in {request_id, *ids}:
-            if i in self._samples or i in self._live:
+            if i in self._samples or i in self._live or i in self.scheduler.requests:  # (beams are the scheduler's)
                 raise ValueError(f"request id {i!r} is already in use")
         block_size, hash_fn = self.config.cache.block_size, self.scheduler.hash_fn
         samples: list[Request] = []

@@ -188,3 +188,25 @@ def test_beam_search_with_a_draft_model_loaded():
     plain = run_beam_search(cached_llm(), PROMPTS[:2], params, PERIOD)
     spec = run_beam_search(cached_llm(speculative_model=DRAFT, num_speculative_tokens=3), PROMPTS[:2], params, PERIOD)
     assert_equal_runs(plain, spec)
+
+
+def test_a_callers_request_id_never_clashes_with_a_beams():
+    """Beams are requests named after their search (x#beam1, ...): a caller's request of a beam's name
+    is refused while that beam lives, and a name a beam has not taken yet is skipped by the search."""
+    llm = cached_llm()
+    engine = llm.engine
+    params = BeamSearchParams(2, max_tokens=6)
+    want = run_beam_search(llm, PROMPTS[:1], params, None)[0]
+    engine.add_beam_search("x", PROMPTS[0], params)
+    engine.step()
+    live_beam = next(r for r in engine.scheduler.requests if r.startswith("x#"))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request(live_beam, PROMPTS[1], SamplingParams(max_tokens=2))
+    engine.add_request("x#beam9", PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [c.token_ids for c in done["x"].outputs] == [s.tokens[len(done["x"].prompt_token_ids):]
+                                                        for s in want.sequences]
+    assert len(done["x#beam9"].outputs[0].token_ids) == 12
+    engine.check_kv_pool_whole()
