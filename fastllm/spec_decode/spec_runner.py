@@ -199,8 +199,9 @@ class SpecDecodeRunner:
         tables = np.zeros((step.padded_size(num_reqs), int(held.max())), dtype=np.int32)
         for i, state in enumerate(states):
             tables[i, :held[i]] = state.block_table[:held[i]]
-        slots = np.fromiter((max(s.prob_slot, 0) for s in states), dtype=np.int64, count=num_reqs) \
-            if self.drafter is not None else np.zeros(num_reqs, dtype=np.int64)
+        # (a request without a slot, greedy, writes its q into the scratch slot, not into another's slot 0)
+        slots = np.fromiter((s.prob_slot if s.prob_slot >= 0 else step.scratch_slot for s in states),
+                            dtype=np.int64, count=num_reqs)
         params = graph_sampling_params(states, step.max_bs, self.runner.args.vocab_size) if sampled else None
         step.stage(self.runner.stager, tokens, start, num_drafts, held * block_size, slots, params, tables)
         out = step.execute(num_reqs, sampled).cpu().numpy()

@@ -224,3 +224,26 @@ def test_json_speculative_config_as_the_cli_gives_it():
     spec = llm.engine.config.speculative
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min) == \
         ("ngram", 2, 4, 2)
+
+
+def test_greedy_neighbours_leave_a_sampled_requests_draft_probabilities_alone(path_counts):
+    """The batched step keeps the q each sampled request's drafts were drawn from in its own slot; a
+    greedy request in the same batch (no slot) must not write its q there. Each pending draft of the
+    top_k=6 request was drawn from a q of exactly 6 tokens, the draft among them."""
+    llm = LLM(STORIES, dtype="float32", device="cpu", speculative_model=DRAFT, num_speculative_tokens=4,
+              num_gpu_blocks=128, async_scheduling=False)  # (each step's proposals are applied before it returns)
+    engine, runner = llm.engine, llm.engine.worker.runner
+    engine.add_request("greedy-before", PROMPTS[1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    engine.add_request("sampled", PROMPTS[0], SamplingParams(temperature=1.0, top_k=6, max_tokens=30, ignore_eos=True))
+    engine.add_request("greedy-after", PROMPTS[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    checked = 0
+    for _ in range(6):
+        engine.step()
+        drafts = engine.scheduler.requests["sampled"].spec_token_ids
+        q = runner.spec.step.draft_probs[runner.requests["sampled"].prob_slot, :len(drafts)]
+        assert ((q > 0).sum(dim=-1) == 6).all(), (q > 0).sum(dim=-1)
+        assert all(q[j, d] > 0 for j, d in enumerate(drafts))
+        checked += len(drafts)
+    assert checked >= 20 and path_counts["batched"] >= 4
+    engine.abort_request(["greedy-before", "sampled", "greedy-after"])
+    engine.check_kv_pool_whole()
