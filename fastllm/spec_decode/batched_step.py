@@ -68,7 +68,10 @@ class SpecDecodeStep:
         i32 = self.static[self.int32_start:].view(torch.int32)
         self.sampling_params = i32[:SAMPLING_ROWS * n].view(torch.float32).view(SAMPLING_ROWS, n)
         self._staged_i32 = i32  # [sampling params |] block tables, as staged
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        # A row's keys end at start + q_len, past max_model_len near a request's end (the draft's last round:
+        # max_model_len + 2k): the attention reads that far through the table, so it has the columns.
+        self.max_seq_len = max_model_len + 2 * k
+        self.block_tables = torch.zeros(n, -(-self.max_seq_len // block_size), dtype=torch.int32, device=device)
         self.out = torch.zeros(n, 2 * k + 2, dtype=torch.int64, device=device)
         # q of the drafts a sampled request proposed, kept for the step that verifies them: one slot per
         # request (the runner assigns them), the last slot for padding rows.
@@ -213,7 +216,7 @@ class SpecDecodeStep:
         metadata = AttentionMetadata(
             slot_mapping=slots.view(-1), block_tables=tables, seq_lens=(start + q_len).to(torch.int32),
             query_start_loc=torch.arange(0, (bs + 1) * q_len, q_len, dtype=torch.int32, device=start.device),
-            max_query_len=q_len, max_seq_len=self.max_model_len)
+            max_query_len=q_len, max_seq_len=self.max_seq_len)
         with forward_context(metadata, model.attention_layers):
             hidden = model.forward(input_ids.reshape(-1), positions.clamp(max=self.max_model_len - 1).view(-1))
         return model.compute_logits(hidden)

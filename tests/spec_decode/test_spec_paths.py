@@ -247,3 +247,18 @@ def test_greedy_neighbours_leave_a_sampled_requests_draft_probabilities_alone(pa
     assert checked >= 20 and path_counts["batched"] >= 4
     engine.abort_request(["greedy-before", "sampled", "greedy-after"])
     engine.check_kv_pool_whole()
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_requests_that_run_to_max_model_len_keep_the_targets_tokens(method, path_counts):
+    """Near max_model_len a batched step's k + 1 verify rows (and the draft's rounds) reach past the
+    last position a request can hold; the rows that are real must still attend to exactly their own
+    keys. max_tokens=None: every request runs to max_model_len."""
+    engine = dict(max_model_len=32, block_size=8, num_gpu_blocks=64)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    reference = cached_llm(**engine).generate(PROMPTS, params, use_tqdm=False)
+    spec = {"method": method, "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3} \
+        if method == "ngram" else {"model": DRAFT, "num_speculative_tokens": 4}
+    llm = cached_llm(speculative_config=spec, **engine)
+    assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == token_ids(reference)
+    assert path_counts["batched"] > 0
