@@ -179,6 +179,9 @@ class MultiprocExecutor:
             if launched_by_torchrun():
                 self._accept_torchrun_workers()
             self.worker = wp.load_worker(setup, self.groups)
+            # Rank 0's random state, as its Worker seeded it: swapped in for every call into the worker.
+            self.device = self.worker.device
+            self._random_state = _random_state(self.device)
             for rank in self.workers.conns:
                 self._receive(rank, wp.READY)
         except BaseException:
@@ -338,15 +341,29 @@ class MultiprocExecutor:
         return message
 
     def _guarded(self, fn, *args):
-        """Run rank 0's part of a collective step; an error there (a peer gone, a timeout) becomes one
-        that names the worker behind it."""
+        """Run rank 0's part of a collective step (in its own random state); an error there (a peer gone, a
+        timeout) becomes one that names the worker behind it."""
         try:
-            return fn(*args)
+            with self._own_random_state():
+                return fn(*args)
         except Exception as e:
             culprit = self._find_failed_worker(grace_s=3.0)
             if culprit is None:
                 raise
             raise self._fail(f"{culprit} (rank 0 saw: {type(e).__name__}: {str(e)[:200]})") from e
+
+    @contextlib.contextmanager
+    def _own_random_state(self):
+        """Rank 0 draws from a random state of its own, as the workers do: the engine process's global one
+        is the user's too (torch.manual_seed, another engine built), and a rank 0 that followed it would
+        sample other unseeded tokens than its peers, whose KV would then hold tokens it never output."""
+        user = _random_state(self.device)
+        _set_random_state(self.device, self._random_state)
+        try:
+            yield
+        finally:
+            self._random_state = _random_state(self.device)
+            _set_random_state(self.device, user)
 
     def _find_failed_worker(self, grace_s: float) -> str | None:
         """A worker that reported an error, closed its connection or exited, waiting up to grace_s for
@@ -433,6 +450,16 @@ def watch_workers(workers: _Workers, groups, executor_ref) -> None:
                  workers.procs[rank].exitcode)
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
         groups.abort()
+
+
+def _random_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_random_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 class _CheckedOutput:

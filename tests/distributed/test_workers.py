@@ -108,6 +108,32 @@ def test_speculative_decoding_across_tensor_parallel_ranks():
     assert got == want
 
 
+def test_unseeded_sampling_stays_in_step_across_ranks_whatever_the_engine_process_draws():
+    """Every rank draws the same unseeded samples from the same gathered logits, each from its own
+    random state: the engine process's global state is the user's too (torch.manual_seed, another
+    engine built), and a rank 0 that followed it would feed its peers' KV other tokens than its own.
+    Each sampled token's logprob is then checked against one process scoring the same text."""
+    import torch
+
+    from tests.conftest import tokenize
+
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    scorer = cached_llm(**SMALL_KV)
+    llm = start_parallel_llm(STORIES, tensor_parallel_size=2, **SMALL_KV)
+    try:
+        llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        torch.manual_seed(99)  # in the engine's process, between two requests
+        out = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0]
+    finally:
+        shutdown_parallel_llm(llm)
+    prompt = tokenize([PROMPTS[0]])[0]
+    scored = scorer.generate([{"prompt_token_ids": prompt + list(out.token_ids)}],
+                             SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    want = scored.prompt_logprobs[len(prompt):]
+    for i, token in enumerate(out.token_ids):
+        assert abs(out.logprobs[i][token].logprob - want[i][token].logprob) < 1e-4, (i, out.token_ids)
+
+
 def test_one_device_runs_no_collective(monkeypatch):
     def refuse():
         raise AssertionError("a collective ran on one device")
