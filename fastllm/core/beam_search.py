@@ -67,6 +67,10 @@ class BeamSearch:
         self._reports[beam.request_id] = top
         return len(self._reports) == len(self.beams)
 
+    def has_reported(self, beam: Request) -> bool:
+        """Whether the beam's top tokens for this position are in (nothing to compute until advance)."""
+        return beam.request_id in self._reports
+
     def advance(self) -> list[Continuation]:
         """One position of every beam: update the finished hypotheses and return the beams that run on
         (best first; none once the search is done)."""

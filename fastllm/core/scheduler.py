@@ -3,8 +3,9 @@
 There is no prefill phase and no decode phase. Every request has num_computed_tokens catching up
 with num_tokens; a step gives each scheduled request a number of tokens to compute: a prompt
 chunk, a whole prompt, or the single newest token. Order: running requests first (FCFS), then
-swapped ones coming back, then waiting ones. When blocks run out, the newest running request is
-preempted: its blocks are freed and it is recomputed later (default), or moved to the CPU pool.
+swapped ones coming back, then waiting ones. When blocks run out, the newest running request (a beam
+that has reported first) is preempted: its blocks are freed and it is recomputed later (default), or
+moved to the CPU pool.
 
 With async scheduling the engine schedules step N+1 before step N's tokens are known: a request
 that will sample counts its in-flight token as pending (num_tokens_with_pending), so it is
@@ -166,13 +167,25 @@ class Scheduler:
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if not plan.preempted:
+            self._schedule_queued(plan)
+        return self._build_output(plan, num_proposals)
+
+    def _schedule_queued(self, plan: _StepPlan) -> None:
+        """Swapped requests, then waiting ones. While nothing runs because every running request is a beam
+        that has reported (it waits for the rest of its search, which may be queued for want of its blocks or
+        its seat), such beams are preempted, newest first, until something is admitted."""
+        while True:
             self._schedule_swapped(plan)
             if not self.swapped:
                 self._schedule_waiting(plan)
-        return self._build_output(plan, num_proposals)
+            if plan.scheduled or not self.running or not all(map(self._has_reported, self.running)) \
+                    or not any(not r.num_pending_tokens and not self._has_reported(r)
+                               for r in (*self.swapped, *self.waiting)):
+                return
+            plan.swap_out += self._preempt(self.running.pop(self._victim_index()))  # (recomputed: no swap)
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        """Running requests first: their next chunk or token. Preempts the newest when blocks run out."""
+        """Running requests first: their next chunk or token. Preempts (_victim_index) when blocks run out."""
         i = 0
         wait_for_tokens = self.wait_for_sampled_tokens
         while i < len(self.running) and plan.budget > 0:
@@ -184,7 +197,9 @@ class Scheduler:
             num_new = min(num_known + len(request.spec_token_ids), plan.budget)
             plan.known_blocks[request.request_id] = len(self.kv.req_blocks.get(request.request_id, ()))
             while not self.kv.allocate_slots(request, num_new, num_lookahead_tokens=self._lookahead(request, num_new)):
-                victim = self.running.pop()
+                j = self._victim_index()
+                victim = self.running.pop(j)
+                i -= j < i
                 plan.swap_out += self._preempt(victim)
                 plan.preempted = True
                 if victim is request:
@@ -193,6 +208,12 @@ class Scheduler:
             if num_new > num_known:  # the draft tokens the budget leaves room for
                 plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_new - num_known]
             i += 1
+
+    def _victim_index(self) -> int:
+        """The running request to preempt: the newest beam that has reported (it has nothing to compute until
+        its search advances, and keeps its report), else the newest request."""
+        reported = [j for j, r in enumerate(self.running) if self._has_reported(r)]
+        return reported[-1] if reported else len(self.running) - 1
 
     def _schedule_swapped(self, plan: _StepPlan) -> None:
         """Swapped requests come back before new ones are admitted."""
@@ -220,8 +241,10 @@ class Scheduler:
             request = self.waiting[0]
             if request.num_pending_tokens:
                 break  # preempted while its last token was in flight: recompute once it is known
-            if self._waits_for_parent_prompt(request):
-                skipped.append(self.waiting.popleft())  # its prompt is still being computed
+            if self._waits_for_parent_prompt(request) or self._has_reported(request):
+                # its prompt is still being computed, or it is a preempted beam that has reported (its search
+                # needs nothing more of it: the forks that continue it are recomputed)
+                skipped.append(self.waiting.popleft())
                 continue
             num_new = self._admit(request, plan.budget)
             if num_new == 0:
@@ -340,7 +363,8 @@ class Scheduler:
         self.num_preemptions += 1
         request.spec_token_ids = []  # the draft proposes again once the request runs
         request.num_preemptions += 1
-        # (A beam waiting for the search would come back with nothing to compute: it is recomputed.)
+        # (A beam waiting for the search would come back with nothing to compute: it is recomputed, and
+        # once it has reported it waits in the queue, uncomputed, until its search advances.)
         if self.config.preemption_mode == "swap" and not self._beam_waits(request):
             if self.kv.can_swap_out(request):
                 request.status = RequestStatus.SWAPPED
@@ -471,6 +495,10 @@ class Scheduler:
         if request.request_id in self._beam_of:
             return self._beam_waits(request)
         return request.num_pending_tokens > 0 and request.num_tokens_with_pending >= request.max_total_tokens
+
+    def _has_reported(self, request: Request) -> bool:
+        search = self._beam_of.get(request.request_id)
+        return search is not None and search.has_reported(request)
 
     def _beam_waits(self, request: Request) -> bool:
         """A beam that computed its tokens: the search picks its next one once every beam has reported."""

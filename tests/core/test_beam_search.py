@@ -224,3 +224,36 @@ def test_a_lost_copy_on_write_is_caught():
     start(sched, "a", [t % VOCAB for t in prompt_tokens("a", 9)], BeamSearchParams(4, max_tokens=6))
     with pytest.raises(AssertionError, match="wrong KV at position"):
         run(sched, toy_runner(sched, eos_bias=-5.0))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("searches, prompt_len, num_blocks, budget, caching", [
+    (1, 3, 7, 64, True), (2, 8, 10, 64, True), (2, 8, 16, 64, True), (1, 8, 8, 4, False)])
+def test_beams_that_reported_do_not_starve_their_search(mode, searches, prompt_len, num_blocks, budget,
+                                                        caching):
+    """A pool that holds one beam but not all of them at once: a beam that has reported waits for the rest of
+    its search while holding its blocks, and the rest may be preempted for want of those very blocks (or, in
+    chunks, preempt themselves). The search must still end (an empty step with requests pending stops the
+    engine, an endless one hangs it), with the roomy run's beams."""
+    params = BeamSearchParams(4 if budget > 4 else 3, max_tokens=8)
+    prompts = {f"s{i}": [t % VOCAB for t in prompt_tokens(f"s{i}", prompt_len)] for i in range(searches)}
+    results = []
+    for blocks in (128, num_blocks):
+        sched = make_scheduler(num_blocks=blocks, block_size=4, budget=budget, preemption_mode=mode,
+                               num_cpu_blocks=32 if mode == "swap" else 0, enable_prefix_caching=caching)
+        for request_id, prompt in prompts.items():
+            start(sched, request_id, prompt, params)
+        runner = toy_runner(sched, eos_bias=-5.0)
+        done = {}
+        for _ in range(300):
+            if not sched.has_unfinished_requests():
+                break
+            out, _ = step(sched, runner)
+            assert not out.is_empty, "nothing scheduled while beams wait: the search can never end"
+            done.update((s.request_id, s) for s in sched.take_finished_beam_searches())
+        else:
+            raise AssertionError("the search did not end")
+        sched.kv.assert_empty()
+        results.append({k: [(f.token_ids, f.score) for f in s.finished] for k, s in done.items()})
+    assert sched.num_preemptions > 0
+    assert results[0] == results[1] and len(results[0]) == searches
