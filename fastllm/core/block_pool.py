@@ -121,6 +121,10 @@ class BlockPool:
         self.cached[block_hash] = block
         return block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        """Make the block unfindable: its KV is not (or may not be) what its hash says."""
+        self._evict(block)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -266,6 +266,18 @@ class KVCacheManager:
         rewritten, self.rewritten = self.rewritten, set()
         return rewritten
 
+    def filled_identities(self) -> list[tuple[int, int]]:
+        """The identities of the blocks the step being scheduled registered (its forward writes their KV)."""
+        return [self.pool.blocks[i].identity for i in self.filled_this_step]
+
+    def uncache(self, identities: list[tuple[int, int]]) -> None:
+        """Take the blocks of a step that failed out of the prefix cache (it may not have written their KV),
+        unless they were allocated or registered again since."""
+        for block_id, generation in identities:
+            block = self.pool.blocks[block_id]
+            if block.generation == generation:
+                self.pool.uncache(block)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The step's copy-on-write pairs; called once per step, when its schedule is complete."""
         copies, self.pending_copies = self.pending_copies, []

@@ -106,6 +106,7 @@ class Scheduler:
         # finished request's id may come back as a new request; its old step's token is not its.
         self._step_id = 0
         self._scheduled_requests: dict[int, dict[str, Request]] = {}
+        self._step_filled: dict[int, list[tuple[int, int]]] = {}  # blocks each step fills (filled_identities)
         self._warned_swap_full = False
         self.beam_searches: dict[str, BeamSearch] = {}  # by the search's request id
         self._beam_of: dict[str, BeamSearch] = {}  # beam request id -> its search
@@ -132,6 +133,8 @@ class Scheduler:
         beam searches its beams belong to end too; the others are untouched. Returns every request the
         step scheduled, and the ids of the searches ended."""
         scheduled = self._scheduled_requests.pop(scheduler_output.step_id, {})
+        # Its prefix-cache blocks may hold no KV (a failure before or inside the forward): no hits on them.
+        self.kv.uncache(self._step_filled.pop(scheduler_output.step_id, []))
         searches = []
         for request in scheduled.values():
             search = self._beam_of.get(request.request_id)
@@ -287,6 +290,7 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, set()
         self._step_id += 1
         self._scheduled_requests[self._step_id] = step_requests
+        self._step_filled[self._step_id] = self.kv.filled_identities()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -388,6 +392,7 @@ class Scheduler:
         tokens appended (those after a stop are dropped)."""
         updated = []
         scheduled = self._scheduled_requests.pop(scheduler_output.step_id, None)
+        self._step_filled.pop(scheduler_output.step_id, None)
         if scheduled is None:
             raise ValueError(f"step {scheduler_output.step_id} was not scheduled here, or its output was already applied")
         spec_scheduled = scheduler_output.scheduled_spec_tokens

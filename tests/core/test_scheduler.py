@@ -542,6 +542,29 @@ def test_same_step_hit_on_blocks_being_computed():
     run_to_completion(sched, runner)
 
 
+
+def test_a_failed_step_leaves_no_prefix_cache_hits_on_the_blocks_it_filled():
+    """A step that raised may not have written the KV of the blocks its schedule registered (a launch failure
+    writes none): a later request with the same prompt computes them instead of hitting them. Blocks that
+    earlier steps filled stay hits."""
+    sched = make_scheduler(num_blocks=16)
+    runner = FakeRunner(sched)
+    tokens = prompt_tokens("shared", 13)
+    add(sched, "a", tokens, max_tokens=4)
+    failed, _ = sched.fail_step(sched.schedule())  # a's prompt (blocks 1-3 full) never ran
+    assert [r.request_id for r in failed] == ["a"] and failed[0].status == RequestStatus.FINISHED_ERROR
+    b = add(sched, "b", tokens, max_tokens=4)
+    step(sched, runner)  # the fake runner reads every position b attends to
+    assert b.num_cached_tokens == 0
+    for _ in range(2):
+        step(sched, runner)
+    assert b.num_tokens == 16
+    sched.fail_step(sched.schedule())  # it would have computed position 15, which fills block 4
+    c = add(sched, "c", tokens + b.output_token_ids + [5], max_tokens=2)
+    run_to_completion(sched, runner)
+    assert c.num_cached_tokens == 12, "the prompt's blocks were filled by a step that ran"
+
+
 # soak
 
 
