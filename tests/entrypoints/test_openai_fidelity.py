@@ -95,6 +95,7 @@ def test_chat_template_that_writes_the_bos_gets_no_second_one():
     ("chat", {"store": True}, "store"),
     ("completions", {"suffix": "!"}, "suffix"),
     ("completions", {"best_of": 3}, "best_of"),
+    ("completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
 ])
 def test_unsupported_openai_fields_are_refused_by_name(client, endpoint, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
@@ -104,6 +105,16 @@ def test_unsupported_openai_fields_are_refused_by_name(client, endpoint, extra, 
         else:
             client.completions.create(model=MODEL, prompt="Once", max_tokens=4, **extra)
     assert "not supported" in e.value.body["message"] and e.value.body["param"] == param
+
+
+def test_stream_options_need_stream(client):
+    for create in (lambda: client.completions.create(model=MODEL, prompt="Once", max_tokens=2,
+                                                     stream_options={"include_usage": True}),
+                   lambda: client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Once"}],
+                                                          max_tokens=2, stream_options={"include_usage": True})):
+        with pytest.raises(openai.BadRequestError) as e:
+            create()
+        assert e.value.body["param"] == "stream_options" and "stream: true" in e.value.body["message"]
 
 
 def test_harmless_openai_fields_are_accepted(client):

@@ -106,6 +106,16 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def check_stream_options(self) -> None:
+        """As vLLM: stream_options only with stream; usage in every chunk is not done here (no silent no-op)."""
+        if self.stream_options is None:
+            return
+        if not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if self.stream_options.continuous_usage_stats:
+            raise APIError(400, "stream_options.continuous_usage_stats is not supported (include_usage is)",
+                           param="stream_options")
+
 
 def _or(value, default):
     return default if value is None else value
@@ -121,6 +131,7 @@ class CompletionRequest(_Request, kw_only=True):
     suffix: str | None = None
 
     def check_supported(self) -> None:
+        self.check_stream_options()
         if self.prompt is None:
             raise APIError(400, "prompt is required", param="prompt")
         if self.suffix:
@@ -230,6 +241,7 @@ class ChatCompletionRequest(_Request, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
+        self.check_stream_options()
         if not self.messages:
             raise APIError(400, "messages must hold at least one message", param="messages")
         for name in _UNSUPPORTED_CHAT:
