@@ -120,8 +120,16 @@ class SpecDecodeRunner:
             state.prob_slot = -1
 
     def proposes_for(self, state) -> bool:
+        """Whether drafts are proposed for this request; a sampled one (draft model) needs a probability
+        slot and takes one that has come free since it arrived."""
         params = state.sampling_params
-        return params.speculates and (self.drafter is None or params.greedy or state.prob_slot >= 0)
+        if not params.speculates:
+            return False
+        if self.drafter is None or params.greedy:
+            return True
+        if state.prob_slot < 0 and self._free_slots:
+            state.prob_slot = self._free_slots.pop()
+        return state.prob_slot >= 0
 
     # one step
 

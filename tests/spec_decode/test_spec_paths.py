@@ -262,3 +262,18 @@ def test_requests_that_run_to_max_model_len_keep_the_targets_tokens(method, path
     llm = cached_llm(speculative_config=spec, **engine)
     assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == token_ids(reference)
     assert path_counts["batched"] > 0
+
+
+def test_sampled_requests_take_probability_slots_as_they_come_free(monkeypatch):
+    """With two slots for four sampled requests, the two that arrive last speculate once the first two
+    have ended and given their slots back."""
+    vocab, k = 512, 4
+    monkeypatch.setattr(spec_runner, "DRAFT_PROBS_BYTES", 2 * 4 * k * vocab)
+    llm = LLM(STORIES, dtype="float32", device="cpu", speculative_model=DRAFT, num_speculative_tokens=k,
+              num_gpu_blocks=256)
+    assert len(llm.engine.worker.runner.spec._free_slots) == 2
+    short, long = SamplingParams(temperature=0.8, max_tokens=3), SamplingParams(temperature=0.8, max_tokens=40)
+    llm.generate(PROMPTS[:4], [short, short, long, long], use_tqdm=False)
+    # The short ones verify at most 2 drafts each; the long ones speculate for most of their 40 tokens.
+    assert llm.engine.scheduler.spec_stats.num_drafts > 10
+    llm.engine.check_kv_pool_whole()
