@@ -113,6 +113,10 @@ class LLMEngine:
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         if 2 * params.beam_width > self.vocab_size:
             raise ValueError(f"BeamSearchParams.beam_width must be at most half the vocabulary ({self.vocab_size})")
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if params.beam_width > max_num_seqs:  # its beams could never run together (as n > 1's samples)
+            raise ValueError(f"BeamSearchParams.beam_width must be <= max_num_seqs ({max_num_seqs}), "
+                             f"got {params.beam_width}")
         self._check_request_ids(request_id, [])
         text, token_ids = self.input_processor.tokenize(prompt)
         max_tokens = self.input_processor.check_request(token_ids, params.sampling_params())

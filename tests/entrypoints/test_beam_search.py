@@ -160,6 +160,8 @@ def test_abort_and_bad_input():
         llm.beam_search(PROMPTS[0], BeamSearchParams(2, max_tokens=600))
     with pytest.raises(ValueError, match="params must be BeamSearchParams"):
         llm.beam_search(PROMPTS[0], SamplingParams())
+    with pytest.raises(ValueError, match=r"BeamSearchParams\.beam_width must be <= max_num_seqs \(2\)"):
+        cached_llm(max_num_seqs=2).beam_search(PROMPTS[0], BeamSearchParams(3, max_tokens=4))
     assert not engine.has_unfinished_requests()
 
 
