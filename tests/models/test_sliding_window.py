@@ -176,3 +176,18 @@ def test_gpu_compiled_with_graphs_matches_hf(windowed):
     assert llm.engine.worker.runner.graphs is not None
     check(llm, windowed)
     llm.engine.check_kv_pool_whole()
+
+
+def test_a_pool_smaller_than_the_context_serves_a_windowed_model(windowed):
+    """The KV a request holds is bounded by the window, so the engine starts with fewer blocks than
+    max_model_len needs (27 x 4 = 108 slots for a 512-token context) and generates past it."""
+    from fastllm import LLM
+
+    llm = LLM(windowed, device="cpu", dtype="float32", block_size=4, num_gpu_blocks=28, max_model_len=512,
+              max_num_batched_tokens=32)
+    [out] = llm.generate([STORY], greedy(200), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(windowed, tokenize([STORY])[0], 200)
+    llm.engine.check_kv_pool_whole()
+    with pytest.raises(ValueError, match="fewer than the 68 one request may hold"):
+        LLM(windowed, device="cpu", dtype="float32", block_size=4, num_gpu_blocks=17, max_model_len=512,
+            max_num_batched_tokens=32)
