@@ -129,8 +129,9 @@ def cascade_prefix_attention(
 
 def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens, rows,
                                     row_start, max_group_rows: int, max_prefix_len: int, scale: float,
-                                    num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cascade_prefix_attention with an explicit split count (None: choose_num_splits); tests and benchmarks."""
+                                    num_splits: int | None = None, block_m: int | None = None,
+                                    num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cascade_prefix_attention with an explicit launch config (None: the chosen one); tests and tuning."""
     num_rows = rows.shape[0]
     _, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
@@ -143,7 +144,7 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
     assert block_tables.dtype == prefix_rows.dtype == prefix_lens.dtype == rows.dtype == row_start.dtype == torch.int32
     assert row_start.shape == (num_groups + 1,) and rows.is_contiguous() and prefix_lens.is_contiguous()
     group = num_q_heads // num_kv_heads
-    block_m = max(64, triton.next_power_of_2(group))
+    block_m = block_m or max(64, triton.next_power_of_2(group))
     if num_splits is None:
         num_splits = choose_num_splits(max_group_rows, num_groups, num_kv_heads, block_m // group, max_prefix_len,
                                        sm_count.num_sms(query.device))
@@ -161,6 +162,6 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
         BLOCK_M=block_m, BLOCK_N=32 if head_dim > 128 else 64,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=8 if head_dim > 128 else 4, num_stages=3 if query.element_size() <= 2 else 2,
+        num_warps=num_warps or (8 if head_dim > 128 else 4), num_stages=3 if query.element_size() <= 2 else 2,
     )
     return o, lse

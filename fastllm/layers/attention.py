@@ -13,6 +13,7 @@ from torch import nn
 
 from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
 from fastllm.kernels import dispatch as ops
+from fastllm.kernels.side_stream import fork_join
 from fastllm.layers.rotary import RotaryEmbedding
 from fastllm.worker.attn_metadata import get_attn_metadata
 
@@ -60,22 +61,28 @@ class Attention(nn.Module):
 
     def _cascade(self, positions, query, key, value, metadata) -> torch.Tensor:
         """Cascade attention: each request's suffix (keys from kv_start) through the paged kernels, with their
-        log-sum-exp; each group's rows against its shared prefix in one pass; the two merged by LSE."""
+        log-sum-exp; each group's rows against its shared prefix in one pass, beside it; the two merged by LSE."""
         key_cache, value_cache = self.kv_cache
         cascade = metadata.cascade
         query, key = ops.rotary_kv_cache_write(positions, query, key, value, self.rotary.cos_sin_cache,
                                                self.rotary.is_neox, key_cache, value_cache, metadata.slot_mapping,
                                                return_key=True)
-        if metadata.is_decode_only:
-            out, lse = ops.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
+
+        def suffix():
+            if metadata.is_decode_only:
+                return ops.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
                                                   metadata.seq_lens, cascade.max_suffix_len, self.scale, None,
                                                   cascade.kv_start, True)
-        else:
-            out, lse = ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
-                                             metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
-                                             self.scale, None, cascade.kv_start, True)
-        prefix_o, prefix_lse = ops.cascade_prefix_attention(
-            query, key_cache, value_cache, metadata.block_tables, cascade.prefix_rows, cascade.prefix_lens, cascade.rows,
-            cascade.row_start, cascade.max_group_rows, cascade.max_prefix_len, self.scale)
+            return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
+                                         metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
+                                         self.scale, None, cascade.kv_start, True)
+
+        def prefix():
+            return ops.cascade_prefix_attention(
+                query, key_cache, value_cache, metadata.block_tables, cascade.prefix_rows, cascade.prefix_lens,
+                cascade.rows, cascade.row_start, cascade.max_group_rows, cascade.max_prefix_len, self.scale)
+
+        # The two parts are independent: the prefix kernel runs beside the suffix kernel (side_stream.py).
+        (prefix_o, prefix_lse), (out, lse) = fork_join(prefix, suffix, query.device)
         ops.merge_attn_states(out, lse, prefix_o, prefix_lse, cascade.rows)
         return out
