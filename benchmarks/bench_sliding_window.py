@@ -6,7 +6,7 @@ within 10% of its step at 4k, blocks per request bounded by the 4,096-token wind
         --contexts 4096,16384 --batch-sizes 1,8 --output-len 64 --output-json window.json
 
 For each batch size and context: requests of `context` random prompt tokens decode output_len tokens (EOS
-ignored); the mean decode step (steps that returned no first token, after a warm-up of the same shape) and
+ignored); the mean decode step (steps where all the batch decodes, after a warm-up of the same shape) and
 the most blocks any decoding request held. The last lines compare each context's step with the first
 context's at the same batch size, and the blocks with the window's bound (cdiv(window - 1, block_size) + 1).
 """
@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             held.clear()
             prompts = random_prompts(rng, batch, context, engine.vocab_size)
             run = run_requests(engine, prompts, args.output_len, f"b{batch}c{context}", progress=False)
-            steps = [s.seconds for s in run.steps if not s.num_first_tokens]
+            # decode steps: every request of the batch decoding (a long prompt's earlier chunks give no first
+            # token either, but are prefill work)
+            steps = [s.seconds for s in run.steps if s.num_outputs == batch and not s.num_first_tokens]
             row = {"batch_size": batch, "context": context, "decode_step_ms": 1e3 * float(np.mean(steps)),
                    "decode_step_ms_p50": 1e3 * float(np.median(steps)), "decode_steps": len(steps),
                    "max_blocks_held": max(held) if held else None, "block_bound": bound,
