@@ -222,3 +222,28 @@ def test_a_client_leaving_mid_search_frees_its_beams(server, stream):
         wait_idle(engine)
         assert not engine.engine.scheduler.beam_searches and not engine.output_processor.beam_searches
         assert steps[0] < max_tokens  # aborted, not run to its end
+
+
+def test_a_failed_step_mid_search_is_500_for_that_search_only(client, server):
+    """A step of the search raises: its response is a 500 with the cause (no beams), its beams' blocks
+    are freed (the client fixture checks the pool) and the next search is served."""
+    _, engine = server
+    worker = engine.engine.worker
+    execute, calls = worker.execute_model, []
+
+    def fifth_step_fails(sched):
+        if sched.num_scheduled_tokens:
+            calls.append(sched)
+            if len(calls) == 5:
+                raise RuntimeError("planted step failure")
+        return execute(sched)
+
+    worker.execute_model = fifth_step_fails
+    try:
+        with pytest.raises(openai.InternalServerError, match="planted step failure"):
+            beam_request(client, PROMPTS[0], 2, 3, ignore_eos=True)
+    finally:
+        del worker.execute_model
+    assert len(calls) >= 5
+    out = beam_request(client, PROMPTS[0], 2, 3, ignore_eos=True)
+    assert [c.finish_reason for c in out.choices] == ["length", "length"]
