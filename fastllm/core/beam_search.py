@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastllm.engine.request import Request
-from fastllm.outputs import CompletionOutput, RequestOutput
 from fastllm.sampling_params import BeamSearchParams
 
 
@@ -38,10 +37,9 @@ class Continuation:
 
 
 class BeamSearch:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: BeamSearchParams,
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
                  eos_token_id: int | None, max_tokens: int):
         self.request_id = request_id
-        self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.eos_token_id = None if params.ignore_eos else eos_token_id
@@ -96,9 +94,3 @@ class BeamSearch:
         self.done = not self._may_improve or full or all(ends)
         return [] if self.done else running
 
-    def to_output(self, tokenizer) -> RequestOutput:
-        """The kept hypotheses, best first, as one finished RequestOutput (text without special tokens)."""
-        outputs = [CompletionOutput(i, tokenizer.decode(f.token_ids, skip_special_tokens=True) if tokenizer else "",
-                                    f.token_ids, f.cum_logprob, None, f.finish_reason)
-                   for i, f in enumerate(self.finished)]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, True)

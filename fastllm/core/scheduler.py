@@ -441,6 +441,13 @@ class Scheduler:
         for beam in search.beams if search is not None else ():
             self._drop_beam(beam)
 
+    def new_beam_id(self, search: BeamSearch) -> str:
+        """The search's next beam name that no request holds (a request of the caller's may have one)."""
+        beam_id = search.next_beam_id()
+        while beam_id in self.requests:
+            beam_id = search.next_beam_id()
+        return beam_id
+
     def take_finished_beam_searches(self) -> list[BeamSearch]:
         finished, self.finished_beam_searches = self.finished_beam_searches, []
         return finished
@@ -464,10 +471,7 @@ class Scheduler:
     def _fork_beam(self, search: BeamSearch, parent: Request, token: int) -> Request:
         """A new beam: the parent's tokens and token, sharing all the parent's blocks when it runs
         (else recomputed from the waiting queue, hitting the prefix cache)."""
-        beam_id = search.next_beam_id()
-        while beam_id in self.requests:  # a request of the caller's took the name
-            beam_id = search.next_beam_id()
-        child = parent.copy_as(beam_id)
+        child = parent.copy_as(self.new_beam_id(search))
         child.append_token(token)
         if parent.status == RequestStatus.RUNNING and self.kv.fork(parent, child, parent.num_computed_tokens):
             child.status = RequestStatus.RUNNING

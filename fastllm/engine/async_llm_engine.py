@@ -10,7 +10,8 @@ each step's message of new token ids into RequestOutputs: text, stop strings, lo
 found here stops the sample in the core. AsyncLLMEngine(llm_engine) runs the core of an engine already
 built on a thread of this process instead (tests): the same messages, without a second process.
 
-add_request() returns the RequestStream of the request's outputs once it is sent. A stream keeps at
+add_request() returns the RequestStream of the request's outputs once it is sent; add_beam_search() that
+of a beam search, which gives one output, its beams, when the search ends. A stream keeps at
 most one output waiting: when its reader falls behind, DELTA outputs are merged into it (so a slow
 reader costs one wake-up per read, not one per token) and other kinds keep only the newest. A stream
 closed early, cancelled or dropped aborts its request. A request whose engine step failed raises
@@ -32,15 +33,17 @@ from fastllm.engine.core_client import EngineCoreClient, EngineDeadError
 from fastllm.engine.input_processor import InputProcessor, PromptType
 from fastllm.engine.messages import (
     Abort,
+    BeamSearchRequest,
     EngineCoreRequest,
     SchedulerStats,
     StepOutputs,
+    beam_params_to_wire,
     params_to_wire,
     sample_ids,
 )
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.outputs import RequestOutput
-from fastllm.sampling_params import RequestOutputKind, SamplingParams
+from fastllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -107,26 +110,55 @@ class AsyncLLMEngine:
                           params: SamplingParams) -> "RequestStream":
         """Validate, tokenize and send the request; return the stream of its outputs (until the last,
         finished=True). Raises the request's ValueError (nothing sent) or EngineDeadError."""
-        self._check_alive()
-        self.attach()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, await self.encode(prompt)
-        else:
-            text, token_ids = self.input_processor.tokenize(prompt)
+        text, token_ids = await self._tokenize(prompt)
         params.tokenize_bad_words(self.tokenizer)
         self.input_processor.check_request(token_ids, params)
+        self._check_unused({request_id, *sample_ids(request_id, params.n)})
+        self.output_processor.add_group(request_id, text, token_ids, params)
+        message = EngineCoreRequest(request_id, token_ids, params_to_wire(params))
+        return self._send(request_id, message, merge=params.output_kind == RequestOutputKind.DELTA)
+
+    async def add_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
+                              num_beams: int | None = None,
+                              skip_special_tokens: bool = True) -> "RequestStream":
+        """Validate, tokenize and send a beam search; its stream gives one output, when the search ends:
+        its num_beams best beams (all beam_width by default), best first, one CompletionOutput each.
+        Raises the request's ValueError (nothing sent) or EngineDeadError."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if num_beams is not None and not (type(num_beams) is int and 1 <= num_beams <= params.beam_width):
+            raise ValueError(f"num_beams must be an integer in [1, beam_width ({params.beam_width})], "
+                             f"got {num_beams!r}")
+        text, token_ids = await self._tokenize(prompt)
+        self.input_processor.check_beam_search(token_ids, params)
+        self._check_unused({request_id})
+        self.output_processor.add_beam_search(request_id, text, token_ids, num_beams, skip_special_tokens)
+        message = BeamSearchRequest(request_id, token_ids, beam_params_to_wire(params))
+        return self._send(request_id, message, merge=False)
+
+    async def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         self._check_alive()
+        self.attach()
+        if isinstance(prompt, str):
+            return prompt, await self.encode(prompt)
+        return self.input_processor.tokenize(prompt)
+
+    def _check_unused(self, ids: set[str]) -> None:
+        self._check_alive()  # (the engine may have died while the prompt was tokenized)
         processor = self.output_processor
-        for i in {request_id, *sample_ids(request_id, params.n)}:
-            if i in processor.groups or i in processor.group_of:
+        for i in ids:
+            if i in processor.groups or i in processor.group_of or i in processor.beam_searches:
                 raise ValueError(f"request id {i!r} is already in use")
-        processor.add_group(request_id, text, token_ids, params)
-        collector = _Collector(asyncio.get_running_loop(), params.output_kind == RequestOutputKind.DELTA)
+
+    def _send(self, request_id: str, message: EngineCoreRequest | BeamSearchRequest,
+              merge: bool) -> "RequestStream":
+        """Send what the output processor has just taken in; the stream of its outputs."""
+        collector = _Collector(asyncio.get_running_loop(), merge)
         self._streams[request_id] = collector
         try:
-            self.client.send(EngineCoreRequest(request_id, token_ids, params_to_wire(params)))
+            self.client.send(message)
         except BaseException:  # not sent: nothing of it may stay here
             self._drop(request_id)
             raise
@@ -193,11 +225,12 @@ class AsyncLLMEngine:
         if not isinstance(message, StepOutputs):
             return
         self.stats = message.stats
-        if not message.outputs:
+        if not message.outputs and not message.beam_searches:
             return
         outputs, to_stop = self.output_processor.process(message.outputs)
         if to_stop and self.errored is None:
             self._abort_in_core(to_stop)
+        outputs += self.output_processor.process_beam_searches(message.beam_searches)
         streams = self._streams
         for out in outputs:
             collector = streams.get(out.request_id)

@@ -20,12 +20,13 @@ from collections import deque
 import torch
 
 from fastllm.config import EngineConfig
+from fastllm.core.beam_search import BeamSearch
 from fastllm.core.scheduler import Scheduler
 from fastllm.core.scheduler_output import SchedulerOutput
 from fastllm.engine.input_processor import InputProcessor
-from fastllm.engine.messages import EngineCoreOutput, SchedulerStats, sample_ids
+from fastllm.engine.messages import BeamSearchResult, EngineCoreOutput, SchedulerStats, sample_ids
 from fastllm.engine.request import Request, RequestStatus
-from fastllm.sampling_params import SamplingParams
+from fastllm.sampling_params import BeamSearchParams, SamplingParams
 from fastllm.tracing import nvtx_range
 from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.executor import WorkerFailed
@@ -61,9 +62,7 @@ class EngineCore:
         it cannot be served or an id is taken."""
         max_tokens = self.checker.check_request(prompt_token_ids, params)
         ids = sample_ids(request_id, params.n)
-        for i in {request_id, *ids}:
-            if i in self._samples or i in self._live or i in self.scheduler.requests:  # (beams are the scheduler's)
-                raise ValueError(f"request id {i!r} is already in use")
+        self._check_unused({request_id, *ids})
         block_size, hash_fn = self.config.cache.block_size, self.scheduler.hash_fn
         samples: list[Request] = []
         for i, sample_id in enumerate(ids):
@@ -77,11 +76,29 @@ class EngineCore:
             self.scheduler.add_request(sample)
         return ids
 
+    def add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
+        """Queue a beam search; its one output comes from take_beam_searches() when it ends. ValueError,
+        and nothing queued, if it cannot be served or its id is taken."""
+        max_tokens = self.checker.check_beam_search(prompt_token_ids, params)
+        self._check_unused({request_id})
+        search = BeamSearch(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens)
+        first = Request(self.scheduler.new_beam_id(search), prompt_token_ids, params.sampling_params(),
+                        self.eos_token_id, max_tokens, self.config.cache.block_size, self.scheduler.hash_fn)
+        self.scheduler.add_beam_search(search, first)
+
+    def _check_unused(self, ids: set[str]) -> None:
+        sched = self.scheduler
+        for i in ids:  # (beams are the scheduler's requests)
+            if i in self._samples or i in self._live or i in sched.requests or i in sched.beam_searches:
+                raise ValueError(f"request id {i!r} is already in use")
+
     def finish_requests(self, ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
-        """End requests (all their samples) or single samples; unknown ids are ignored."""
+        """End requests (all their samples), beam searches (no output) or single samples; unknown ids
+        are ignored."""
         samples = []
         for i in ids:
             samples += self._samples.get(i, [i] if i in self._live else [])
+            self.scheduler.finish_beam_search(i)
         self.scheduler.finish_requests(samples, status)
         for sample_id in samples:
             self._forget(sample_id)
@@ -186,10 +203,15 @@ class EngineCore:
             self._forget(request.request_id)
         return [EngineCoreOutput(r.request_id, [], "error", error=message) for r in failed]
 
-    def take_failed_beam_searches(self) -> list[tuple[str, str]]:
-        """(search id, error) of the beam searches that failed steps ended, since the last call."""
-        failed, self._failed_beam_searches = self._failed_beam_searches, []
-        return failed
+    def take_beam_searches(self) -> list[BeamSearchResult]:
+        """The beam searches that ended since the last call: their beams best first, or the error of
+        the failed step that ended them."""
+        results = [BeamSearchResult(s.request_id, [(f.token_ids, f.cum_logprob, f.finish_reason)
+                                                   for f in s.finished])
+                   for s in self.scheduler.take_finished_beam_searches()]
+        results += [BeamSearchResult(search_id, [], error) for search_id, error in self._failed_beam_searches]
+        self._failed_beam_searches = []
+        return results
 
     def _check_device(self) -> None:
         """Raise if the device itself is broken (a sticky CUDA error): then no later step can succeed."""

@@ -1,10 +1,11 @@
 """The engine-core process: an EngineCore stepped by a loop of its own, fed over ZeroMQ.
 
-    API process --PUSH--> EngineCoreRequest, Abort, UtilityCall, Shutdown --PULL--> this loop
-    API process <--PULL-- EngineReady (once), StepOutputs, UtilityResult  <--PUSH-- this loop
+    API process --PUSH--> EngineCoreRequest, BeamSearchRequest, Abort, UtilityCall, Shutdown --PULL--> here
+    API process <--PULL-- EngineReady (once), StepOutputs, UtilityResult                     <--PUSH-- here
 
 Each turn takes every message that has come (waiting for one only when there is nothing to step),
-steps once and sends that step's outputs, all requests together, as one message. Nothing here shares
+steps once and sends that step's outputs, all requests together, as one message (with the beam
+searches that ended in it). Nothing here shares
 a GIL with HTTP, tokenization or detokenization. A request the core refuses (its own checks repeat the
 API process's) comes back as an error output; a step that raises fails only its requests (EngineCore).
 Anything else that escapes ends the process with a non-zero exit code, which the API process sees.
@@ -27,6 +28,8 @@ import zmq
 
 from fastllm.engine.messages import (
     Abort,
+    BeamSearchRequest,
+    BeamSearchResult,
     ClientMessage,
     CoreMessage,
     EngineCoreOutput,
@@ -36,6 +39,7 @@ from fastllm.engine.messages import (
     StepOutputs,
     UtilityCall,
     UtilityResult,
+    beam_params_from_wire,
     params_from_wire,
 )
 
@@ -117,14 +121,15 @@ class CoreLoop:
         self.decoder = msgspec.msgpack.Decoder(ClientMessage)
         self.encoder = msgspec.msgpack.Encoder()
         self.refused: list[EngineCoreOutput] = []  # requests the core would not take, told with the next send
+        self.refused_searches: list[BeamSearchResult] = []  # beam searches likewise
         self.said_idle = True
 
     def run(self) -> None:
         core = self.core
         while True:
             if not core.has_unfinished_requests():
-                if not self.said_idle or self.refused:  # the final queue depths, and any refusals
-                    self.send(StepOutputs(self._take_refused(), core.stats))
+                if not self.said_idle or self.refused or self.refused_searches:  # the queue depths, refusals
+                    self.send(self._news([]))
                     self.said_idle = True
                 while not self.inbound.poll(IDLE_POLL_MS):
                     if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -135,9 +140,9 @@ class CoreLoop:
                     return
             if core.has_unfinished_requests():
                 self.said_idle = False
-                outputs = core.step()
-                if outputs or self.refused:
-                    self.send(StepOutputs(self._take_refused() + outputs, core.stats))
+                news = self._news(core.step())
+                if news.outputs or news.beam_searches:
+                    self.send(news)
 
 
     def handle(self, message) -> bool:
@@ -148,6 +153,12 @@ class CoreLoop:
                 self.core.add_request(message.request_id, message.prompt_token_ids, params)
             except ValueError as e:
                 self.refused.append(EngineCoreOutput(message.request_id, [], "error", error=str(e)))
+        elif isinstance(message, BeamSearchRequest):
+            try:
+                params = beam_params_from_wire(message.params)
+                self.core.add_beam_search(message.request_id, message.prompt_token_ids, params)
+            except ValueError as e:
+                self.refused_searches.append(BeamSearchResult(message.request_id, [], str(e)))
         elif isinstance(message, Abort):
             self.core.finish_requests(message.request_ids)
         elif isinstance(message, UtilityCall):
@@ -168,9 +179,11 @@ class CoreLoop:
     def send(self, message: CoreMessage) -> None:
         self.outbound.send(self.encoder.encode(message), copy=False)
 
-    def _take_refused(self) -> list[EngineCoreOutput]:
+    def _news(self, outputs: list[EngineCoreOutput]) -> StepOutputs:
+        """A step's outputs with the refusals since the last send and the beam searches that ended."""
         refused, self.refused = self.refused, []
-        return refused
+        searches, self.refused_searches = self.refused_searches + self.core.take_beam_searches(), []
+        return StepOutputs(refused + outputs, self.core.stats, searches)
 
 
 def _is_idle(core) -> bool:

@@ -7,7 +7,7 @@ again what it is sent (check_request), so a message that skipped this stage fail
 
 from __future__ import annotations
 
-from fastllm.sampling_params import SamplingParams
+from fastllm.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -84,6 +84,16 @@ class InputProcessor:
             raise ValueError(f"SamplingParams.min_tokens must be <= max_tokens ({max_tokens}, with the prompt "
                              f"within max_model_len {max_len}), got {params.min_tokens}")
         return max_tokens
+
+    def check_beam_search(self, token_ids: list[int], params: BeamSearchParams) -> int:
+        """check_request for a beam search (ValueError naming the field); returns its max_tokens."""
+        if 2 * params.beam_width > self.vocab_size:  # each beam proposes 2 * beam_width distinct tokens
+            raise ValueError(f"BeamSearchParams.beam_width must be at most half the vocabulary "
+                             f"({self.vocab_size}), got {params.beam_width}")
+        if params.beam_width > self.max_num_seqs:  # its beams could never run together (as n > 1's samples)
+            raise ValueError(f"BeamSearchParams.beam_width must be <= max_num_seqs ({self.max_num_seqs}), "
+                             f"got {params.beam_width}")
+        return self.check_request(token_ids, params.sampling_params())
 
 
 def _token_list(ids) -> list[int]:

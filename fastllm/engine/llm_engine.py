@@ -8,14 +8,13 @@ import time
 from pathlib import Path
 
 from fastllm.config import EngineConfig
-from fastllm.core.beam_search import BeamSearch
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
 from fastllm.engine.core import EngineCore
 from fastllm.engine.input_processor import InputProcessor, PromptType
 from fastllm.engine.messages import sample_ids
 from fastllm.engine.output_processor import OutputProcessor
-from fastllm.engine.request import Request, RequestStatus
+from fastllm.engine.request import RequestStatus
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import BeamSearchParams, SamplingParams
 from fastllm.spec_decode.policy import SpecPolicy
@@ -122,19 +121,10 @@ class LLMEngine:
         with the beams best first. Raises ValueError (and queues nothing) on bad input."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
-        if 2 * params.beam_width > self.vocab_size:
-            raise ValueError(f"BeamSearchParams.beam_width must be at most half the vocabulary ({self.vocab_size})")
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        if params.beam_width > max_num_seqs:  # its beams could never run together (as n > 1's samples)
-            raise ValueError(f"BeamSearchParams.beam_width must be <= max_num_seqs ({max_num_seqs}), "
-                             f"got {params.beam_width}")
         self._check_request_ids(request_id, [])
         text, token_ids = self.input_processor.tokenize(prompt)
-        max_tokens = self.input_processor.check_request(token_ids, params.sampling_params())
-        search = BeamSearch(request_id, text, token_ids, params, self.eos_token_id, max_tokens)
-        first = Request(search.next_beam_id(), token_ids, params.sampling_params(), self.eos_token_id, max_tokens,
-                        self.config.cache.block_size, self.scheduler.hash_fn)
-        self.scheduler.add_beam_search(search, first)
+        self.core.add_beam_search(request_id, token_ids, params)  # (InputProcessor.check_beam_search)
+        self.output_processor.add_beam_search(request_id, text, token_ids)
 
     def _check_request_ids(self, request_id: str, samples: list[str]) -> None:
         if not isinstance(request_id, str):
@@ -148,7 +138,6 @@ class LLMEngine:
         request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.core.finish_requests(request_ids)
         for request_id in request_ids:
-            self.scheduler.finish_beam_search(request_id)
             self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -175,10 +164,8 @@ class LLMEngine:
         core_outputs = self.core.step()
         with nvtx_range("detokenize"):
             outputs, stopped = self.output_processor.process(core_outputs)
-            outputs += [s.to_output(self.tokenizer) for s in self.scheduler.take_finished_beam_searches()]
+            outputs += self.output_processor.process_beam_searches(self.core.take_beam_searches())
         self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        for search_id, error in self.core.take_failed_beam_searches():  # they end without beams
-            outputs.append(RequestOutput(search_id, None, [], [], True, error=error))
         for out in outputs:
             if out.error is not None:
                 logger.error("request %s failed: %s", out.request_id, out.error)

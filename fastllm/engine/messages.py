@@ -1,12 +1,13 @@
 """What the API process and the engine-core process send each other: msgspec structs, msgpack over ZeroMQ.
 
-    API process -> core   AddRequest, Abort, UtilityCall, Shutdown
+    API process -> core   EngineCoreRequest, BeamSearchRequest, Abort, UtilityCall, Shutdown
     core -> API process   EngineReady (once), StepOutputs (one per step with news), UtilityResult
 
 A step's outputs travel as one message: every request's new token ids, finish reason and logprobs, so the
 cost per message is paid once a step, not once a token. Requests carry token ids only: tokenization and
-detokenization stay in the API process. The in-process LLMEngine passes the same EngineCoreOutput
-structs from its EngineCore to its OutputProcessor, without encoding them.
+detokenization stay in the API process. A beam search gives one output, when it ends: its beams, in
+the StepOutputs of that step. The in-process LLMEngine passes the same EngineCoreOutput and
+BeamSearchResult structs from its EngineCore to its OutputProcessor, without encoding them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from fastllm.sampling_params import RequestOutputKind, SamplingParams
+from fastllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 # (token logprob, rank, top-N (token id, logprob) pairs) of one sampled or prompt token
 LogprobEntry = tuple[float, int, list[tuple[int, float]]]
@@ -31,8 +32,17 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
     params: dict[str, Any]
 
 
+class BeamSearchRequest(msgspec.Struct, array_like=True, tag="beam"):
+    """A validated beam search: its prompt as token ids, and BeamSearchParams' fields (rebuilt, and so
+    checked again, by the core). Its one output is a BeamSearchResult, when it ends."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]
+
+
 class Abort(msgspec.Struct, array_like=True, tag="abort"):
-    request_ids: list[str]  # requests (all their samples) or single samples (a stop string ended one)
+    request_ids: list[str]  # requests (all their samples), beam searches, or single samples (a stop string)
 
 
 class UtilityCall(msgspec.Struct, array_like=True, tag="call"):
@@ -47,7 +57,7 @@ class Shutdown(msgspec.Struct, array_like=True, tag="shutdown"):
     pass
 
 
-ClientMessage = EngineCoreRequest | Abort | UtilityCall | Shutdown
+ClientMessage = EngineCoreRequest | BeamSearchRequest | Abort | UtilityCall | Shutdown
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -82,9 +92,18 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_accepted_tokens: int = 0
 
 
+class BeamSearchResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A beam search's one output, when it ends: its beams best first, or why it failed (no beams)."""
+
+    request_id: str
+    beams: list[tuple[list[int], float, str]]  # (generated token ids, cumulative logprob, finish reason)
+    error: str | None = None
+
+
 class StepOutputs(msgspec.Struct, array_like=True, tag="outputs"):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
+    beam_searches: list[BeamSearchResult] = []  # those that ended in this step
 
 
 class UtilityResult(msgspec.Struct, array_like=True, tag="result"):
@@ -142,3 +161,15 @@ def params_from_wire(values: dict[str, Any]) -> SamplingParams:
             raise ValueError("SamplingParams.bad_words came without their token ids")
         params._bad_words_token_ids = bad_words_token_ids
     return params
+
+
+def beam_params_to_wire(params: BeamSearchParams) -> dict[str, Any]:
+    return {f.name: getattr(params, f.name) for f in fields(params)}
+
+
+def beam_params_from_wire(values: dict[str, Any]) -> BeamSearchParams:
+    """BeamSearchParams from its fields, checked again (ValueError naming the field)."""
+    try:
+        return BeamSearchParams(**values)
+    except TypeError as e:  # an unknown field
+        raise ValueError(f"BeamSearchParams: {e}") from None

@@ -1,6 +1,7 @@
 """Turns each step's EngineCoreOutputs into RequestOutputs: text, stop strings, logprobs, finish reasons.
 
-Samples of one request (n > 1) are grouped back into one RequestOutput. Runs where the tokenizer is: in
+Samples of one request (n > 1) are grouped back into one RequestOutput; a beam search's one result becomes
+one RequestOutput with a CompletionOutput per beam. Runs where the tokenizer is: in
 the LLMEngine's process offline, in the API process when serving (the engine core sends token ids only).
 Streamed text (DELTA and CUMULATIVE outputs) leaves out the tail that could still become a stop string
 until it no longer can or the sample ends.
@@ -12,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from fastllm.engine.detokenizer import IncrementalDetokenizer, render_token
-from fastllm.engine.messages import EngineCoreOutput, sample_ids
+from fastllm.engine.messages import BeamSearchResult, EngineCoreOutput, sample_ids
 from fastllm.outputs import CompletionOutput, Logprob, RequestOutput
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -83,11 +84,22 @@ def _delta(s: SampleState) -> CompletionOutput:
     return delta
 
 
+@dataclass(slots=True)
+class BeamSearchPrompt:
+    """What a beam search's output needs besides its beams."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_beams: int | None  # how many of the best beams to output (None: all)
+    skip_special_tokens: bool
+
+
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
         self.group_of: dict[str, RequestGroup] = {}  # sample id -> its group
+        self.beam_searches: dict[str, BeamSearchPrompt] = {}  # by request id, until their result comes
 
     def add_group(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                   params: SamplingParams) -> None:
@@ -180,7 +192,35 @@ class OutputProcessor:
                 running.append(sample_id)
         return running
 
+    def add_beam_search(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                        num_beams: int | None = None, skip_special_tokens: bool = True) -> None:
+        self.beam_searches[request_id] = BeamSearchPrompt(prompt, prompt_token_ids, num_beams,
+                                                          skip_special_tokens)
+
+    def process_beam_searches(self, results: list[BeamSearchResult]) -> list[RequestOutput]:
+        """The finished RequestOutputs of beam searches that ended: a CompletionOutput per beam, best first
+        (each beam's text as a sample with its tokens would read), or the error that ended the search."""
+        outputs = []
+        for result in results:
+            search = self.beam_searches.pop(result.request_id, None)
+            if search is None:  # aborted
+                continue
+            beams = []
+            for index, (token_ids, cum_logprob, finish_reason) in enumerate(result.beams[:search.num_beams]):
+                text = ""
+                if self.tokenizer is not None:
+                    detok = IncrementalDetokenizer(self.tokenizer, search.prompt_token_ids,
+                                                   search.skip_special_tokens, [])
+                    for token in token_ids:
+                        detok.add_token(token)
+                    text = detok.text
+                beams.append(CompletionOutput(index, text, token_ids, cum_logprob, None, finish_reason))
+            outputs.append(RequestOutput(result.request_id, search.prompt, search.prompt_token_ids, beams,
+                                         True, error=result.error))
+        return outputs
+
     def abort(self, request_id: str) -> RequestOutput | None:
+        self.beam_searches.pop(request_id, None)
         group = self.groups.get(request_id)
         if group is None:
             return None

@@ -71,7 +71,7 @@ def hf_beam_search(prompt, width, max_new, eos, length_penalty, early_stopping, 
 
 
 def start(sched, request_id: str, prompt: list[int], params: BeamSearchParams, eos=EOS) -> BeamSearch:
-    search = BeamSearch(request_id, None, prompt, params, eos, params.max_tokens)
+    search = BeamSearch(request_id, prompt, params, eos, params.max_tokens)
     first = Request(search.next_beam_id(), prompt, params.sampling_params(), eos, params.max_tokens,
                     sched.block_size, sched.hash_fn)
     sched.add_beam_search(search, first)

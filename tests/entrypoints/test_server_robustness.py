@@ -71,6 +71,8 @@ FIELDS = {  # field -> values: mostly of its own kind (so requests get past the 
                             ANY_JSON),
     "user": ANY_JSON, "suffix": ANY_JSON, "best_of": SMALL_INTS, "response_format": ANY_JSON,
     "tools": ANY_JSON, "model": st.sampled_from([MODEL, "other", None]), "unknown_field": ANY_JSON,
+    "use_beam_search": st.booleans(), "length_penalty": st.one_of(st.floats(-2, 2), ANY_JSON),
+    "early_stopping": st.one_of(st.booleans(), st.just("never"), ANY_JSON),
 }
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
                                  "content": st.one_of(st.text(max_size=8), ANY_JSON)})

@@ -1,5 +1,5 @@
-"""The OpenAI API's request bodies (msgspec structs: every OpenAI field, plus vLLM's sampling extras),
-their checks, and OpenAI's error body.
+"""The OpenAI API's request bodies (msgspec structs: every OpenAI field, plus vLLM's sampling extras and
+its beam search on completions), their checks, and OpenAI's error body.
 
 A body is decoded and type-checked by msgspec (an error names the field: "Expected `int`, got `str` -
 at `$.n`"), then turned into SamplingParams, whose own checks name the field and its range. Every field
@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from fastllm.sampling_params import RequestOutputKind, SamplingParams
+from fastllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class APIError(Exception):
@@ -31,11 +31,12 @@ def error_body(status: int, message: str, kind: str = "BadRequestError", param: 
 
 _AT = re.compile(r"at `\$\.?([A-Za-z_][\w]*)")
 _UNKNOWN = re.compile(r"unknown field `(\w+)`")
-_FIELD = re.compile(r"SamplingParams\.(\w+)")
+_FIELD = re.compile(r"(?:Sampling|BeamSearch)Params\.(\w+)")
 
 
 def param_of(message: str) -> str | None:
-    """The field an error message names (msgspec's "at `$.n`", SamplingParams' "SamplingParams.n")."""
+    """The field an error message names (msgspec's "at `$.n`", SamplingParams' "SamplingParams.n",
+    BeamSearchParams' likewise)."""
     match = _UNKNOWN.search(message) or _AT.search(message) or _FIELD.search(message)
     return match.group(1) if match else None
 
@@ -129,6 +130,10 @@ class CompletionRequest(_Request, kw_only=True):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's beam search: the beam width is best_of, else n; the n best beams are the choices
+    use_beam_search: bool = False
+    length_penalty: float | None = None  # None: 1.0
+    early_stopping: bool | Literal["never"] | None = None  # None: False
 
     def check_supported(self) -> None:
         self.check_stream_options()
@@ -136,8 +141,48 @@ class CompletionRequest(_Request, kw_only=True):
             raise APIError(400, "prompt is required", param="prompt")
         if self.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != _or(self.n, 1):
-            raise APIError(400, "best_of other than n is not supported", param="best_of")
+        n = _or(self.n, 1)
+        if self.best_of is not None and self.best_of < n:
+            raise APIError(400, f"best_of must be >= n ({n}), got {self.best_of}", param="best_of")
+        if self.use_beam_search:
+            return  # beam_search_params() checks the rest
+        if self.best_of is not None and self.best_of > n:
+            raise APIError(400, "best_of > n is not supported without use_beam_search (whose beam width it "
+                           "is): sampling best_of sequences to return the n likeliest is not implemented",
+                           param="best_of")
+        for name, neutral in (("length_penalty", 1), ("early_stopping", False)):
+            if getattr(self, name) not in (None, neutral):
+                raise APIError(400, f"{name} applies to beam search only (use_beam_search: true)", param=name)
+
+    def beam_search_params(self) -> tuple[BeamSearchParams, int]:
+        """use_beam_search's BeamSearchParams, and n: how many of its best beams are the choices. A sampling
+        field that beam search does not apply is refused unless it asks for nothing; temperature must
+        be 0 (None means 0 here) and max_tokens given."""
+        for name, neutral in _NOT_WITH_BEAMS.items():
+            if getattr(self, name) not in neutral:
+                raise APIError(400, f"{name} is not supported with use_beam_search", param=name)
+        if self.temperature not in (None, 0):
+            raise APIError(400, f"temperature must be 0 with use_beam_search (the search is deterministic: "
+                           f"beam sampling is not implemented), got {self.temperature}", param="temperature")
+        if self.max_tokens is None:
+            raise APIError(400, "max_tokens is required with use_beam_search", param="max_tokens")
+        n = _or(self.n, 1)
+        if n < 1:
+            raise APIError(400, f"n must be >= 1, got {n}", param="n")
+        try:
+            params = BeamSearchParams(_or(self.best_of, n), self.max_tokens, ignore_eos=self.ignore_eos,
+                                      length_penalty=_or(self.length_penalty, 1.0),
+                                      early_stopping=_or(self.early_stopping, False))
+        except ValueError as e:
+            raise self.beam_search_error(e) from None
+        return params, n
+
+    def beam_search_error(self, e: ValueError) -> APIError:
+        """A beam search's ValueError in this request's terms: its beam_width is best_of (or n)."""
+        width_field = "best_of" if self.best_of is not None else "n"
+        message = str(e).replace("BeamSearchParams.beam_width", f"{width_field} (the beam width)")
+        param = param_of(str(e))
+        return APIError(400, message, param=width_field if param == "beam_width" else param)
 
     def prompts(self) -> list:
         """One engine prompt per entry: text, or token ids as {"prompt_token_ids": [...]}."""
@@ -154,6 +199,15 @@ class CompletionRequest(_Request, kw_only=True):
             return [{"prompt_token_ids": x} for x in p]
         raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
                        "lists of token ids", param="prompt")
+
+
+# Sampling fields that beam search does not apply, and the values of each that ask for nothing.
+_NOT_WITH_BEAMS = {
+    "logprobs": (None,), "top_p": (None, 1), "top_k": (None, 0, -1), "min_p": (None, 0), "seed": (None,),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "min_tokens": (0,), "stop": (None, [], ""), "stop_token_ids": (None, []), "logit_bias": (None, {}),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "include_stop_str_in_output": (False,),
+}
 
 
 def _is_token(t) -> bool:
@@ -237,6 +291,7 @@ class ChatCompletionRequest(_Request, kw_only=True):
     prediction: Any = None
     web_search_options: Any = None
     # vLLM's
+    use_beam_search: bool = False  # refused: beam search is served on /v1/completions
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -258,6 +313,9 @@ class ChatCompletionRequest(_Request, kw_only=True):
             raise APIError(400, "modalities other than [\"text\"] are not supported", param="modalities")
         if self.store:
             raise APIError(400, "store is not supported", param="store")
+        if self.use_beam_search:
+            raise APIError(400, "use_beam_search is supported on /v1/completions only",
+                           param="use_beam_search")
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

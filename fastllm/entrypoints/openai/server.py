@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server over AsyncLLMEngine (`fastllm serve`).
 
-    POST /v1/completions        text or token-id prompts (several per request), n, logprobs, echo, streaming
+    POST /v1/completions        text or token-id prompts (several per request), n, logprobs, echo, streaming,
+                                beam search (vLLM's use_beam_search: one output per prompt, when it ends)
     POST /v1/chat/completions   messages through the tokenizer's chat template (or --chat-template)
     GET  /v1/models, /health, /metrics (Prometheus)
 
@@ -20,13 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import msgspec
@@ -47,9 +50,11 @@ from fastllm.entrypoints.openai.protocol import (
 )
 from fastllm.metrics import ServingMetrics
 from fastllm.outputs import CompletionOutput, RequestOutput
-from fastllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# add(request_id, prompt): one prompt's engine request, taken (AsyncLLMEngine.add_request or add_beam_search)
+_Add = Callable[[str, Any], Awaitable[RequestStream]]
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
@@ -208,16 +213,36 @@ class _Server:
         score_only = body.max_tokens == 0  # echo the prompt with its logprobs, generate nothing
         if score_only and not body.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
-        params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs)
-        if body.echo:
-            if self.tokenizer is None:
-                raise APIError(400, "echo needs the model's tokenizer to write the prompt back", param="echo")
-            if body.logprobs is not None:  # the prompt's tokens come with their logprobs too
+        if body.echo and self.tokenizer is None:
+            raise APIError(400, "echo needs the model's tokenizer to write the prompt back", param="echo")
+        if body.use_beam_search:
+            n, add = self._beam_search(body)
+        else:
+            params = body.sampling_params(1 if score_only else body.max_tokens, body.logprobs)
+            if body.echo and body.logprobs is not None:  # the prompt's tokens come with their logprobs too
                 params = params.clone(prompt_logprobs=body.logprobs)
-        shape = _Shape("cmpl", "text_completion", self.model_name, params.n, chat=False,
+            n, add = params.n, functools.partial(self.engine.add_request, params=params)
+        shape = _Shape("cmpl", "text_completion", self.model_name, n, chat=False,
                        num_logprobs=body.logprobs, echo_tokenizer=self.tokenizer if body.echo else None,
                        score_only=score_only, token_ids=body.return_token_ids)
-        return await self._respond(shape, prompts, params, body, request)
+        return await self._respond(shape, prompts, add, body, request)
+
+    def _beam_search(self, body: CompletionRequest) -> tuple[int, _Add]:
+        """use_beam_search: each prompt's engine request is a beam search, its n best beams the choices
+        (given once the search ends: a stream has one chunk of them per prompt). Returns (n, the adder)."""
+        if body.best_of is not None and body.best_of > self.limits.max_n:
+            raise APIError(400, f"best_of must be <= {self.limits.max_n} (--max-n), got {body.best_of}",
+                           param="best_of")
+        params, n = body.beam_search_params()
+
+        async def add(request_id: str, prompt) -> RequestStream:
+            try:
+                return await self.engine.add_beam_search(request_id, prompt, params, n,
+                                                         body.skip_special_tokens)
+            except ValueError as e:
+                raise body.beam_search_error(e) from None
+
+        return n, add
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
         self.check_model(body.model)
@@ -227,7 +252,8 @@ class _Server:
         shape = _Shape("chatcmpl", "chat.completion", self.model_name, params.n, chat=True,
                        num_logprobs=params.logprobs, tokenizer=self.tokenizer,
                        token_ids=body.return_token_ids)
-        return await self._respond(shape, [await self._chat_prompt(body)], params, body, request)
+        add = functools.partial(self.engine.add_request, params=params)
+        return await self._respond(shape, [await self._chat_prompt(body)], add, body, request)
 
     def _check_common(self, body) -> None:
         if body.n is not None and body.n > self.limits.max_n:
@@ -255,9 +281,9 @@ class _Server:
 
     # requests and responses
 
-    async def _respond(self, shape: "_Shape", prompts: list, params: SamplingParams, body, request: Request):
+    async def _respond(self, shape: "_Shape", prompts: list, add: _Add, body, request: Request):
         arrival = time.perf_counter()
-        streams = await self._add_all(shape.id, prompts, params)
+        streams = await self._add_all(shape.id, prompts, add)
         if body.stream:
             if len(streams) == 1:
                 chunks = self._stream_one(streams[0], shape, arrival, body.include_usage)
@@ -272,26 +298,26 @@ class _Server:
                 finals.cancel()  # closes the streams, which aborts their requests
                 with contextlib.suppress(asyncio.CancelledError):
                     await finals
-                self.metrics.requests.labels(finish_reason="abort").inc(params.n * len(streams))
+                self.metrics.requests.labels(finish_reason="abort").inc(shape.n * len(streams))
                 return Response(status_code=499)  # nobody reads it
         try:
             outs = finals.result()
         except (RequestFailedError, EngineDeadError) as e:
             for reader in readers:  # the other prompts' output would go unread: abort them
                 reader.cancel()
-            self.metrics.requests.labels(finish_reason="error").inc(params.n * len(streams))
+            self.metrics.requests.labels(finish_reason="error").inc(shape.n * len(streams))
             raise APIError(500, str(e), "InternalServerError") from None
         for out in outs:
             self._record(out, arrival)
         return Response(msgspec.json.encode(shape.full(outs)), media_type="application/json")
 
-    async def _add_all(self, response_id: str, prompts: list, params: SamplingParams) -> list[RequestStream]:
+    async def _add_all(self, response_id: str, prompts: list, add: _Add) -> list[RequestStream]:
         """Every prompt's engine request, taken; on a refused one, abort those already in."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
-                streams.append(await self.engine.add_request(request_id, prompt, params))
+                streams.append(await add(request_id, prompt))
         except BaseException:
             for stream in streams:
                 await stream.aclose()
