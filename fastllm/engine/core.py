@@ -153,7 +153,8 @@ class EngineCore:
                 outputs += self._finish(*launched)
         decode_step = self.worker.runner.last_decode_step
         if decode_step is not None and self.scheduler.spec_policy is not None:
-            self.scheduler.spec_policy.observe(*decode_step, time.perf_counter() - start)
+            speculative, batch_size, eager = decode_step
+            self.scheduler.spec_policy.observe(speculative, batch_size, time.perf_counter() - start, eager)
         self._record(scheduler_output, time.perf_counter() - start)
         return outputs
 

@@ -13,6 +13,9 @@ a 5% margin keeps the choice from flapping.
   (m if m = n); the drafts after the first rejection were never tried.
 - While speculation is off nothing measures a, so a step proposes again after PROBE_INTERVAL plain
   steps; each probe that finds it still not paying doubles the interval (up to MAX_PROBE_INTERVAL).
+  A probe costs more than its speculative step: the draft model first catches up on the tokens it
+  missed, in an eager step (no graphs). So the wait before the next probe is also at least what keeps
+  probes, at the last one's measured cost beyond plain steps, under PROBE_BUDGET of the decode time.
 
 Without step costs (no CUDA graphs: the CPU, enforce_eager) or with adaptive=False the policy always
 proposes k.
@@ -30,6 +33,7 @@ PROBE_INTERVAL = 32
 MAX_PROBE_INTERVAL = 1024
 WINDOW_DRAFT_TOKENS = 64  # the acceptance estimate follows about this many recent tried drafts
 STEP_TIME_WEIGHT = 0.2  # of each observed step in its size's running average
+PROBE_BUDGET = 0.02  # of the decode time, at most, spent on probes beyond what plain steps would take
 
 
 def expected_tokens(acceptance_rate: float, k: int) -> float:
@@ -47,6 +51,7 @@ class SpecPolicy:
         self._ms: dict[bool, dict[int, float]] = {True: {}, False: {}}  # speculative? -> size -> ms a step
         self._plain_steps = 0
         self._probe_interval = PROBE_INTERVAL
+        self._probe_ms = 0.0  # the last probe's steps' time beyond plain steps
         self._on: bool | None = None
 
     def set_step_costs(self, spec_ms: dict[int, float], plain_ms: dict[int, float]) -> None:
@@ -54,10 +59,15 @@ class SpecPolicy:
         self._sizes = sorted(spec_ms)
         self._ms = {True: dict(spec_ms), False: {b: plain_ms.get(b, 0.0) for b in spec_ms}}
 
-    def observe(self, speculative: bool, batch_size: int, seconds: float) -> None:
-        """The wall time of one decode step (speculative or plain) of batch_size requests."""
+    def observe(self, speculative: bool, batch_size: int, seconds: float, eager: bool = False) -> None:
+        """The wall time of one decode step (speculative or plain) of batch_size requests; an eager one
+        (a speculative step that could not run the graphs) counts only towards a probe's cost."""
         size = self._size(batch_size)
-        if size is not None:
+        if size is None:
+            return
+        if speculative and self._on is False:  # a probe's step
+            self._probe_ms += max(0.0, 1e3 * seconds - self._ms[False][size])
+        if not eager:
             costs = self._ms[speculative]
             costs[size] += STEP_TIME_WEIGHT * (1e3 * seconds - costs[size])
 
@@ -78,12 +88,19 @@ class SpecPolicy:
             self._plain_steps, self._probe_interval = 0, PROBE_INTERVAL
             return self.k
         self._plain_steps += 1
-        if self._plain_steps >= self._probe_interval and self._size(batch_size) is not None:
+        size = self._size(batch_size)
+        if size is not None and self._plain_steps >= self._steps_before_probe(size):
             # A probe: its drafts are verified next step, which measures them again.
-            self._plain_steps = 0
+            self._plain_steps, self._probe_ms = 0, 0.0
             self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
             return self.k
         return 0
+
+    def _steps_before_probe(self, size: int) -> float:
+        """The probe interval, or more plain steps if the last probe cost more than PROBE_BUDGET of them."""
+        plain_ms = self._ms[False][size]
+        budgeted = self._probe_ms / (PROBE_BUDGET * plain_ms) if plain_ms > 0 else 0.0
+        return min(MAX_PROBE_INTERVAL, max(self._probe_interval, budgeted))
 
     def _size(self, batch_size: int) -> int | None:
         """The graph size a batch pads to, or None past the largest."""

@@ -213,7 +213,7 @@ class SpecDecodeRunner:
         params = graph_sampling_params(states, step.max_bs, self.runner.args.vocab_size) if sampled else None
         step.stage(self.runner.stager, tokens, start, num_drafts, held * block_size, slots, params, tables)
         out = step.execute(num_reqs, sampled).cpu().numpy()
-        self.runner.last_decode_step = (True, num_reqs)
+        self.runner.last_decode_step = (True, num_reqs, False)
         if step.timing:
             self.step_timings.append(step.last_ms())
         new_tokens, proposals = [], {}
@@ -249,6 +249,8 @@ class SpecDecodeRunner:
                 new_tokens, logprobs = self._verify(hidden, inputs, dict(zip(req_ids, spec)))
         with nvtx_range("propose"):
             proposals = self._propose(states, starts, num_scheduled, new_tokens, sched.num_spec_proposals)
+        if all(count == 1 + len(drafts) for count, drafts in zip(num_scheduled, spec)):  # decodes only
+            runner.last_decode_step = (True, len(states), True)
         return ModelRunnerOutput(req_ids, [new_tokens.get(r, []) for r in req_ids], logprobs, proposals,
                                  prompt_logprobs)
 

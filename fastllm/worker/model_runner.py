@@ -59,9 +59,9 @@ class ModelRunner:
         self._last_output: AsyncRunnerOutput | None = None  # its tokens may still be on the device
         self._said_penalties_wait = False
         self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are still to come
-        # (speculative?, batch size) of the last step when it was a decode step replayed from graphs (the
-        # speculation policy's step costs), else None
-        self.last_decode_step: tuple[bool, int] | None = None
+        # (speculative?, batch size, eager?) of the last step when it was a decode step (the speculation
+        # policy's step costs: replayed from graphs, or a speculative step that ran eagerly), else None
+        self.last_decode_step: tuple[bool, int, bool] | None = None
 
     # setup
 
@@ -193,7 +193,7 @@ class ModelRunner:
                                        self.eos_token_id, self.stager, last, graph, cascade=cascade)
         logits = greedy = None
         if inputs.staged_for_graph:
-            self.last_decode_step = (False, len(states))
+            self.last_decode_step = (False, len(states), False)
             with nvtx_range("forward_graph"):
                 logits, greedy = self.graphs.replay_staged(len(states), inputs.logits_indices,
                                                            sampling=inputs.sampled_in_graph,

@@ -14,7 +14,7 @@ import torch
 
 from fastllm import LLM, SamplingParams
 from fastllm.spec_decode import batched_step, spec_runner
-from fastllm.spec_decode.policy import SpecPolicy
+from fastllm.spec_decode.policy import PROBE_BUDGET, SpecPolicy
 from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm, tokenize
 from tests.models.test_llama_vs_hf import TINY, make_tiny_model
 from tests.spec_decode.test_spec_decode import assert_third_token_follows_target
@@ -135,6 +135,29 @@ def test_policy_decides_from_costs_and_acceptance():
     probes = [i for i, k in enumerate(decisions) if k]
     # Off, but for probes ever further apart (the first comes 32 plain steps after the one at batch 64).
     assert probes == [30, 30 + 64, 30 + 64 + 128]
+
+
+def test_policy_spaces_probes_by_their_cost():
+    """A probe whose eager catch-up step costs 100 ms beyond plain 5 ms steps waits at least
+    100 / (PROBE_BUDGET * 5) plain steps before the next one, not twice the last interval."""
+    policy = SpecPolicy(4, adaptive=True)
+    policy.set_step_costs({1: 12.0}, {1: 5.0})
+    for _ in range(200):
+        policy.record(4, 0)
+    decisions = []
+    for _ in range(32 + 64 + 1200):
+        k = policy.num_to_propose(1)
+        decisions.append(k)
+        if k and len([d for d in decisions if d]) == 2:  # the second probe: an eager step, then its verify
+            policy.observe(True, 1, 0.105, eager=True)
+            policy.observe(True, 1, 0.012)
+        else:
+            policy.observe(bool(k), 1, 0.005)
+    probes = [i for i, k in enumerate(decisions) if k]
+    budgeted = 100.0 / (PROBE_BUDGET * 5.0)  # the second probe's extra ms (~100 + 7), over 2% of a step
+    assert probes[:2] == [31, 31 + 64]
+    assert probes[2] - probes[1] >= budgeted and probes[2] - probes[1] > 2 * 64
+    assert policy._ms[True][1] < 13.0  # the eager step did not enter the speculative step's cost
 
 
 def test_policy_weighs_wall_time_not_only_gpu_time():
