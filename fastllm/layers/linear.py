@@ -82,10 +82,7 @@ class Linear(nn.Module):
                             quantize_weight(source[:].to(self.weight.device), self.fp8.per_tensor)))
         if param_name == "weight_scale":
             return [(param_name, checkpoint_scale(source, rows, param_name))]
-        if param_name == "input_scale":
-            if self.input_scale is None:
-                raise ValueError("input_scale: the checkpoint has static activation scales but its "
-                                 "quantization_config says the activations are dynamic")
+        if param_name == "input_scale":  # (a layer without static scales has no such buffer to load)
             with torch.no_grad():
                 scale = source[...].to(self.input_scale.device, torch.float32).reshape(())
                 self.input_scale.copy_(torch.fmax(self.input_scale, scale))
