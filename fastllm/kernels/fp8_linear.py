@@ -77,7 +77,7 @@ def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = N
 _logged: set[str] = set()
 
 
-def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _scaled_mm_fits(weight: torch.Tensor) -> bool:
     n_out, k_in = weight.shape
     if k_in % 16 == 0 and n_out % 16 == 0:
         return True
@@ -91,7 +91,7 @@ def _scaled_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] e4m3 x weight_scale [N])^T (+ bias) -> [..., N] in x's dtype."""
-    if not _scaled_mm_fits(x, weight):
+    if not _scaled_mm_fits(weight):
         return reference.fp8_linear(x, weight, weight_scale, bias, input_scale)
     n_out, k_in = weight.shape
     x2 = x.reshape(-1, k_in)
