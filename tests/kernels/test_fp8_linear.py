@@ -85,6 +85,17 @@ def test_unaligned_shapes_run_the_reference(device):
     assert torch.equal(K.fp8_linear(x, weight, scale, None), reference.fp8_linear(x, weight, scale, None))
 
 
+def test_custom_op_fake_and_traced():
+    """torch.compile sees fastllm::fp8_linear through its fake (shapes only). opcheck's schema test is left
+    out: it does arithmetic on the inputs, which torch lacks for e4m3 on the CPU."""
+    from fastllm.compile import custom_ops  # noqa: F401  (registers the op)
+
+    x, (weight, scale) = torch.randn(5, 32), random_weight(16, 32, "cpu")
+    for args in [(x, weight, scale, None, None), (x, weight, scale, torch.randn(16), torch.tensor(0.01))]:
+        torch.library.opcheck(torch.ops.fastllm.fp8_linear.default, args,
+                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
+
+
 def test_reference_is_close_to_the_unquantized_product():
     """The reference dequantizes: against the float32 product of the weights it quantizes, the error is
     e4m3's (3 mantissa bits: at most 2^-4 relative per element, far less over a sum)."""

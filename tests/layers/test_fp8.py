@@ -252,3 +252,15 @@ def test_broken_fp8_checkpoints(tmp_path, allow_fp8_on_cpu):
     # static scales where quantization_config says the activations are dynamic
     with pytest.raises(ValueError, match="'model.layers.2.mlp.gate_up_proj.input_scale' has no matching parameter"):
         LLM(str(path), device="cpu", dtype="float32", cpu_kv_cache_gib=0.01)
+
+
+def test_roofline_counts_fp8_projections_at_one_byte():
+    from fastllm.bench.roofline import ModelShape
+
+    cfg = json.loads((Path(STORIES).parent / "configs" / "Llama-3.1-8B" / "config.json").read_text())
+    bf16, quantized = ModelShape.from_hf_config(cfg, "bfloat16"), ModelShape.from_hf_config(cfg, "bfloat16", Fp8Scheme())
+    projections = bf16.num_layers * bf16.layer_matmul_params
+    assert bf16.weight_bytes == 2 * bf16.num_params
+    assert quantized.weight_bytes == bf16.weight_bytes - projections
+    assert quantized.decode_weight_bytes(8) == bf16.decode_weight_bytes(8) - projections
+    assert 8.4 < quantized.weight_bytes / 2**30 < 8.5
