@@ -40,11 +40,13 @@ def measure(args, quantization: str | None) -> dict:
         shape = ModelShape.from_hf_config(engine.config.model.hf_config, "bfloat16", runner.model.args.fp8)
         name = quantization or "bf16"
         print(f"{name}: {engine.worker.num_gpu_blocks} KV blocks ({engine.worker.kv_cache_gib():.1f} GiB), "
-              f"weights {shape.weight_bytes / 2**30:.2f} GiB, startup {engine.startup_seconds:.1f} s", flush=True)
-        latency = run_latency(engine, args.batch_sizes, args.input_len, args.output_len, None, shape, progress=False)
+              f"weights {shape.weight_bytes / 2**30:.2f} GiB, startup {engine.startup_seconds:.1f} s",
+              flush=True)
+        latency = run_latency(engine, args.batch_sizes, args.input_len, args.output_len, None, shape,
+                              progress=False)
         for row in latency:
             print(f"  {name} batch {row['batch_size']:>3}: {row['tok_s_total']:,.1f} tok/s, step "
-                  f"{row['tpot_ms_mean']:.2f} ms (Triton compiles in the timed window: {row['jit_compiles']})",
+                  f"{row['tpot_ms_mean']:.2f} ms (Triton compiles while timed: {row['jit_compiles']})",
                   flush=True)
         prompts = make_prompts(engine, args.num_prompts, args.throughput_len)
         throughput = run_throughput(engine, prompts, args.throughput_len, progress=False)
@@ -59,7 +61,8 @@ def measure(args, quantization: str | None) -> dict:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the next engine sizes its KV pool by what is free
-            print(f"  (after teardown: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated)", flush=True)
+            left = torch.cuda.memory_allocated() / 2**30
+            print(f"  (after teardown: {left:.2f} GiB still allocated)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,14 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=3000)
-    p.add_argument("--throughput-len", type=int, default=128, help="prompt and output tokens of the throughput run")
+    p.add_argument("--throughput-len", type=int, default=128,
+                   help="prompt and output tokens of the throughput run")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     results = {name: measure(args, quantization) for name, quantization in (("bf16", None), ("fp8", "fp8"))}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = {**ceilings.environment(device), "model": args.model, "load_format": args.load_format,
             "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts}
-    print(f"\nFP8 weights against bf16: {args.model} ({args.load_format}) on {meta['device']}, commit {meta['commit']}")
+    print(f"\nFP8 weights against bf16: {args.model} ({args.load_format}) on {meta['device']}, "
+          f"commit {meta['commit']}")
     print(f"KV blocks: {results['bf16']['num_gpu_blocks']} -> {results['fp8']['num_gpu_blocks']}; weights "
           f"{results['bf16']['weight_gib']:.2f} -> {results['fp8']['weight_gib']:.2f} GiB")
     print("| batch | bf16 tok/s | fp8 tok/s | fp8 / bf16 | target |")
@@ -90,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "" if unit is None else f"{'met' if got >= bound else 'MISSED'} (>= {bound} {unit})"
         print(f"| {b} | {base['tok_s_total']:,.1f} | {fp8['tok_s_total']:,.1f} | {ratio:.2f}x | {verdict} |")
     base, fp8 = results["bf16"]["throughput"]["output_tok_s"], results["fp8"]["throughput"]["output_tok_s"]
-    print(f"| throughput {args.num_prompts} x {args.throughput_len}/{args.throughput_len} | {base:,.0f} | {fp8:,.0f} | "
-          f"{fp8 / base:.2f}x | >= {THROUGHPUT_TARGET}x with the FP8 KV cache too |")
+    n = args.throughput_len
+    print(f"| throughput {args.num_prompts} x {n}/{n} | {base:,.0f} | {fp8:,.0f} | {fp8 / base:.2f}x | "
+          f">= {THROUGHPUT_TARGET}x with the FP8 KV cache too |")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"benchmark": "fp8", "meta": meta, "results": results}, f, indent=2, default=str)

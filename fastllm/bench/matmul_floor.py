@@ -37,8 +37,8 @@ def make_chain(weights: list[torch.Tensor], batch_size: int):
     """A function running x_in @ W^T for each weight, x_in a fixed random [B, in_features] input (e4m3
     for e4m3 weights, with unit row-wise scales: the FP8 GEMM's time)."""
     device, dtype = weights[-1].device, weights[-1].dtype  # lm_head's: the model's dtype
-    inputs = {(w.shape[1], w.dtype): torch.randn(batch_size, w.shape[1], device=device, dtype=dtype).to(w.dtype)
-              for w in weights}
+    inputs = {(w.shape[1], w.dtype): torch.randn(batch_size, w.shape[1], device=device, dtype=dtype)
+              .to(w.dtype) for w in weights}
     ones = torch.ones(max(batch_size, max(w.shape[0] for w in weights)), device=device)
 
     def chain() -> None:

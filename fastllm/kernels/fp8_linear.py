@@ -84,7 +84,8 @@ def _scaled_mm_fits(weight: torch.Tensor) -> bool:
     why = "projections whose K or N is not a multiple of 16"
     if why not in _logged:
         _logged.add(why)
-        logger.info("fp8_linear: the dequantizing reference for %s (torch._scaled_mm needs multiples of 16)", why)
+        logger.info("fp8_linear: the dequantizing reference for %s (torch._scaled_mm needs multiples of 16)",
+                    why)
     return False
 
 

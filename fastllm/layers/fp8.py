@@ -62,15 +62,15 @@ def scheme_for(quantization: str | None, hf_config: dict) -> Fp8Scheme | None:
         raise ValueError(f"quantization: the checkpoint's quantization_config has quant_method {method!r}; "
                          "supported: FP8 checkpoints ('fp8', 'compressed-tensors')")
     if quantization == "fp8-per-tensor":
-        raise ValueError("quantization: 'fp8-per-tensor' says how to quantize 16-bit weights, but this checkpoint's "
-                         "weights are FP8 already (use quantization=None or 'fp8')")
+        raise ValueError("quantization: 'fp8-per-tensor' says how to quantize 16-bit weights, but this "
+                         "checkpoint's weights are FP8 already (use quantization=None or 'fp8')")
     static = _fp8_static_input(config) if method == "fp8" else _compressed_tensors_static_input(config)
     return Fp8Scheme(static_input=static, checkpoint=method)
 
 
 def _unsupported(what: str) -> ValueError:
-    return ValueError(f"quantization: this checkpoint's quantization_config has {what}, which fastllm does not run "
-                      "(FP8 e4m3 weights with per-tensor or per-channel scales only)")
+    return ValueError(f"quantization: this checkpoint's quantization_config has {what}, which fastllm does "
+                      "not run (FP8 e4m3 weights with per-tensor or per-channel scales only)")
 
 
 def _fp8_static_input(config: dict) -> bool:

@@ -48,7 +48,8 @@ class Linear(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
             # NaN until loaded (fp8.check_loaded)
-            self.register_buffer("weight_scale", torch.full((output_size,), float("nan"), dtype=torch.float32))
+            self.register_buffer("weight_scale", torch.full((output_size,), float("nan"),
+                                                            dtype=torch.float32))
             self.register_buffer("input_scale", torch.full((), float("nan"), dtype=torch.float32)
                                  if fp8.static_input else None)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None

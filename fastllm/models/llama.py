@@ -129,7 +129,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         tp_rank, tp = parallel.tp_rank, parallel.tp_size
         width = args.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [width, width], False, tp_rank, tp, fp8=args.fp8)
+        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [width, width], False, tp_rank, tp,
+                                                 fp8=args.fp8)
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp_rank, tp,
                                            fp8=args.fp8)

@@ -65,7 +65,8 @@ def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, object]]:
                 yield name, f.get_slice(name)
 
 
-def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02, dtype: torch.dtype | None = None) -> None:
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02,
+                       dtype: torch.dtype | None = None) -> None:
     """Random weights of the real shapes: normal(0, std) matrices, unit norms, zero biases. Each
     parameter's whole (single-rank) tensor comes from its own generator, seeded by its name, and the
     model copies out its rank's part. FP8 weights are drawn in the model's `dtype` and quantized as they
@@ -110,7 +111,8 @@ def load_model(model_config: ModelConfig, device: torch.device,
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
-        init_dummy_weights(model, model_config.seed, model_config.hf_config.get("initializer_range", 0.02), dtype)
+        std = model_config.hf_config.get("initializer_range", 0.02)
+        init_dummy_weights(model, model_config.seed, std, dtype)
     else:
         model.load_weights(iterate_safetensors(model_config.model))
     if scheme is not None:

@@ -20,7 +20,8 @@ _MODELS = {
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 
 
-def build_model(hf_config: dict, parallel: ParallelRank = ParallelRank(), fp8: Fp8Scheme | None = None) -> nn.Module:
+def build_model(hf_config: dict, parallel: ParallelRank = ParallelRank(),
+                fp8: Fp8Scheme | None = None) -> nn.Module:
     """The model, or this rank's shard of it (with FP8 linear weights when fp8 is given)."""
     archs = hf_config.get("architectures") or []
     for arch in archs:

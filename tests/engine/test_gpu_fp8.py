@@ -20,7 +20,7 @@ from tests.engine.test_gpu_engine import leading_agreement
 
 pytestmark = pytest.mark.gpu
 
-SMALL_POOL = dict(num_gpu_blocks=2048)
+SMALL_POOL = {"num_gpu_blocks": 2048}
 LOGPROBS = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
 
 
@@ -95,22 +95,24 @@ def test_fp8_bfloat16_writes_the_same_story(cpu_reference, eager):
 
 def test_dummy_llama_8b_fp8_compiled_vs_eager_and_its_memory():
     release_cached_engines()
-    prompts = [{"prompt_token_ids": torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(n)).tolist()}
-               for n in (17, 64, 128, 5)]
+    prompts = [{"prompt_token_ids": torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(n))
+                .tolist()} for n in (17, 64, 128, 5)]
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=2, ignore_eos=True)
     results = {}
     for eager in (True, False):
-        llm = LLM("llama-3.1-8b", load_format="dummy", dtype="bfloat16", quantization="fp8", max_model_len=4096,
-                  gpu_memory_utilization=0.85, enforce_eager=eager, max_num_seqs=64)
+        llm = LLM("llama-3.1-8b", load_format="dummy", dtype="bfloat16", quantization="fp8",
+                  max_model_len=4096, gpu_memory_utilization=0.85, enforce_eager=eager, max_num_seqs=64)
         worker = llm.engine.worker
         model = worker.runner.model
         weights = sum(t.numel() * t.element_size() for t in model.parameters()) / 2**30
-        print(f"\nLlama-3.1-8B dummy FP8 ({'eager' if eager else 'compiled+graphs'}): weights {weights:.2f} GiB, "
-              f"{worker.num_gpu_blocks} KV blocks, {worker.kv_cache_gib():.2f} GiB; startup {llm.engine.startup_seconds:.1f} s")
+        how = "eager" if eager else "compiled+graphs"
+        print(f"\nLlama-3.1-8B dummy FP8 ({how}): weights {weights:.2f} GiB, "
+              f"{worker.num_gpu_blocks} KV blocks, {worker.kv_cache_gib():.2f} GiB; "
+              f"startup {llm.engine.startup_seconds:.1f} s")
         # e4m3 projections (6.98 B weights) + bf16 embedding, lm_head and norms = 8.46 GiB; bf16: 14.96 GiB
         assert 8.4 < weights < 8.5
         total = torch.cuda.get_device_properties(0).total_memory / 2**30
-        # more KV than bf16 can ever get: its 14.96 GiB of weights alone leave it less than total x 0.85 - 14.96
+        # more KV than bf16 can ever get: its 14.96 GiB of weights alone leave it less than that
         assert worker.kv_cache_gib() > total * 0.85 - 14.96
         results[eager] = llm.generate(prompts, params, use_tqdm=False)
         llm.engine.check_kv_pool_whole()

@@ -92,8 +92,8 @@ def test_custom_op_fake_and_traced():
 
     x, (weight, scale) = torch.randn(5, 32), random_weight(16, 32, "cpu")
     for args in [(x, weight, scale, None, None), (x, weight, scale, torch.randn(16), torch.tensor(0.01))]:
-        torch.library.opcheck(torch.ops.fastllm.fp8_linear.default, args,
-                              test_utils=("test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
+        torch.library.opcheck(torch.ops.fastllm.fp8_linear.default, args, test_utils=(
+            "test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
 
 
 def test_reference_is_close_to_the_unquantized_product():
@@ -118,7 +118,8 @@ def test_reference_is_close_to_the_unquantized_product():
 def test_fp8_linear_gpu(dtype, rows, n_out, k_in):
     torch.manual_seed(rows + n_out)
     # token magnitudes spread over 2^-6..2^6, so a transposed scale_a would show
-    x = (torch.randn(rows, k_in, device="cuda") * 2.0 ** torch.randint(-6, 7, (rows, 1), device="cuda")).to(dtype)
+    magnitude = 2.0 ** torch.randint(-6, 7, (rows, 1), device="cuda")
+    x = (torch.randn(rows, k_in, device="cuda") * magnitude).to(dtype)
     weight, scale = random_weight(n_out, k_in, "cuda")
     q, x_scale = K.quantize_fp8_per_token(x)
     ref_q, ref_scale = reference.quantize_fp8_per_token(x)
