@@ -1,17 +1,18 @@
 """FP8 projections, y = x @ (W x weight_scale)^T with W in e4m3, on the FP8 tensor cores (sm_89+).
 
-The activations are quantized per token by a Triton kernel (one program a row: the row's amax, then
-x / scale rounded to e4m3; or the static input_scale for every row), and the product runs in cuBLASLt
-through torch._scaled_mm with row-wise scales: scale_a [M, 1] per token and scale_b [1, N] per output
-channel, both float32, the weight column-major (W [N, K] row-major, transposed), accumulation in fp32
-and one rounding to the output dtype.
+Up to MAX_ROWS rows (decode batches) the weight-streaming kernel runs (fp8_skinny_linear.py: it quantizes
+the activations itself). Larger batches: the activations are quantized per token by a Triton kernel (one
+program a row: the row's amax, then x / scale rounded to e4m3; or the static input_scale for every row),
+and the product runs in cuBLASLt through torch._scaled_mm with row-wise scales: scale_a [M, 1] per token
+and scale_b [1, N] per output channel, both float32, the weight column-major (W [N, K] row-major,
+transposed), accumulation in fp32 and one rounding to the output dtype.
 
 Math: reference.fp8_linear. The quantized activations are bitwise the reference's (the same IEEE
 division and round-to-nearest-even cast); the products differ by the order of the fp32 sums only.
 Memory traffic: N * K bytes of W once; x read twice (the second read from L2) and M * K bytes written
 and read back in e4m3; M * N output elements.
 
-cuBLASLt needs K and N to be multiples of 16: other shapes (tiny test models) run the reference here,
+cuBLASLt needs K and N to be multiples of 16: other shapes (tiny test models) run the reference there,
 said once in the log.
 """
 
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastllm.kernels import pdl, reference
+from fastllm.kernels import fp8_skinny_linear, pdl, reference
 from fastllm.kernels.reference import FP8, FP8_MAX, MIN_AMAX
 
 logger = logging.getLogger("fastllm.kernels")
@@ -77,32 +78,39 @@ def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = N
 _logged: set[str] = set()
 
 
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info("fp8_linear: %s", message)
+
+
 def _scaled_mm_fits(weight: torch.Tensor) -> bool:
     n_out, k_in = weight.shape
-    if k_in % 16 == 0 and n_out % 16 == 0:
-        return True
-    why = "projections whose K or N is not a multiple of 16"
-    if why not in _logged:
-        _logged.add(why)
-        logger.info("fp8_linear: the dequantizing reference for %s (torch._scaled_mm needs multiples of 16)",
-                    why)
-    return False
+    return k_in % 16 == 0 and n_out % 16 == 0
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] e4m3 x weight_scale [N])^T (+ bias) -> [..., N] in x's dtype."""
-    if not _scaled_mm_fits(weight):
-        return reference.fp8_linear(x, weight, weight_scale, bias, input_scale)
     n_out, k_in = weight.shape
     x2 = x.reshape(-1, k_in)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
-    if x2.shape[0] == 0:
+    rows = x2.shape[0]
+    if rows == 0:
         return x.new_empty((*x.shape[:-1], n_out))
-    x_q, x_scale = quantize_fp8_per_token(x2, input_scale)
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n_out),
-                           out_dtype=x.dtype)
-    if bias is not None:
-        out += bias
+    if rows <= fp8_skinny_linear.MAX_ROWS:
+        _log_once(f"the weight-streaming kernel up to {fp8_skinny_linear.MAX_ROWS} rows")
+        out = fp8_skinny_linear.launch(x2, weight, weight_scale, bias, input_scale)
+    elif _scaled_mm_fits(weight):
+        _log_once(f"torch._scaled_mm above {fp8_skinny_linear.MAX_ROWS} rows")
+        x_q, x_scale = quantize_fp8_per_token(x2, input_scale)
+        out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n_out),
+                               out_dtype=x.dtype)
+        if bias is not None:
+            out += bias
+    else:
+        _log_once(f"the dequantizing reference above {fp8_skinny_linear.MAX_ROWS} rows where K or N is not a "
+                  "multiple of 16 (torch._scaled_mm needs that)")
+        out = reference.fp8_linear(x2, weight, weight_scale, bias, input_scale)
     return out.view(*x.shape[:-1], n_out)

@@ -3,8 +3,9 @@ against the CPU's dequantizing reference (float32: logprobs within 0.05, tokens 
 bf16: the same story for a while, as for bf16 without FP8), and a dummy Llama-3.1-8B in FP8, compiled
 against eager, with its KV pool sized by the profiling run. Marked `gpu`: skipped without CUDA.
 
-llama2xs-279K is the tiny model here: every projection's K and N are multiples of 16, so all of them
-run torch._scaled_mm (stories260K's 172-wide MLP would take the reference)."""
+llama2xs-279K is the tiny model here: every projection's K and N are multiples of 16, so prompts of more
+than 32 tokens run torch._scaled_mm (stories260K's 172-wide MLP would take the reference there); decode
+steps run the weight-streaming kernel."""
 
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ def test_fp8_float32_matches_the_cpu_reference(cpu_reference, eager):
                      max_num_seqs=64, **SMALL_POOL)
     layers = fp8_layers(llm)
     assert len(layers) == 4 * 5 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
-    assert all(_scaled_mm_fits(m.weight) for m in layers)  # every projection on _scaled_mm
+    assert all(_scaled_mm_fits(m.weight) for m in layers)  # long prompts' projections on _scaled_mm
     assert (llm.engine.worker.runner.graphs is None) == eager
     compared = compare_greedy(cpu_reference, llm.generate(PROMPTS, LOGPROBS, use_tqdm=False), 0.05,
                               f"fp8 float32 GPU ({'eager' if eager else 'graphs'}) vs CPU reference")

@@ -1,4 +1,5 @@
-"""fp8_linear (FP8 weights, activations quantized per token) against the dequantizing reference.
+"""fp8_linear (FP8 weights, activations quantized per token) against the dequantizing reference: the
+weight-streaming kernel up to 32 rows (fp8_skinny_linear.py), quantization + torch._scaled_mm above.
 
 The activation quantization is bitwise the reference's on the GPU (the same IEEE division and round to
 nearest even). Triton's interpreter rounds float32 -> e4m3 wrongly at binade edges (1.99 -> 1), so on the CPU
@@ -18,8 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from fastllm.kernels import fp8_linear as K
+from fastllm.kernels import fp8_skinny_linear as S
 from fastllm.kernels import reference
 from fastllm.kernels.reference import FP8
+from fastllm.kernels.skinny_linear import Config
 from tests.kernels.kernel_testing import gpu, rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
@@ -66,7 +69,7 @@ def test_quantize_with_a_static_scale_saturates(device):
     assert q.float().abs().max() == 448 and torch.isfinite(q.float()).all()
 
 
-@pytest.mark.parametrize("rows,n_out,k_in", [(1, 48, 64), (5, 32, 128), (17, 64, 96)])
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 48, 64), (5, 32, 128), (17, 64, 96), (40, 48, 64)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_linear_matches_reference(device, rows, n_out, k_in, bias):
     x = exact_rows(rows, k_in, device)
@@ -78,9 +81,30 @@ def test_fp8_linear_matches_reference(device, rows, n_out, k_in, bias):
     assert rel_err(out, ref) <= TOL[torch.float32], rel_err(out, ref)
 
 
-def test_unaligned_shapes_run_the_reference(device):
-    """K or N not a multiple of 16 (stories260K's 172-wide MLP): the reference, the same numbers."""
-    x = torch.randn(3, 172, device=device)
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 64), (1, 100, 200), (3, 64, 96), (16, 33, 128),
+                                            (32, 70, 256), (2, 48, 3000)])
+@pytest.mark.parametrize("cfg", [Config(32, 64, 4, 2, True), Config(16, 64, 4, 2, False), None],
+                         ids=["dot", "fma-one-row", "chosen"])
+def test_skinny_kernel_matches_reference(device, rows, n_out, k_in, cfg):
+    """The weight-streaming kernel quantizes x itself: odd N and K (masked tiles), one row to 32."""
+    x = exact_rows(rows, k_in, device)
+    weight, scale = random_weight(n_out, k_in, device)
+    bias = torch.randn(n_out, device=device) if rows % 2 else None
+    out = S.launch(x, weight, scale, bias, config=cfg)
+    assert rel_err(out, reference.fp8_linear(x, weight, scale, bias)) <= TOL[torch.float32]
+
+
+def test_skinny_kernel_static_scale(device):
+    x = exact_rows(4, 96, device, power=2.0 ** -3)
+    input_scale = torch.tensor(2.0 ** -5, device=device)  # saturates the larger values, as above
+    weight, scale = random_weight(40, 96, device)
+    out = S.launch(x, weight, scale, None, input_scale)
+    assert rel_err(out, reference.fp8_linear(x, weight, scale, None, input_scale)) <= TOL[torch.float32]
+
+
+def test_unaligned_shapes_above_32_rows_run_the_reference(device):
+    """K or N not a multiple of 16 (stories260K's 172-wide MLP) at more than 32 rows: the reference."""
+    x = torch.randn(40, 172, device=device)
     weight, scale = random_weight(64, 172, device)
     assert torch.equal(K.fp8_linear(x, weight, scale, None), reference.fp8_linear(x, weight, scale, None))
 
@@ -128,6 +152,24 @@ def test_fp8_linear_gpu(dtype, rows, n_out, k_in):
     ref = reference.fp8_linear(x, weight, scale, None)
     assert out.dtype == dtype and torch.isfinite(out).all()
     assert rel_err(out, ref) <= TOL[dtype], rel_err(out, ref)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 2, 8, 13, 16, 32])
+@pytest.mark.parametrize("n_out,k_in", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                        (1000, 1000)])
+def test_skinny_kernel_against_scaled_mm_gpu(rows, n_out, k_in):
+    """The two GPU paths on the same decode batch: the same quantized x, sums in another order."""
+    x = torch.randn(rows, k_in, device="cuda", dtype=torch.bfloat16)
+    weight, scale = random_weight(n_out, k_in, "cuda")
+    out = S.launch(x, weight, scale)
+    ref = reference.fp8_linear(x, weight, scale, None)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16], rel_err(out, ref)
+    if K._scaled_mm_fits(weight):
+        q, x_scale = K.quantize_fp8_per_token(x)
+        cublas = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
+                                  out_dtype=x.dtype)
+        assert rel_err(out, cublas) <= TOL[torch.bfloat16]
 
 
 @gpu
