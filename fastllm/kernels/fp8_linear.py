@@ -1,7 +1,7 @@
 """FP8 projections, y = x @ (W x weight_scale)^T with W in e4m3, on the FP8 tensor cores (sm_89+).
 
-Up to MAX_ROWS rows (decode batches) the weight-streaming kernel runs (fp8_skinny_linear.py: it quantizes
-the activations itself). Larger batches: the activations are quantized per token by a Triton kernel (one
+Up to SKINNY_MAX_ROWS rows (decode batches) the weight-streaming kernel runs (fp8_skinny_linear.py: it
+quantizes the activations itself). Larger batches: the activations are quantized per token by a Triton kernel (one
 program a row: the row's amax, then x / scale rounded to e4m3; or the static input_scale for every row),
 and the product runs in cuBLASLt through torch._scaled_mm with row-wise scales: scale_a [M, 1] per token
 and scale_b [1, N] per output channel, both float32, the weight column-major (W [N, K] row-major,
@@ -75,6 +75,9 @@ def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = N
     return q, scale
 
 
+# Batches up to this many rows take the weight-streaming kernel (at most its MAX_ROWS); the rows of
+# benchmarks/kernels/bench_fp8_linear.py (triton_fp8_skinny against scaled_mm) decide it.
+SKINNY_MAX_ROWS = fp8_skinny_linear.MAX_ROWS
 _logged: set[str] = set()
 
 
@@ -99,18 +102,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     rows = x2.shape[0]
     if rows == 0:
         return x.new_empty((*x.shape[:-1], n_out))
-    if rows <= fp8_skinny_linear.MAX_ROWS:
-        _log_once(f"the weight-streaming kernel up to {fp8_skinny_linear.MAX_ROWS} rows")
+    if rows <= SKINNY_MAX_ROWS:
+        _log_once(f"the weight-streaming kernel up to {SKINNY_MAX_ROWS} rows")
         out = fp8_skinny_linear.launch(x2, weight, weight_scale, bias, input_scale)
     elif _scaled_mm_fits(weight):
-        _log_once(f"torch._scaled_mm above {fp8_skinny_linear.MAX_ROWS} rows")
+        _log_once(f"torch._scaled_mm above {SKINNY_MAX_ROWS} rows")
         x_q, x_scale = quantize_fp8_per_token(x2, input_scale)
         out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n_out),
                                out_dtype=x.dtype)
         if bias is not None:
             out += bias
     else:
-        _log_once(f"the dequantizing reference above {fp8_skinny_linear.MAX_ROWS} rows where K or N is not a "
+        _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows where K or N is not a "
                   "multiple of 16 (torch._scaled_mm needs that)")
         out = reference.fp8_linear(x2, weight, weight_scale, bias, input_scale)
     return out.view(*x.shape[:-1], n_out)
