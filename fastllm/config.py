@@ -17,6 +17,7 @@ ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = str(ASSETS / "stories260K")
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("fp8", "fp8-per-tensor")  # None: the checkpoint's weights as they are (layers/fp8.py)
 
 
 def arg(default: Any = None, help: str = "", choices: tuple | None = None, **kwargs: Any):
@@ -58,11 +59,17 @@ class ModelConfig:
     load_format: str = arg("auto", "'dummy': random weights of the model's config", LOAD_FORMATS)
     max_model_len: int | None = arg(None, "context length (default: the model's max_position_embeddings)")
     seed: int = arg(0, "seed for dummy weights and unseeded sampling")
+    quantization: str | None = arg(None, "'fp8': linear weights in float8 e4m3 with a scale per output "
+                                   "channel ('fp8-per-tensor': one per checkpoint tensor), activations per "
+                                   "token; needs a GPU of sm_89 or newer (default: none, or the checkpoint's "
+                                   "FP8)", QUANTIZATIONS)
     hf_config: dict = field(default_factory=dict, repr=False, compare=False)  # config.json (not an argument)
 
     def __post_init__(self):
         _check(self.dtype in SUPPORTED_DTYPES, "dtype", f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         _check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+               f"must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
         config_file = Path(self.model) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"model directory {self.model!r} has no config.json (does the path exist?)")

@@ -79,6 +79,15 @@ def make_llm():
     return cached_llm
 
 
+@pytest.fixture
+def allow_fp8_on_cpu(monkeypatch):
+    """Lift the engine's refusal of FP8 weights on the CPU: the dequantizing reference runs there, which is
+    what the GPU computes up to rounding (layers/fp8.py)."""
+    from fastllm.layers import fp8
+
+    monkeypatch.setattr(fp8, "check_device", lambda device, scheme: None)
+
+
 def release_cached_engines() -> None:
     """Drop every cached engine (and its GPU memory) before a test that needs the whole device."""
     import gc

@@ -31,6 +31,7 @@ MODULES = [  # cheap ones first, so a slow compile at the end cannot hide everyt
     "bench_rotary",
     "bench_rotary_kv_cache_write",
     "bench_silu_and_mul",
+    "bench_fp8_linear",
 ]
 
 

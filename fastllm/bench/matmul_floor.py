@@ -1,7 +1,8 @@
 """The matmul-chain floor: a decode step's weight matmuls and nothing else.
 
 Per layer qkv, o, gate_up and down, then lm_head: F.linear at batch B on the engine's own weights
-(same dtype, same layout, no extra memory), captured as one CUDA graph and replayed, so neither
+(same dtype, same layout, no extra memory; FP8 weights: torch._scaled_mm on e4m3 inputs, their
+quantization left out), captured as one CUDA graph and replayed, so neither
 launch overhead nor attention, norms or sampling count. The engine's step time minus this is what
 everything but the weight GEMMs costs. On the CPU (no graphs) the chain runs eagerly.
 """
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm.bench.ceilings import cuda_time_ms
+from fastllm.kernels.reference import FP8
 
 logger = logging.getLogger(__name__)
 
@@ -32,14 +34,21 @@ def decode_weights(model: nn.Module) -> list[torch.Tensor]:
 
 
 def make_chain(weights: list[torch.Tensor], batch_size: int):
-    """A function running x_in @ W^T for each weight, x_in a fixed random [B, in_features] input."""
-    device, dtype = weights[0].device, weights[0].dtype
-    inputs = {w.shape[1]: torch.randn(batch_size, w.shape[1], device=device, dtype=dtype)
-              for w in weights}
+    """A function running x_in @ W^T for each weight, x_in a fixed random [B, in_features] input (e4m3
+    for e4m3 weights, with unit row-wise scales: the FP8 GEMM's time)."""
+    device, dtype = weights[-1].device, weights[-1].dtype  # lm_head's: the model's dtype
+    inputs = {(w.shape[1], w.dtype): torch.randn(batch_size, w.shape[1], device=device, dtype=dtype)
+              .to(w.dtype) for w in weights}
+    ones = torch.ones(max(batch_size, max(w.shape[0] for w in weights)), device=device)
 
     def chain() -> None:
         for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+            x = inputs[(w.shape[1], w.dtype)]
+            if w.dtype == FP8:
+                torch._scaled_mm(x, w.t(), scale_a=ones[:batch_size, None], scale_b=ones[None, :w.shape[0]],
+                                 out_dtype=dtype)
+            else:
+                F.linear(x, w)
 
     return chain
 

@@ -5,6 +5,7 @@ Model math (decode step of B requests, request i attending over ctx_i tokens, ct
 the new one):
   bytes = weights read once + KV read
         = (all parameters - the input embedding table when untied + the B embedding rows) x dtype bytes
+          (FP8 weights: the decoder layers' projections 1 byte each)
           + sum_i ctx_i x kv_bytes_per_token,  kv_bytes_per_token = 2 (K, V) x layers x kv_heads x head_dim x kv dtype bytes
   flops = 2 x matmul_params x B + 4 x layers x heads x head_dim x sum_i ctx_i
 matmul_params are the weights of the linear layers (qkv, o, gate_up, down per layer, and lm_head):
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from fastllm.layers.fp8 import Fp8Scheme
 from fastllm.models.llama import LlamaArgs
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -39,11 +41,12 @@ class ModelShape(LlamaArgs):
     kv_dtype_bytes: int = 2
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, dtype: str = "auto") -> "ModelShape":
+    def from_hf_config(cls, cfg: dict, dtype: str = "auto", fp8: Fp8Scheme | None = None) -> "ModelShape":
+        """fp8: the model's FP8 scheme (its projections' weights are 1 byte each)."""
         if dtype == "auto":
             dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", "")
         nbytes = DTYPE_BYTES.get(dtype, 4)
-        return replace(super().from_hf_config(cfg), dtype_bytes=nbytes, kv_dtype_bytes=nbytes)
+        return replace(super().from_hf_config(cfg), dtype_bytes=nbytes, kv_dtype_bytes=nbytes, fp8=fp8)
 
     @classmethod
     def from_model(cls, model: str | None, dtype: str = "auto") -> "ModelShape":
@@ -82,6 +85,13 @@ class ModelShape(LlamaArgs):
         return self.num_layers * per_layer + self.hidden_size + self.embedding_params + lm_head
 
     @property
+    def weight_bytes(self) -> int:
+        """Every parameter once, in bytes; FP8 weights (quantization) hold the decoder layers' projections
+        in 1 byte each (their scales, 4 bytes a row, left out)."""
+        fp8_saved = self.num_layers * self.layer_matmul_params * (self.dtype_bytes - 1) if self.fp8 else 0
+        return self.num_params * self.dtype_bytes - fp8_saved
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
 
@@ -90,9 +100,9 @@ class ModelShape(LlamaArgs):
     def decode_weight_bytes(self, batch_size: int) -> int:
         """Weights one decode step of batch_size requests reads from memory."""
         if self.tie_word_embeddings:  # lm_head reads the whole table; the gather hits the same one
-            return self.num_params * self.dtype_bytes
+            return self.weight_bytes
         gathered = batch_size * self.hidden_size
-        return (self.num_params - self.embedding_params + gathered) * self.dtype_bytes
+        return self.weight_bytes - (self.embedding_params - gathered) * self.dtype_bytes
 
     def decode_bytes(self, context_lens: Sequence[int]) -> int:
         return self.decode_weight_bytes(len(context_lens)) + self.kv_bytes_per_token * sum(context_lens)
@@ -113,7 +123,7 @@ class ModelShape(LlamaArgs):
 
     def summary(self) -> dict:
         return {**asdict(self), "num_params": self.num_params, "matmul_params": self.matmul_params,
-                "kv_bytes_per_token": self.kv_bytes_per_token, "weight_bytes": self.num_params * self.dtype_bytes}
+                "kv_bytes_per_token": self.kv_bytes_per_token, "weight_bytes": self.weight_bytes}
 
 
 # floors against ceilings

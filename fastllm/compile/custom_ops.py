@@ -59,6 +59,19 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.custom_op("fastllm::fp8_linear", mutates_args=())
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
+               input_scale: Tensor | None) -> Tensor:
+    """x @ (e4m3 weight [N, K] x weight_scale [N])^T (+ bias), x quantized per token (or by the static
+    input_scale) first: layers/fp8.py."""
+    return kernels.fp8_linear(x, weight, weight_scale, bias, input_scale)
+
+
+@fp8_linear.register_fake
+def _(x, weight, weight_scale, bias, input_scale):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 @torch.library.custom_op("fastllm::attention", mutates_args=())
 def attention(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, layer_index: int) -> Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] before rotary -> [T, Hq, D]; rotates q and k (out of place)

@@ -211,7 +211,7 @@ def new_result(args: argparse.Namespace, engine, device, ceilings: dict | None):
 
     config = engine.config
     dtype = str(engine.worker.runner.dtype).replace("torch.", "")
-    shape = ModelShape.from_hf_config(config.model.hf_config, dtype)
+    shape = ModelShape.from_hf_config(config.model.hf_config, dtype, engine.worker.runner.model.args.fp8)
     actual = sum(p.numel() for p in engine.worker.runner.model.parameters())  # rank 0's shard
     if config.parallel.world_size == 1 and actual != shape.num_params:
         logger.warning("roofline counts %d parameters, the model has %d: bytes/FLOPs are off", shape.num_params, actual)

@@ -36,6 +36,7 @@ KERNEL_NAMES = (
     "linear",
     "cascade_prefix_attention",
     "merge_attn_states",
+    "fp8_linear",
 )
 _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "kv_cache_write": "kv_cache_write",
@@ -51,6 +52,7 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "linear": "skinny_linear",
     "cascade_prefix_attention": "cascade_attention",
     "merge_attn_states": "merge_attn_states",
+    "fp8_linear": "fp8_linear",
 }
 
 _MODE = os.environ.get("FASTLLM_KERNELS", "auto").strip().lower() or "auto"
@@ -186,3 +188,8 @@ def rotary_decode_attention(
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
     return _select("linear", x.device)(x, weight, bias, out)
+
+
+def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
+               input_scale: Tensor | None = None) -> Tensor:
+    return _select("fp8_linear", x.device)(x, weight, weight_scale, bias, input_scale)

@@ -305,3 +305,42 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if out is None:
         return F.linear(x, weight, bias)
     return out.copy_(F.linear(x, weight, bias))
+
+
+# FP8 e4m3: weights [N, K] with a float32 scale per output row, activations quantized per token.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+MIN_AMAX = 1e-12  # an all-zero row or token still gets a finite, non-zero scale
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The float32 scale that maps amax to e4m3's largest value."""
+    return amax.float().clamp_min(MIN_AMAX) / FP8_MAX
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in float32, rounded to e4m3 (nearest even), saturating at +-448 (a plain cast gives NaN)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M, 1]): each token's amax / 448, or the static
+    input_scale (a scalar) for every token."""
+    if input_scale is None:
+        scale = fp8_scale(x.abs().amax(dim=-1, keepdim=True))
+    else:
+        scale = input_scale.float().expand(*x.shape[:-1], 1).contiguous()
+    return quantize_fp8(x, scale), scale
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+               input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N, 1])^T (+ bias) -> [M, N] in x's dtype, x quantized
+    to e4m3 per token first (quantize_fp8_per_token). What the FP8 GEMM computes (e4m3 products summed
+    in float32, then scaled) up to the order of the sums: both operands dequantized, multiplied in float32."""
+    x_q, x_scale = quantize_fp8_per_token(x, input_scale)
+    out = (x_q.float() * x_scale) @ (weight.float() * weight_scale.float()[:, None]).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -9,6 +9,10 @@ one all-reduce. With one rank these are plain linears (no collective, no extra w
 QKV and gate/up are fused into one matmul each; a fused layer's output blocks are split one by one, so
 this rank's slices of q, k and v sit side by side as the whole blocks do with one rank. The loader hands
 each layer whole checkpoint tensors (or lazy safetensors slices: a rank reads only its part of the file).
+
+With FP8 weights (layers/fp8.py) a layer's weight is e4m3 and it holds a float32 scale per output row,
+`weight_scale`, sliced with the rows (a row-parallel layer's is whole on every rank, like its bias); a
+16/32-bit checkpoint tensor is quantized whole as it loads, then sliced.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 
 from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
 from fastllm.distributed import communication  # noqa: F401  (registers torch.ops.fastllm.tp_all_reduce)
+from fastllm.layers.fp8 import FP8, Fp8Scheme, checkpoint_scale, is_fp8, quantize_weight
 
 
 def shape_of(source) -> tuple[int, ...]:
@@ -33,20 +38,57 @@ def copy_into(target: torch.Tensor, source: torch.Tensor, name: str) -> None:
 
 
 class Linear(nn.Module):
-    """The whole weight on every rank."""
+    """The whole weight on every rank; with `fp8`, in e4m3 with a scale per output row."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, fp8: Fp8Scheme | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.fp8 = fp8
+        if fp8 is None:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        else:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=FP8), requires_grad=False)
+            # NaN until loaded (fp8.check_loaded)
+            self.register_buffer("weight_scale", torch.full((output_size,), float("nan"),
+                                                            dtype=torch.float32))
+            self.register_buffer("input_scale", torch.full((), float("nan"), dtype=torch.float32)
+                                 if fp8.static_input else None)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Our few-row kernel at decode batch sizes, cuBLAS otherwise (fastllm/kernels/skinny_linear.py)."""
-        return torch.ops.fastllm.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W^T (+ bias): our few-row kernel at decode batch sizes, cuBLAS otherwise
+        (fastllm/kernels/skinny_linear.py); FP8 weights: fastllm/kernels/fp8_linear.py."""
+        if self.fp8 is None:
+            return torch.ops.fastllm.linear(x, self.weight, bias)
+        return torch.ops.fastllm.fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
 
     def load_weight(self, param_name: str, source) -> None:
         """Copy this rank's part of the whole checkpoint tensor of one parameter."""
-        copy_into(getattr(self, param_name), source[:], param_name)
+        for name, tensor in self.stored_forms(param_name, source, self.weight.shape[0]):
+            self.copy_whole(name, tensor)
+
+    def copy_whole(self, name: str, source) -> None:
+        copy_into(getattr(self, name), source[:], name)
+
+    def stored_forms(self, param_name: str, source, rows: int) -> list[tuple[str, object]]:
+        """What a checkpoint tensor (of `rows` output rows) loads as: itself, or with FP8 weights a 16/32-bit
+        weight quantized (weight and weight_scale) and a checkpoint's scale made one per row. A fused layer's
+        static input scales (one per checkpoint tensor, all of the same input) merge here: the largest."""
+        if self.fp8 is None or param_name == "bias":
+            return [(param_name, source)]
+        if param_name == "weight" and not is_fp8(source):
+            return list(zip(("weight", "weight_scale"),
+                            quantize_weight(source[:].to(self.weight.device), self.fp8.per_tensor)))
+        if param_name == "weight_scale":
+            return [(param_name, checkpoint_scale(source, rows, param_name))]
+        if param_name == "input_scale":  # (a layer without static scales has no such buffer to load)
+            with torch.no_grad():
+                scale = source[...].to(self.input_scale.device, torch.float32).reshape(())
+                self.input_scale.copy_(torch.fmax(self.input_scale, scale))
+            return []
+        return [(param_name, source)]
 
 
 class ColumnParallelLinear(Linear):
@@ -56,7 +98,7 @@ class ColumnParallelLinear(Linear):
     consecutive ranks hold the same slice."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1, partitions: list[int] | None = None):
+                 tp_size: int = 1, partitions: list[int] | None = None, fp8: Fp8Scheme | None = None):
         partitions = list(partitions or [tp_size] * len(output_sizes))
         for full, parts in zip(output_sizes, partitions):
             if full % parts or tp_size % parts:
@@ -65,10 +107,14 @@ class ColumnParallelLinear(Linear):
         self.full_sizes = list(output_sizes)
         self.output_sizes = [full // parts for full, parts in zip(output_sizes, partitions)]  # this rank's
         self.slice_index = [tp_rank * parts // tp_size for parts in partitions]
-        super().__init__(input_size, sum(self.output_sizes), bias)
+        super().__init__(input_size, sum(self.output_sizes), bias, fp8)
 
     def load_shard(self, param_name: str, shard: int, source) -> None:
         """Copy this rank's slice of output block `shard` from the block's whole checkpoint tensor."""
+        for name, tensor in self.stored_forms(param_name, source, self.full_sizes[shard]):
+            self._copy_shard(name, shard, tensor)
+
+    def _copy_shard(self, param_name: str, shard: int, source) -> None:
         full = shape_of(source)
         target = getattr(self, param_name)
         if full[0] != self.full_sizes[shard] or full[1:] != tuple(target.shape[1:]):
@@ -92,22 +138,22 @@ class RowParallelLinear(Linear):
     bias, if any, is added once, after it)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1):
+                 tp_size: int = 1, fp8: Fp8Scheme | None = None):
         if input_size % tp_size:
             raise ValueError(f"{input_size} input features do not split over {tp_size} ranks "
                              "(tensor_parallel_size)")
-        super().__init__(input_size // tp_size, output_size, bias)
+        super().__init__(input_size // tp_size, output_size, bias, fp8)
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return torch.ops.fastllm.linear(x, self.weight, self.bias)
-        out = torch.ops.fastllm.tp_all_reduce(torch.ops.fastllm.linear(x, self.weight, None))
+            return self.matmul(x, self.bias)
+        out = torch.ops.fastllm.tp_all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
-    def load_weight(self, param_name: str, source) -> None:
-        if param_name == "bias":
-            return super().load_weight(param_name, source)
+    def copy_whole(self, param_name: str, source) -> None:
+        if param_name != "weight":  # the bias and FP8 scales: whole on every rank
+            return super().copy_whole(param_name, source)
         size = self.weight.shape[1]
         full = shape_of(source)
         if full != (self.weight.shape[0], size * self.tp_size):

@@ -30,6 +30,7 @@ from fastllm.distributed.parallel_state import ParallelRank, stage_layers
 from fastllm.layers.activation import SiluAndMul
 from fastllm.layers.attention import Attention
 from fastllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from fastllm.layers.fp8 import Fp8Scheme
 from fastllm.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_into
 from fastllm.layers.norm import RMSNorm
 from fastllm.layers.rotary import RotaryEmbedding, rope_parameters
@@ -55,6 +56,7 @@ class LlamaArgs:
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer (config.sliding_windows); () for none
+    fp8: Fp8Scheme | None = None  # FP8 linear weights (layers/fp8.py); None: the model's dtype
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArgs":
@@ -100,8 +102,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias,
-                                             tp_rank, tp, partitions=[tp, kv_parts, kv_parts])
-        self.o_proj = RowParallelLinear(q_size, args.hidden_size, False, tp_rank, tp)
+                                             tp_rank, tp, partitions=[tp, kv_parts, kv_parts], fp8=args.fp8)
+        self.o_proj = RowParallelLinear(q_size, args.hidden_size, False, tp_rank, tp, fp8=args.fp8)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
@@ -127,9 +129,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         tp_rank, tp = parallel.tp_rank, parallel.tp_size
         width = args.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [width, width], False, tp_rank, tp)
+        self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [width, width], False, tp_rank, tp,
+                                                 fp8=args.fp8)
         self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp_rank, tp)
+        self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp_rank, tp,
+                                           fp8=args.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -232,6 +236,11 @@ class LlamaForCausalLM(nn.Module):
         ms a decode step on an H100). out: write them there (a CUDA graph's static buffer)."""
         return self.lm_head.compute_logits(hidden, out)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (a norm's: with FP8 weights a stage's first parameter may be e4m3)."""
+        return self.model.stage_layers()[0].input_layernorm.weight.dtype
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.stage_layers()]
 
@@ -292,6 +301,8 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (whole, or lazy safetensors slices) into this rank's parameters;
         every parameter must be covered. Tensors of other pipeline stages are skipped unread."""
         params = dict(self.named_parameters())
+        # FP8 scales (buffers; fp8.check_loaded tells of missing ones)
+        scales = {name for name, _ in self.named_buffers() if name.endswith(("weight_scale", "input_scale"))}
         # parameter -> the checkpoint tensors (shards of a fused one) it still lacks
         missing = {name: set(range(len(getattr(self.get_submodule(name.rsplit(".", 1)[0]), "full_sizes",
                                                [0])))) for name in params}
@@ -307,10 +318,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "model.embed_tokens.weight" and self._lm_head_reads_embedding:
                 name = "lm_head.weight"
-            if name not in params:
+            if name not in params and name not in scales:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             self.load_param(name, tensor, shard)
-            missing[name].discard(shard or 0)
+            missing.get(name, set()).discard(shard or 0)
         absent = sorted(name for name, shards in missing.items() if shards)
         if absent:
             raise ValueError(f"checkpoint is missing {len(absent)} tensors, e.g. {absent[:3]}")

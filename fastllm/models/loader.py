@@ -22,6 +22,7 @@ from torch import nn
 
 from fastllm.config import ModelConfig
 from fastllm.distributed.parallel_state import ParallelRank
+from fastllm.layers import fp8
 from fastllm.models.registry import build_model
 
 logger = logging.getLogger(__name__)
@@ -64,17 +65,20 @@ def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, object]]:
                 yield name, f.get_slice(name)
 
 
-def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02,
+                       dtype: torch.dtype | None = None) -> None:
     """Random weights of the real shapes: normal(0, std) matrices, unit norms, zero biases. Each
     parameter's whole (single-rank) tensor comes from its own generator, seeded by its name, and the
-    model copies out its rank's part."""
+    model copies out its rank's part. FP8 weights are drawn in the model's `dtype` and quantized as they
+    load: the FP8 model holds the 16-bit one's weights, quantized."""
     device = next(model.parameters()).device
     with torch.no_grad():
         for name, param in model.named_parameters():
             shape = model.full_shape(name)
+            draw = dtype if param.dtype == fp8.FP8 else param.dtype
             # Drawn in place when the parameter is whole (one rank: no temporary copy).
-            whole = tuple(param.shape) == shape
-            full = param if whole else torch.empty(shape, dtype=param.dtype, device=device)
+            whole = tuple(param.shape) == shape and draw == param.dtype
+            full = param if whole else torch.empty(shape, dtype=draw, device=device)
             if name.endswith("norm.weight"):
                 full.fill_(1.0)
             elif name.endswith(".bias"):
@@ -91,6 +95,9 @@ def load_model(model_config: ModelConfig, device: torch.device,
                parallel: ParallelRank = ParallelRank()) -> nn.Module:
     start = time.perf_counter()
     dtype = resolve_dtype(model_config, device)
+    scheme = fp8.scheme_for(model_config.quantization, model_config.hf_config)
+    if scheme is not None:
+        fp8.check_device(device, scheme)
     load_format = model_config.load_format
     if load_format == "auto":
         load_format = "safetensors"
@@ -100,13 +107,17 @@ def load_model(model_config: ModelConfig, device: torch.device,
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = build_model(model_config.hf_config, parallel)
+            model = build_model(model_config.hf_config, parallel, scheme)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
-        init_dummy_weights(model, model_config.seed, model_config.hf_config.get("initializer_range", 0.02))
+        std = model_config.hf_config.get("initializer_range", 0.02)
+        init_dummy_weights(model, model_config.seed, std, dtype)
     else:
         model.load_weights(iterate_safetensors(model_config.model))
+    if scheme is not None:
+        fp8.check_loaded(model)
+        logger.info("%s", scheme.describe())
     # Rotary tables stay float32 whatever the model dtype.
     for module in model.modules():
         if hasattr(module, "cos_sin_cache"):

@@ -38,7 +38,7 @@ class ModelRunner:
         self.model = load_model(config.model, device, parallel)  # this rank's shard
         # A pipeline stage before the last hands its hidden states on and samples nothing.
         self.samples = self.model.computes_logits
-        self.dtype = next(self.model.parameters()).dtype
+        self.dtype = self.model.dtype
         self.args = self.model.args
         self.attention_layers = self.model.attention_layers()  # the forward context's, every step
         self.eos_token_id = config.model.hf_config.get("eos_token_id")

@@ -1,0 +1,108 @@
+"""FP8 weights against bf16 in one run (issue #26): decode latency and offline throughput of the same
+model, one engine of each built and torn down in turn.
+
+    python benchmarks/bench_fp8.py --output-json fp8.json          # Llama-3.1-8B, random weights
+
+Each engine (compiled, CUDA graphs, the engine's defaults otherwise) runs
+- decode latency (`fastllm bench latency`'s sweep): batches of 1, 32 and 256 random 128-token prompts,
+  256 greedy tokens each (EOS ignored), each batch after a warm-up batch of its size; tokens/s of the
+  steps in which every request decodes;
+- offline throughput (`fastllm bench throughput`'s run): 3,000 requests x 128 in / 128 out after its
+  warm-up; output tokens/s.
+The last lines set FP8 against bf16 and the issue's targets: batch 1 >= 300 tok/s, batch 32 >= 1.6x,
+batch 256 >= 1.4x; throughput >= 1.4x is the target of FP8 weights and the FP8 KV cache together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+
+import torch
+
+from fastllm.bench import ceilings
+from fastllm.bench.latency import run_latency
+from fastllm.bench.roofline import ModelShape
+from fastllm.bench.throughput import make_prompts, run_throughput
+from fastllm.engine.llm_engine import LLMEngine
+
+TARGETS = {1: ("tok/s", 300.0), 32: ("x bf16", 1.6), 256: ("x bf16", 1.4)}
+THROUGHPUT_TARGET = 1.4
+
+
+def measure(args, quantization: str | None) -> dict:
+    engine = LLMEngine.from_kwargs(args.model, load_format=args.load_format, dtype="bfloat16",
+                                   max_model_len=args.max_model_len, quantization=quantization)
+    try:
+        runner = engine.worker.runner
+        shape = ModelShape.from_hf_config(engine.config.model.hf_config, "bfloat16", runner.model.args.fp8)
+        name = quantization or "bf16"
+        print(f"{name}: {engine.worker.num_gpu_blocks} KV blocks ({engine.worker.kv_cache_gib():.1f} GiB), "
+              f"weights {shape.weight_bytes / 2**30:.2f} GiB, startup {engine.startup_seconds:.1f} s",
+              flush=True)
+        latency = run_latency(engine, args.batch_sizes, args.input_len, args.output_len, None, shape,
+                              progress=False)
+        for row in latency:
+            print(f"  {name} batch {row['batch_size']:>3}: {row['tok_s_total']:,.1f} tok/s, step "
+                  f"{row['tpot_ms_mean']:.2f} ms (Triton compiles while timed: {row['jit_compiles']})",
+                  flush=True)
+        prompts = make_prompts(engine, args.num_prompts, args.throughput_len)
+        throughput = run_throughput(engine, prompts, args.throughput_len, progress=False)
+        print(f"  {name} throughput {args.num_prompts} x {args.throughput_len}/{args.throughput_len}: "
+              f"{throughput['output_tok_s']:,.0f} output tok/s", flush=True)
+        engine.check_kv_pool_whole()
+        return {"num_gpu_blocks": engine.worker.num_gpu_blocks, "kv_cache_gib": engine.worker.kv_cache_gib(),
+                "weight_gib": shape.weight_bytes / 2**30, "latency": latency, "throughput": throughput}
+    finally:
+        engine.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next engine sizes its KV pool by what is free
+            left = torch.cuda.memory_allocated() / 2**30
+            print(f"  (after teardown: {left:.2f} GiB still allocated)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--batch-sizes", type=lambda s: [int(b) for b in s.split(",")], default=[1, 32, 256])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--num-prompts", type=int, default=3000)
+    p.add_argument("--throughput-len", type=int, default=128,
+                   help="prompt and output tokens of the throughput run")
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    results = {name: measure(args, quantization) for name, quantization in (("bf16", None), ("fp8", "fp8"))}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    meta = {**ceilings.environment(device), "model": args.model, "load_format": args.load_format,
+            "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts}
+    print(f"\nFP8 weights against bf16: {args.model} ({args.load_format}) on {meta['device']}, "
+          f"commit {meta['commit']}")
+    print(f"KV blocks: {results['bf16']['num_gpu_blocks']} -> {results['fp8']['num_gpu_blocks']}; weights "
+          f"{results['bf16']['weight_gib']:.2f} -> {results['fp8']['weight_gib']:.2f} GiB")
+    print("| batch | bf16 tok/s | fp8 tok/s | fp8 / bf16 | target |")
+    print("|---:|---:|---:|---:|---|")
+    for base, fp8 in zip(results["bf16"]["latency"], results["fp8"]["latency"]):
+        b, ratio = base["batch_size"], fp8["tok_s_total"] / base["tok_s_total"]
+        unit, bound = TARGETS.get(b, (None, None))
+        got = fp8["tok_s_total"] if unit == "tok/s" else ratio
+        verdict = "" if unit is None else f"{'met' if got >= bound else 'MISSED'} (>= {bound} {unit})"
+        print(f"| {b} | {base['tok_s_total']:,.1f} | {fp8['tok_s_total']:,.1f} | {ratio:.2f}x | {verdict} |")
+    base, fp8 = results["bf16"]["throughput"]["output_tok_s"], results["fp8"]["throughput"]["output_tok_s"]
+    n = args.throughput_len
+    print(f"| throughput {args.num_prompts} x {n}/{n} | {base:,.0f} | {fp8:,.0f} | {fp8 / base:.2f}x | "
+          f">= {THROUGHPUT_TARGET}x with the FP8 KV cache too |")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"benchmark": "fp8", "meta": meta, "results": results}, f, indent=2, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""FP8 linear weights (quantization="fp8"): float8 e4m3 weights with float32 scales, activations
+quantized per token at each projection.
+
+A quantized linear (layers/linear.py) holds its weight [N, K] in e4m3 and one float32 scale per output row,
+`weight_scale` [N]: the weight it stands for is weight.float() * weight_scale[:, None]. "fp8" gives each row
+its own scale, amax(|row|) / 448 (448: e4m3's largest value); "fp8-per-tensor" one per checkpoint tensor (q,
+k, v, gate and up each their own inside the fused layers), written on each of its rows, so both, and
+checkpoints of either kind, run the same kernels. Activations are quantized as each projection starts: per
+token, amax / 448, or with the checkpoint's static `input_scale`. The matmul then runs on e4m3 operands
+(fastllm/kernels/fp8_linear.py); the reference dequantizes both and multiplies in float32.
+
+Where the FP8 weights come from:
+- a 16/32-bit checkpoint, or dummy weights: each whole checkpoint tensor is quantized as it loads, then
+  sliced for this rank like any checkpoint tensor, so every tensor-parallel split holds exactly the
+  single-rank model's FP8 weights (a rank reads the whole tensor of each projection to get its scales).
+- an FP8 checkpoint (config.json's quantization_config, quant_method "fp8" or "compressed-tensors"): e4m3
+  `weight`, `weight_scale` (a scalar, or [N, 1] per channel) and, with static activation scales,
+  `input_scale`, as they are.
+Embeddings, norms and lm_head keep the model's dtype.
+
+FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper): elsewhere the engine refuses
+(check_device), never running the 16-bit model in its place. The CPU runs the references in tests only.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastllm.kernels.reference import FP8, fp8_scale, quantize_fp8
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How this model's linear weights are FP8 (a field of LlamaArgs, so of the compiled forward's key)."""
+
+    per_tensor: bool = False  # quantized at load time: one scale per checkpoint tensor (else per row)
+    static_input: bool = False  # activation scales from the checkpoint's input_scale (else per token)
+    checkpoint: str | None = None  # the checkpoint's quant_method when its weights are FP8 already
+
+    def describe(self) -> str:
+        weights = (f"from the {self.checkpoint} checkpoint" if self.checkpoint else
+                   f"quantized at load time, a scale per {'tensor' if self.per_tensor else 'output channel'}")
+        inputs = "static activation scales (input_scale)" if self.static_input else "activations per token"
+        return f"FP8 e4m3 linear weights {weights}; {inputs}"
+
+
+def scheme_for(quantization: str | None, hf_config: dict) -> Fp8Scheme | None:
+    """The FP8 scheme of engine argument `quantization` and the checkpoint's quantization_config (an FP8
+    checkpoint is FP8 whatever the argument says, as in vLLM); None: 16-bit weights. Raises ValueError
+    naming `quantization` for checkpoints it cannot run."""
+    config = hf_config.get("quantization_config")
+    if config is None:
+        return None if quantization is None else Fp8Scheme(per_tensor=quantization == "fp8-per-tensor")
+    method = config.get("quant_method")
+    if method not in ("fp8", "compressed-tensors"):
+        raise ValueError(f"quantization: the checkpoint's quantization_config has quant_method {method!r}; "
+                         "supported: FP8 checkpoints ('fp8', 'compressed-tensors')")
+    if quantization == "fp8-per-tensor":
+        raise ValueError("quantization: 'fp8-per-tensor' says how to quantize 16-bit weights, but this "
+                         "checkpoint's weights are FP8 already (use quantization=None or 'fp8')")
+    static = _fp8_static_input(config) if method == "fp8" else _compressed_tensors_static_input(config)
+    return Fp8Scheme(static_input=static, checkpoint=method)
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(f"quantization: this checkpoint's quantization_config has {what}, which fastllm does "
+                      "not run (FP8 e4m3 weights with per-tensor or per-channel scales only)")
+
+
+def _fp8_static_input(config: dict) -> bool:
+    if config.get("weight_block_size") is not None:
+        raise _unsupported(f"block-wise weight scales (weight_block_size {config['weight_block_size']})")
+    scheme = config.get("activation_scheme", "dynamic")
+    if scheme not in ("dynamic", "static"):
+        raise _unsupported(f"activation_scheme {scheme!r}")
+    return scheme == "static"
+
+
+def _compressed_tensors_static_input(config: dict) -> bool:
+    if config.get("kv_cache_scheme") is not None:
+        raise _unsupported("an FP8 KV cache (kv_cache_scheme)")
+    groups = list((config.get("config_groups") or {}).values())
+    if not groups:
+        raise _unsupported("no config_groups")
+    static = set()
+    for group in groups:
+        weights, inputs = group.get("weights") or {}, group.get("input_activations")
+        if (weights.get("num_bits"), weights.get("type")) != (8, "float") or \
+                weights.get("strategy") not in ("tensor", "channel") or weights.get("dynamic"):
+            raise _unsupported(f"weights {weights}")
+        if inputs is None:  # weight-only: the kernels still quantize the activations (per token)
+            logger.info("FP8 checkpoint with 16-bit activations: fastllm quantizes them per token")
+            static.add(False)
+            continue
+        if (inputs.get("num_bits"), inputs.get("type")) != (8, "float") or \
+                (inputs.get("dynamic") is False and inputs.get("strategy") != "tensor"):
+            raise _unsupported(f"input_activations {inputs}")
+        static.add(inputs.get("dynamic") is False)
+    if len(static) > 1:
+        raise _unsupported("static and dynamic activation scales in different groups")
+    return static.pop()
+
+
+def check_device(device: torch.device, scheme: Fp8Scheme) -> None:
+    """FP8 weights run on GPUs of sm_89 or newer only: anything else is a ValueError naming `quantization`
+    (no silent 16-bit run)."""
+    what = "the checkpoint's FP8 weights" if scheme.checkpoint else "FP8 weights"
+    if device.type != "cuda":
+        raise ValueError(f"quantization: {what} need a CUDA GPU of compute capability 8.9 or newer (FP8 "
+                         f"matmuls); the engine runs on {device.type}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"quantization: {what} need a GPU of compute capability 8.9 or newer (FP8 matmuls); "
+                         f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}")
+
+
+def quantize_weight(weight: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 16/32-bit weight [N, K] -> (e4m3 [N, K], float32 scale [N])."""
+    amax = weight.abs().amax() if per_tensor else weight.abs().amax(dim=1)
+    scale = fp8_scale(amax).expand(weight.shape[0]).contiguous()
+    return quantize_fp8(weight, scale[:, None]), scale
+
+
+def is_fp8(source) -> bool:
+    """Whether a checkpoint tensor (or lazy safetensors slice) is e4m3."""
+    return source.dtype == FP8 if isinstance(source, torch.Tensor) else source.get_dtype() == "F8_E4M3"
+
+
+def checkpoint_scale(source, rows: int, name: str) -> torch.Tensor:
+    """A checkpoint's weight_scale for a tensor of `rows` output rows (a scalar, or [rows, 1] / [rows] per
+    channel) as this layer stores it: float32 [rows]."""
+    scale = source[...].float()
+    if scale.numel() == 1:
+        return scale.reshape(1).expand(rows).contiguous()
+    if tuple(scale.shape) in ((rows,), (rows, 1)):
+        return scale.reshape(rows)
+    raise ValueError(f"{name}: checkpoint scale of shape {tuple(scale.shape)} is neither per tensor nor per "
+                     f"output channel ({rows}, 1)")
+
+
+def check_loaded(model: nn.Module) -> None:
+    """Every FP8 scale was loaded (they start as NaN): an FP8 checkpoint missing some is an error."""
+    absent = [name for name, buf in model.named_buffers()
+              if name.endswith(("weight_scale", "input_scale")) and torch.isnan(buf).any()]
+    if absent:
+        raise ValueError(f"checkpoint is missing {len(absent)} FP8 scales, e.g. {absent[:3]}")
+

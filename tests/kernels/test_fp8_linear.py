@@ -1,0 +1,210 @@
+"""fp8_linear (FP8 weights, activations quantized per token) against the dequantizing reference: the
+weight-streaming kernel up to 32 rows (fp8_skinny_linear.py), quantization + torch._scaled_mm above.
+
+The activation quantization is bitwise the reference's on the GPU (the same IEEE division and round to
+nearest even). Triton's interpreter rounds float32 -> e4m3 wrongly at binade edges (1.99 -> 1), so on the CPU
+the inputs are exactly representable: e4m3 values times a power of two, each row's amax 448 x that power,
+so that x / scale is exact and no rounding happens (the GPU tests cover rounding).
+
+Tolerances for the whole op (||out - ref|| / ||ref||, the same quantized operands on both sides):
+    float32 out   1e-5   the same e4m3 products summed in float32 in another order
+    bf16 out      8e-3   the output rounded once to bf16 (as the skinny kernel's table)
+    fp16 out      2e-3
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastllm.kernels import fp8_linear as K
+from fastllm.kernels import fp8_skinny_linear as S
+from fastllm.kernels import reference
+from fastllm.kernels.reference import FP8
+from fastllm.kernels.skinny_linear import Config
+from tests.kernels.kernel_testing import gpu, rel_err
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
+
+
+def exact_rows(rows: int, k_in: int, device, dtype=torch.float32, power: float | None = None) -> torch.Tensor:
+    """Rows of e4m3 values times a power of two per row (or `power` for all), each with amax exactly 448
+    x that power."""
+    q = (torch.randn(rows, k_in) * 100).clamp(-448, 448).to(FP8).float()
+    q[torch.arange(rows), torch.randint(0, k_in, (rows,))] = 448.0
+    power = 2.0 ** torch.randint(-10, 6, (rows, 1)).float() if power is None else power
+    return (q * power).to(device, dtype)  # e4m3 values have 4 significant bits: exact in bf16 too
+
+
+def random_weight(n_out: int, k_in: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weights and per-row scales that span 2^-12..2^-4 (a transposed scale would show)."""
+    weight = (torch.randn(n_out, k_in) * 64).clamp(-448, 448).to(FP8)
+    scale = 2.0 ** torch.empty(n_out).uniform_(-12, -4)
+    return weight.to(device), scale.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,k_in", [(1, 64), (3, 100), (8, 2048), (2, 3000)])
+def test_quantize_per_token_is_the_reference(device, dtype, rows, k_in):
+    x = exact_rows(rows, k_in, device, dtype)
+    x[-1] = 0  # an all-zero token: the smallest scale, zeros
+    q, scale = K.quantize_fp8_per_token(x)
+    ref_q, ref_scale = reference.quantize_fp8_per_token(x)
+    assert q.dtype == FP8 and scale.shape == (rows, 1) and scale.dtype == torch.float32
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    # with exact inputs the round trip is exact
+    assert torch.equal(q.float() * scale, x.float())
+
+
+def test_quantize_with_a_static_scale_saturates(device):
+    x = exact_rows(4, 96, device, power=2.0 ** -3)
+    # a quarter of what the tokens need: x / scale = 4 x an e4m3 value, exact or saturating at 448
+    input_scale = torch.tensor(2.0 ** -5, device=device)
+    q, scale = K.quantize_fp8_per_token(x, input_scale)
+    ref_q, ref_scale = reference.quantize_fp8_per_token(x, input_scale)
+    assert torch.equal(scale, ref_scale) and torch.equal(scale, input_scale.expand(4, 1))
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    assert q.float().abs().max() == 448 and torch.isfinite(q.float()).all()
+
+
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 48, 64), (5, 32, 128), (17, 64, 96), (40, 48, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_linear_matches_reference(device, rows, n_out, k_in, bias):
+    x = exact_rows(rows, k_in, device)
+    weight, scale = random_weight(n_out, k_in, device)
+    b = torch.randn(n_out, device=device) if bias else None
+    out = K.fp8_linear(x, weight, scale, b)
+    ref = reference.fp8_linear(x, weight, scale, b)
+    assert out.shape == (rows, n_out) and out.dtype == x.dtype
+    assert rel_err(out, ref) <= TOL[torch.float32], rel_err(out, ref)
+
+
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 64), (1, 100, 200), (3, 64, 96), (16, 33, 128),
+                                            (32, 70, 256), (2, 48, 3000)])
+@pytest.mark.parametrize("cfg", [Config(32, 64, 4, 2, True), Config(16, 64, 4, 2, False), None],
+                         ids=["dot", "fma-one-row", "chosen"])
+def test_skinny_kernel_matches_reference(device, rows, n_out, k_in, cfg):
+    """The weight-streaming kernel quantizes x itself: odd N and K (masked tiles), one row to 32."""
+    x = exact_rows(rows, k_in, device)
+    weight, scale = random_weight(n_out, k_in, device)
+    bias = torch.randn(n_out, device=device) if rows % 2 else None
+    out = S.launch(x, weight, scale, bias, config=cfg)
+    assert rel_err(out, reference.fp8_linear(x, weight, scale, bias)) <= TOL[torch.float32]
+
+
+def test_skinny_kernel_static_scale(device):
+    x = exact_rows(4, 96, device, power=2.0 ** -3)
+    input_scale = torch.tensor(2.0 ** -5, device=device)  # saturates the larger values, as above
+    weight, scale = random_weight(40, 96, device)
+    out = S.launch(x, weight, scale, None, input_scale)
+    assert rel_err(out, reference.fp8_linear(x, weight, scale, None, input_scale)) <= TOL[torch.float32]
+
+
+def test_unaligned_shapes_above_32_rows_run_the_reference(device):
+    """K or N not a multiple of 16 (stories260K's 172-wide MLP) at more than 32 rows: the reference."""
+    x = torch.randn(40, 172, device=device)
+    weight, scale = random_weight(64, 172, device)
+    assert torch.equal(K.fp8_linear(x, weight, scale, None), reference.fp8_linear(x, weight, scale, None))
+
+
+def test_custom_op_fake_and_traced():
+    """torch.compile sees fastllm::fp8_linear through its fake (shapes only). opcheck's schema test is left
+    out: it does arithmetic on the inputs, which torch lacks for e4m3 on the CPU."""
+    from fastllm.compile import custom_ops  # noqa: F401  (registers the op)
+
+    x, (weight, scale) = torch.randn(5, 32), random_weight(16, 32, "cpu")
+    for args in [(x, weight, scale, None, None), (x, weight, scale, torch.randn(16), torch.tensor(0.01))]:
+        torch.library.opcheck(torch.ops.fastllm.fp8_linear.default, args, test_utils=(
+            "test_faketensor", "test_aot_dispatch_dynamic", "test_autograd_registration"))
+
+
+def test_reference_is_close_to_the_unquantized_product():
+    """The reference dequantizes: against the float32 product of the weights it quantizes, the error is
+    e4m3's (3 mantissa bits: at most 2^-4 relative per element, far less over a sum)."""
+    from fastllm.layers.fp8 import quantize_weight
+
+    w = torch.randn(96, 256) / 16
+    x = torch.randn(7, 256)
+    for per_tensor in (False, True):
+        weight, scale = quantize_weight(w, per_tensor)
+        assert rel_err(reference.fp8_linear(x, weight, scale, None), x @ w.t()) < 0.05
+
+
+# GPU: real rounding, cuBLASLt's row-wise _scaled_mm, Llama-3.1-8B's projections.
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 31, 32, 33, 64, 100, 128, 255, 256, 511, 512])
+@pytest.mark.parametrize("n_out,k_in", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128, 64),
+                                        (1024, 1024)])
+def test_fp8_linear_gpu(dtype, rows, n_out, k_in):
+    torch.manual_seed(rows + n_out)
+    # token magnitudes spread over 2^-6..2^6, so a transposed scale_a would show
+    magnitude = 2.0 ** torch.randint(-6, 7, (rows, 1), device="cuda")
+    x = (torch.randn(rows, k_in, device="cuda") * magnitude).to(dtype)
+    weight, scale = random_weight(n_out, k_in, "cuda")
+    q, x_scale = K.quantize_fp8_per_token(x)
+    ref_q, ref_scale = reference.quantize_fp8_per_token(x)
+    assert torch.equal(x_scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    out = K.fp8_linear(x, weight, scale, None)
+    ref = reference.fp8_linear(x, weight, scale, None)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert rel_err(out, ref) <= TOL[dtype], rel_err(out, ref)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 2, 8, 13, 16, 32])
+@pytest.mark.parametrize("n_out,k_in", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),
+                                        (1000, 1000)])
+def test_skinny_kernel_against_scaled_mm_gpu(rows, n_out, k_in):
+    """The two GPU paths on the same decode batch: the same quantized x, sums in another order."""
+    x = torch.randn(rows, k_in, device="cuda", dtype=torch.bfloat16)
+    weight, scale = random_weight(n_out, k_in, "cuda")
+    out = S.launch(x, weight, scale)
+    ref = reference.fp8_linear(x, weight, scale, None)
+    assert rel_err(out, ref) <= TOL[torch.bfloat16], rel_err(out, ref)
+    if K._scaled_mm_fits(weight):
+        q, x_scale = K.quantize_fp8_per_token(x)
+        cublas = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
+                                  out_dtype=x.dtype)
+        assert rel_err(out, cublas) <= TOL[torch.bfloat16]
+
+
+@gpu
+def test_fp8_linear_bias_static_scale_and_3d_gpu():
+    x = torch.randn(2, 5, 256, device="cuda", dtype=torch.bfloat16)
+    weight, scale = random_weight(512, 256, "cuda")
+    bias = torch.randn(512, device="cuda", dtype=torch.bfloat16)
+    input_scale = x.float().abs().amax() / 448
+    for s in (None, input_scale):
+        out = K.fp8_linear(x, weight, scale, bias, s)
+        ref = reference.fp8_linear(x, weight, scale, bias, s)
+        assert out.shape == (2, 5, 512) and rel_err(out, ref) <= TOL[torch.bfloat16]
+
+
+@gpu
+def test_fp8_linear_in_a_cuda_graph_gpu():
+    """Captured once, replayed on new inputs of the same shape (the decode step's graphs)."""
+    weight, scale = random_weight(4096, 4096, "cuda")
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.ops.fastllm.fp8_linear(x, weight, scale, None, None)  # warm up (Triton compile, cuBLASLt plan)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.fastllm.fp8_linear(x, weight, scale, None, None)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x) * 3)
+        graph.replay()
+        assert rel_err(out, reference.fp8_linear(x, weight, scale, None)) <= TOL[torch.bfloat16]
+
+
+@gpu
+def test_fp8_weights_close_to_bf16_gpu():
+    """End to end against the unquantized bf16 product: e4m3's error, not a wrong scale or layout."""
+    from fastllm.layers.fp8 import quantize_weight
+
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16)
+    weight, scale = quantize_weight(w, per_tensor=False)
+    assert rel_err(K.fp8_linear(x, weight, scale, None), F.linear(x.float(), w.float())) < 0.05
