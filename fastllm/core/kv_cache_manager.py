@@ -229,6 +229,14 @@ class KVCacheManager:
         self.req_blocks[child.request_id] = list(shared)
         if freed:
             self.num_freed[child.request_id] = freed
+        registered = self.num_registered.get(parent.request_id, 0)
+        if registered and registered <= num_tokens // self.block_size:
+            # The parent's registered blocks are all shared, tokens and all: the child's registration goes on
+            # after them instead of walking its whole table again (a beam is forked every step).
+            self.num_registered[child.request_id] = registered
+            self.chain_tail[child.request_id] = self.chain_tail[parent.request_id]
+            if parent.request_id in self.unchained:
+                self.unchained.add(child.request_id)
         return True
 
     # swapping

@@ -299,6 +299,47 @@ def test_fork_at_a_block_boundary_needs_no_copy():
     kv.check_invariants()
 
 
+def test_a_fork_registers_only_the_blocks_it_fills(monkeypatch):
+    """A beam is forked every step: the child goes on from the parent's registered blocks (it shares
+    them, tokens and all) instead of registering its whole table again, and its chain stays findable."""
+    kv = KVCacheManager(10, BS)
+    parent = req("p", 9)
+    compute(kv, parent, 9)  # blocks 1, 2 full and registered; block 3 holds position 8
+    kv.take_copies()
+    child = parent.copy_as("c")
+    child.append_token(5)
+    assert kv.fork(parent, child, parent.num_computed_tokens)
+    kv.free(parent)
+    registered = []
+    real = kv.pool.register
+    monkeypatch.setattr(kv.pool, "register", lambda block, *a: registered.append(block.block_id) or real(block, *a))
+    for _ in range(2):  # positions 9 and 10; 11 fills block 3
+        compute(kv, child, 1, sample=6)
+    assert registered == []
+    compute(kv, child, 1, sample=6)
+    assert registered == [3]
+    hits, num_cached = kv.get_computed_blocks(req("q", child.all_token_ids[:12] + [1]))
+    assert [b.block_id for b in hits] == [1, 2, 3] and num_cached == 12
+    kv.check_invariants()
+
+
+def test_a_fork_short_of_the_parents_registered_blocks_registers_its_own():
+    """A sample forked at its prompt's last token (n > 1) may share fewer blocks than its parent
+    registered: it registers from its first block (the shared ones are found as they are)."""
+    kv = KVCacheManager(10, BS)
+    parent = req("p", 9)
+    compute(kv, parent, 9)
+    kv.take_copies()
+    child = req("c", parent.prompt_token_ids[:8] + [99])
+    assert kv.fork(parent, child, 4)  # block 1 only; the parent registered blocks 1 and 2
+    child.num_computed_tokens = 4
+    assert kv.allocate_slots(child, 5)
+    child.num_computed_tokens = 9
+    hits, _ = kv.get_computed_blocks(req("q", child.all_token_ids + [1]))
+    assert [b.block_id for b in hits] == [1, 2]  # equal content to the parent's block 2: found, not duplicated
+    kv.check_invariants()
+
+
 def test_no_fork_onto_a_block_the_same_step_fills():
     """A block registered by the step being scheduled gets its KV only in that step's forward,
     after the step's copy-on-write copies: a child sharing it would copy an empty block."""
