@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+MAX_SINGLE_COPIES = 4  # copy-on-write pairs copied one by one (each a launch) rather than by index
+
 
 class CacheEngine:
     """One tensor per pool, [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim],
@@ -39,7 +41,13 @@ class CacheEngine:
             self.gpu[:, :, list(dst)] = self.cpu[:, :, list(src)].to(self.gpu.device, non_blocking=True)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """(src, dst) device blocks, for copy-on-write."""
-        if pairs:
-            src, dst = zip(*pairs)
-            self.gpu[:, :, list(dst)] = self.gpu[:, :, list(src)]
+        """(src, dst) device blocks, for copy-on-write. A few pairs (a beam search's step has up to its width)
+        are copied one by one, a strided copy each; more, by one gather and one scatter on index tensors.
+        (Indexing with Python lists sends each index from pageable memory, which waits for the device, and on
+        the CPU walks the whole pool.)"""
+        if len(pairs) <= MAX_SINGLE_COPIES:
+            for src, dst in pairs:
+                self.gpu[:, :, dst].copy_(self.gpu[:, :, src])
+        else:
+            src, dst = torch.tensor(pairs, dtype=torch.int64).T.to(self.gpu.device, non_blocking=True)
+            self.gpu.index_copy_(2, dst, self.gpu.index_select(2, src))
