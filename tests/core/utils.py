@@ -102,6 +102,9 @@ class FakeRunner:
         self.logprobs_fn = logprobs_fn
         self.tables: dict[str, list[int]] = {}  # the runner's block tables, from the diffs only
         self.computed: dict[str, int] = {}
+        # The runner's own copy of each request's tokens: sent whole with a new request, then the token it
+        # sampled appended (as the real runner's, which reads its inputs from it, never the scheduler's)
+        self.tokens: dict[str, list[int]] = {}
         self.gpu: dict[int, list] = {}  # block id -> one signature per slot
         self.cpu: dict[int, list] = {}
         self._sigs: dict[str, list[int]] = {}
@@ -125,6 +128,7 @@ class FakeRunner:
             assert req_id not in out.num_scheduled_tokens, f"{req_id} finished and scheduled"
             self.tables.pop(req_id, None)
             self.computed.pop(req_id, None)
+            self.tokens.pop(req_id, None)
         seen = set()
         for new in out.scheduled_new_reqs:
             assert new.req_id not in self.tables, f"{new.req_id} sent as new twice"
@@ -134,6 +138,7 @@ class FakeRunner:
             assert new.num_computed_tokens < request.num_tokens
             self.tables[new.req_id] = list(new.block_ids)
             self.computed[new.req_id] = new.num_computed_tokens
+            self.tokens[new.req_id] = new.prompt_token_ids + new.output_token_ids
             seen.add(new.req_id)
         for cached in out.scheduled_cached_reqs:
             assert cached.req_id in self.tables, f"cached data for {cached.req_id}, unknown to the runner"
@@ -171,6 +176,8 @@ class FakeRunner:
             assert self.tables[req_id] == sched.kv.block_ids(req_id), (
                 f"{req_id}: runner table {self.tables[req_id]} != scheduler's {sched.kv.block_ids(req_id)}")
             assert self.computed[req_id] + n == request.num_computed_tokens <= request.num_tokens
+            assert self.tokens[req_id] == request.all_token_ids, (
+                f"{req_id}: the runner's tokens {self.tokens[req_id]} != {request.all_token_ids}")
         # Every scheduled token's KV is written before anyone attends (as each layer does).
         for req_id in req_ids:
             request = sched.requests[req_id]
@@ -186,6 +193,7 @@ class FakeRunner:
             self.computed[req_id] = request.num_computed_tokens
             caught_up = request.num_computed_tokens == request.num_tokens
             tokens.append([self.token_fn(request)] if caught_up else [])
+            self.tokens[req_id] += tokens[-1]
             num = request.sampling_params.logprobs
             if caught_up and num is not None and self.logprobs_fn is not None:
                 top = sorted(self.logprobs_fn(request).items(), key=lambda kv: -kv[1])[:num]
