@@ -3,9 +3,10 @@
 
 The scheduler owns the beams: each is a Request that computes one position a step and reports its
 top 2 * beam_width next-token logprobs here. Once every running beam has reported, advance() picks
-the (beam, token) pairs that run on; the scheduler forks a request for each (sharing the parent's KV
-blocks, copy-on-write on the last partial one) and frees the parents, so a pruned beam's blocks go
-back at once and a beam width of 4 holds about one prompt's KV.
+the (beam, token) pairs that run on; the scheduler continues a beam in place when its pair's token is the
+one its step sampled (its argmax), forks a request for each other pair (sharing the parent's KV blocks, copy-on-write on the last partial one)
+and frees the parents that do not go on, so a pruned beam's blocks go back at once and a beam width of
+4 holds about one prompt's KV.
 """
 
 from __future__ import annotations

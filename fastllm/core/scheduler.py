@@ -19,10 +19,12 @@ writes. The KV of rejected draft tokens is given back by lowering num_computed_t
 step's output comes back.
 
 A beam search (core/beam_search.py) runs its beams as requests that report their top logprobs instead
-of appending a sampled token. Once all have reported, the search picks the continuations: each is a
-fork of its parent beam (all of its blocks shared, copy-on-write on the last partial one) with the
-chosen token appended, and the parents are freed at once, so pruned and finished beams hold nothing.
-A beam is not scheduled again while its position is in flight: its next token is not known yet.
+of appending a sampled token. Once all have reported, the search picks the continuations. A parent
+whose continuation is the token its step sampled (its argmax, which the runner has already appended to
+its copy) goes on in place, as a plain decode would; every other continuation is a fork of its parent
+(all of its blocks shared, copy-on-write on the last partial one) with the chosen token appended, and
+parents that do not go on are freed at once, so pruned and finished beams hold nothing. A beam is not
+scheduled again while its position is in flight: its next token is not known yet.
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class Scheduler:
         self._warned_swap_full = False
         self.beam_searches: dict[str, BeamSearch] = {}  # by the search's request id
         self._beam_of: dict[str, BeamSearch] = {}  # beam request id -> its search
+        self._beam_sampled: dict[str, int] = {}  # beam request id -> its reported step's argmax
         self.finished_beam_searches: list[BeamSearch] = []  # until take_finished_beam_searches
 
     # requests in and out
@@ -401,7 +404,7 @@ class Scheduler:
             if not tokens or request is None or request.is_finished:
                 continue  # finished while this step was in flight: its token is dropped
             if req_id in self._beam_of:
-                self._beam_reported(request, runner_output.logprobs[req_id][2])
+                self._beam_reported(request, runner_output.logprobs[req_id][2], tokens[0])
                 continue
             num_spec = len(spec_scheduled.get(req_id, ()))
             if num_spec:  # the KV of the rejected draft tokens is computed again
@@ -452,21 +455,34 @@ class Scheduler:
         finished, self.finished_beam_searches = self.finished_beam_searches, []
         return finished
 
-    def _beam_reported(self, beam: Request, top: list[tuple[int, float]]) -> None:
+    def _beam_reported(self, beam: Request, top: list[tuple[int, float]], sampled: int) -> None:
+        """sampled: the token the runner appended to its own copy of the beam (the step's argmax)."""
         beam.num_pending_tokens -= 1
         search = self._beam_of[beam.request_id]
+        self._beam_sampled[beam.request_id] = sampled
         if not search.report(beam, top):
             return
         parents = search.beams
         continuations = search.advance()
-        forks = [self._fork_beam(search, c.parent, c.token) for c in continuations]
+        # A parent whose continuation is the token the runner appended goes on in place (its best one, unless
+        # that ended it): a plain decode step on both sides, no new request, no per-block work. Its other
+        # continuations are forks, made before it appends its token (they copy its tokens).
+        stays = {id(c.parent): i for i, c in enumerate(continuations)
+                 if c.token == self._beam_sampled[c.parent.request_id]}
+        beams = [c.parent if stays.get(id(c.parent)) == i else self._fork_beam(search, c.parent, c.token)
+                 for i, c in enumerate(continuations)]
         for parent in parents:  # after the forks, which hold the blocks they share with it
-            self._replace_beam(parent, [f for f, c in zip(forks, continuations) if c.parent is parent])
+            del self._beam_sampled[parent.request_id]
+            i = stays.get(id(parent))
+            if i is not None:
+                parent.append_token(continuations[i].token)
+            forks = [b for b, c in zip(beams, continuations) if c.parent is parent and b is not parent]
+            self._replace_beam(parent, forks, keep=i is not None)
         if search.done:
             del self.beam_searches[search.request_id]
             self.finished_beam_searches.append(search)
         else:
-            search.set_beams(forks, [c.cum_logprob for c in continuations])
+            search.set_beams(beams, [c.cum_logprob for c in continuations])
 
     def _fork_beam(self, search: BeamSearch, parent: Request, token: int) -> Request:
         """A new beam: the parent's tokens and token, sharing all the parent's blocks when it runs
@@ -481,17 +497,20 @@ class Scheduler:
         self._beam_of[child.request_id] = search
         return child
 
-    def _replace_beam(self, parent: Request, children: list[Request]) -> None:
-        """Put the parent's forks where it stood (running ones in its place in the running list, the
-        others at the head of the waiting queue), then free it."""
-        if parent.status == RequestStatus.RUNNING:
+    def _replace_beam(self, parent: Request, children: list[Request], keep: bool) -> None:
+        """Put the parent's forks where it stands (running ones before it in the running list, the others
+        at the head of the waiting queue), then free it unless it goes on itself (keep)."""
+        running = [c for c in children if c.status == RequestStatus.RUNNING]  # (then so is the parent)
+        if running:
             i = self.running.index(parent)
-            self.running[i:i] = [c for c in children if c.status == RequestStatus.RUNNING]
+            self.running[i:i] = running
         self.waiting.extendleft(reversed([c for c in children if c.status != RequestStatus.RUNNING]))
-        self._drop_beam(parent)
+        if not keep:
+            self._drop_beam(parent)
 
     def _drop_beam(self, beam: Request) -> None:
         del self._beam_of[beam.request_id]
+        self._beam_sampled.pop(beam.request_id, None)
         if not beam.is_finished:
             self._queue_of(beam).remove(beam)
             beam.status = RequestStatus.FINISHED_STOPPED

@@ -12,7 +12,7 @@ import torch
 from fastllm.core.beam_search import BeamSearch
 from fastllm.engine.request import Request
 from fastllm.sampling_params import BeamSearchParams
-from tests.core.utils import FakeRunner, make_scheduler, prompt_tokens, step
+from tests.core.utils import TOKEN, FakeRunner, make_scheduler, prompt_tokens, step
 
 VOCAB = 16
 EOS = 2
@@ -91,7 +91,13 @@ def run(sched, runner, max_steps: int = 500) -> dict[str, BeamSearch]:
 
 
 def toy_runner(sched, eos_bias: float = 1.0) -> FakeRunner:
-    return FakeRunner(sched, logprobs_fn=lambda r: dict(enumerate(toy_logprobs(r.all_token_ids, eos_bias).tolist())))
+    """Samples each beam's argmax, as the sampler does for a beam's greedy row (the runner keeps it); plain
+    requests sample the FakeRunner's fixed token."""
+    def token(r):
+        return int(toy_logprobs(r.all_token_ids, eos_bias).argmax()) if r.sampling_params.logprobs else TOKEN
+
+    return FakeRunner(sched, token_fn=token,
+                      logprobs_fn=lambda r: dict(enumerate(toy_logprobs(r.all_token_ids, eos_bias).tolist())))
 
 
 CASES = [(w, lp, es, bias) for w in (1, 2, 3, 4) for lp, es in ((1.0, False), (0.0, True), (2.0, "never"),
@@ -152,6 +158,26 @@ def test_beams_share_blocks_and_copy_only_where_they_part():
         assert len(held) <= 5 + sum(len(t) - 5 for t in tables)
         assert sched.kv.num_free_blocks == sched.kv.pool.num_usable_blocks - len(held)  # nothing else held
     assert copies > 0
+    sched.kv.assert_empty()
+
+
+def test_a_beam_going_on_with_its_argmax_stays_the_same_request():
+    """The best candidate of a step is its beam's argmax (no EOS here), which the runner has already appended:
+    that beam goes on in place, a plain decode step (its blocks and its runner state kept), every step."""
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    runner = toy_runner(sched, eos_bias=-5.0)
+    search = start(sched, "a", [t % VOCAB for t in prompt_tokens("a", 9)], BeamSearchParams(3, max_tokens=8))
+    out, _ = step(sched, runner)  # the prompt, then the first position's forks
+    num_steps = 0
+    while not search.done:
+        before = set(out.num_scheduled_tokens)
+        best = search.beams[0]
+        assert best.request_id in before  # it went on in place
+        out, _ = step(sched, runner)
+        assert best.request_id in {c.req_id for c in out.scheduled_cached_reqs}
+        assert len(out.scheduled_new_reqs) < 3
+        num_steps += 1
+    assert num_steps == 7
     sched.kv.assert_empty()
 
 
