@@ -123,8 +123,12 @@ class EngineCore:
         one (async_scheduling=False, and speculative steps, which end before they return: the
         next step is scheduled from their proposals)."""
         start = time.perf_counter()
+        self.last_step_wait_s = 0.0
         outputs = []
-        while self._in_flight and self._in_flight[0][1].done:  # a speculative step
+        while self._in_flight and (self._in_flight[0][1].done  # a speculative step
+                                   or self.scheduler.waits_for_steps_in_flight()):
+            # (every request waits for a step in flight, e.g. beams for their reports: rather than schedule an
+            # empty step, finish it and launch the next one at once)
             outputs += self._finish(*self._in_flight.popleft())
         with nvtx_range("schedule"):
             scheduler_output = self.scheduler.schedule()
@@ -133,7 +137,6 @@ class EngineCore:
                 and not (scheduler_output.blocks_to_swap_out or scheduler_output.finished_req_ids):
             raise RuntimeError(f"scheduler made no progress with {len(self.scheduler.requests)} requests "
                                "pending")
-        self.last_step_wait_s = 0.0
         try:
             launched = (scheduler_output, self.executor.execute_model(scheduler_output))
         except Exception as e:

@@ -141,6 +141,21 @@ def test_beam_search_beside_plain_requests_and_preemption():
     engine.check_kv_pool_whole()
 
 
+def test_a_beam_search_alone_launches_a_step_every_engine_step():
+    """With async scheduling every beam waits for the step in flight (its report picks the next tokens): the
+    engine finishes that step first and launches the next in the same call, instead of an empty step."""
+    llm = cached_llm()
+    engine = llm.engine
+    assert engine.config.scheduler.async_scheduling
+    engine.add_beam_search("s", PROMPTS[0], BeamSearchParams(3, max_tokens=8, ignore_eos=True))
+    calls, before = 0, engine.stats.num_steps
+    while engine.has_unfinished_requests():
+        engine.step()
+        calls += 1
+    assert engine.stats.num_steps - before == calls - 1 == 8  # the prompt, 7 more positions; the last call ends it
+    engine.check_kv_pool_whole()
+
+
 def test_abort_and_bad_input():
     llm = cached_llm()
     engine = llm.engine
