@@ -28,8 +28,10 @@ from fastllm.engine.llm_engine import LLMEngine
 TARGET = 1.15
 
 
-def timed(engine: LLMEngine, prompt: list[int], width: int, num_tokens: int, beam: bool) -> float:
-    """Wall seconds from submitting to the last output: width greedy requests, or one beam search."""
+def timed(engine: LLMEngine, prompt: list[int], width: int, num_tokens: int,
+          beam: bool) -> tuple[float, float]:
+    """Wall seconds from submitting to the last output (width greedy requests, or one beam search), and the
+    host's share: the steps' time less their waits for the GPU."""
     tag = f"{'beam' if beam else 'decode'}-{num_tokens}-{time.perf_counter_ns()}"
     start = time.perf_counter()
     if beam:
@@ -38,18 +40,22 @@ def timed(engine: LLMEngine, prompt: list[int], width: int, num_tokens: int, bea
         params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
         for i in range(width):
             engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    waits = 0.0
     while engine.has_unfinished_requests():
         engine.step()
-    return time.perf_counter() - start
+        waits += engine.last_step_wait_s
+    wall = time.perf_counter() - start
+    return wall, wall - waits
 
 
-def per_position_ms(engine, prompt, width, short, long, beam, repeats) -> float:
-    costs = []
+def per_position_ms(engine, prompt, width, short, long, beam, repeats) -> tuple[float, float]:
+    """Median milliseconds per generated position: wall, and host (wall less the GPU waits)."""
+    costs, hosts = [], []
     for _ in range(repeats):
-        t_short = timed(engine, prompt, width, short, beam)
-        t_long = timed(engine, prompt, width, long, beam)
+        (t_short, h_short), (t_long, h_long) = (timed(engine, prompt, width, n, beam) for n in (short, long))
         costs.append((t_long - t_short) / (long - short) * 1e3)
-    return statistics.median(costs)
+        hosts.append((h_long - h_short) / (long - short) * 1e3)
+    return statistics.median(costs), statistics.median(hosts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,21 +78,24 @@ def main(argv: list[str] | None = None) -> int:
     prompt = random_prompts(np.random.default_rng(0), 1, args.input_len, vocab)[0]
     for beam in (False, True):  # warm up: graphs replayed, sampler paths and kernels compiled
         timed(engine, prompt, width, 8, beam)
-    decode = per_position_ms(engine, prompt, width, args.short, args.long, False, args.repeats)
-    beams = per_position_ms(engine, prompt, width, args.short, args.long, True, args.repeats)
+    decode, decode_host = per_position_ms(engine, prompt, width, args.short, args.long, False, args.repeats)
+    beams, beam_host = per_position_ms(engine, prompt, width, args.short, args.long, True, args.repeats)
     engine.check_kv_pool_whole()
     ratio = beams / decode
     meta = {**ceilings.environment(engine.worker.device), "model": args.model, "dtype": args.dtype,
             "load_format": args.load_format, "input_len": args.input_len}
     print(f"beam search width {width} vs batch-{width} greedy decode: {args.model} ({args.load_format}, {args.dtype}) "
           f"on {meta['device']}, commit {meta.get('commit')}, prompt {args.input_len} tokens")
-    print(f"  batch-{width} decode step:        {decode:.3f} ms per position")
-    print(f"  beam search, width {width}:       {beams:.3f} ms per position")
+    print(f"  batch-{width} decode step:        {decode:.3f} ms per position (host, not waiting for the GPU: "
+          f"{decode_host:.3f} ms, overlapped)")
+    print(f"  beam search, width {width}:       {beams:.3f} ms per position (host: {beam_host:.3f} ms, "
+          "all of it between steps)")
     print(f"  ratio: {ratio:.3f} (target <= {TARGET}) -> {'PASS' if ratio <= TARGET else 'FAIL'}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"benchmark": "beam_search", "meta": meta, "decode_ms": decode, "beam_ms": beams,
-                       "ratio": ratio, "target": TARGET}, f, indent=2, default=str)
+                       "decode_host_ms": decode_host, "beam_host_ms": beam_host, "ratio": ratio,
+                       "target": TARGET}, f, indent=2, default=str)
     return 0
 
 
