@@ -220,7 +220,7 @@ class KVCacheManager:
         copies the block it writes into, and that copy would run before the block holds its KV. False
         too when the parent has already freed a block the child still reads (its window is further on)."""
         shared = self.req_blocks[parent.request_id][:cdiv(num_tokens, self.block_size)]
-        if any(b.block_id in self.filled_this_step for b in shared):
+        if self.filled_this_step and any(b.block_id in self.filled_this_step for b in shared):
             return False
         freed = min(self.num_freed.get(parent.request_id, 0), len(shared))
         if freed > self._first_needed_block(num_tokens):
