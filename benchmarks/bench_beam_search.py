@@ -24,6 +24,7 @@ from fastllm import BeamSearchParams, SamplingParams
 from fastllm.bench import ceilings
 from fastllm.bench.runner import random_prompts
 from fastllm.engine.llm_engine import LLMEngine
+from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
 TARGET = 1.15
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     width = args.beam_width
     engine = LLMEngine.from_kwargs(args.model, load_format=args.load_format, dtype=args.dtype,
                                    max_model_len=args.max_model_len, cuda_graph_sizes=[1, 2, 4, 8, 16])
+    prepare_gc_for_serving()  # the garbage collector as `fastllm bench` and the server set it
     vocab = engine.vocab_size
     prompt = random_prompts(np.random.default_rng(0), 1, args.input_len, vocab)[0]
     for beam in (False, True):  # warm up: graphs replayed, sampler paths and kernels compiled
