@@ -17,14 +17,18 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+import torch
+from torch.profiler import ProfilerActivity
 
 from fastllm import BeamSearchParams, SamplingParams
-from fastllm.bench import ceilings
+from fastllm.bench import ceilings, profile
 from fastllm.bench.runner import random_prompts
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.entrypoints.process_setup import prepare_gc_for_serving
+from fastllm.tracing import enable_nvtx
 
 TARGET = 1.15
 
@@ -59,6 +63,32 @@ def per_position_ms(engine, prompt, width, short, long, beam, repeats) -> tuple[
     return statistics.median(costs), statistics.median(hosts)
 
 
+def profile_beam_steps(engine: LLMEngine, prompt: list[int], width: int, out_dir: str,
+                       steps: int = 8) -> dict:
+    """A torch-profiler trace of `steps` beam-search positions (after the prompt and two positions, outside
+    it): the kernels of a beam step (its sampler's too) and where its host time goes."""
+    enable_nvtx()
+    on_gpu = engine.worker.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    params = BeamSearchParams(width, steps + 8, ignore_eos=True)
+    engine.add_beam_search("profile", {"prompt_token_ids": prompt}, params)
+    for _ in range(3):
+        engine.step()
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(steps):
+            with torch.profiler.record_function(f"beam_step{i}"):
+                engine.step()
+    engine.abort_request("profile")
+    while engine.has_unfinished_requests():
+        engine.step()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    trace = Path(out_dir) / f"beam_w{width}_{engine.worker.device.type}.trace.json"
+    prof.export_chrome_trace(str(trace))
+    return {"trace": str(trace), "top": profile.top_ops(prof, on_gpu), "on_gpu": on_gpu, "steps": steps,
+            "ranges": profile.range_table(prof, steps, on_gpu),
+            "host": profile.top_ops(prof, on_gpu=False) if on_gpu else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="llama-3.1-8b")
@@ -71,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the timings, record a few beam steps with the torch profiler into DIR")
     args = p.parse_args(argv)
     width = args.beam_width
     engine = LLMEngine.from_kwargs(args.model, load_format=args.load_format, dtype=args.dtype,
@@ -93,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  beam search, width {width}:       {beams:.3f} ms per position (host: {beam_host:.3f} ms, "
           "all of it between steps)")
     print(f"  ratio: {ratio:.3f} (target <= {TARGET}) -> {'PASS' if ratio <= TARGET else 'FAIL'}")
+    if args.profile:
+        profile.print_profile(profile_beam_steps(engine, prompt, width, args.profile))
+        engine.check_kv_pool_whole()
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"benchmark": "beam_search", "meta": meta, "decode_ms": decode, "beam_ms": beams,

@@ -43,7 +43,7 @@ def _on_cpu(evt) -> bool:
 def _is_range(evt) -> bool:
     """An engine/NVTX range or our step marker (CPU side, or its GPU-side user annotation)."""
     return bool(getattr(evt, "is_user_annotation", False)) or evt.key in RANGES \
-        or re.fullmatch(r"layer\d+|decode_step\d+|ProfilerStep#\d+", evt.key) is not None
+        or re.fullmatch(r"layer\d+|(decode|beam)_step\d+|ProfilerStep#\d+", evt.key) is not None
 
 
 def _device_us(evt) -> float:
