@@ -86,6 +86,7 @@ def run(sched, runner, max_steps: int = 500) -> dict[str, BeamSearch]:
         step(sched, runner)
         done.update((s.request_id, s) for s in sched.take_finished_beam_searches())
     assert not sched.beam_searches and not sched.has_unfinished_requests()
+    assert not sched._beam_of and not sched._beam_sampled  # nothing kept of a beam once its search ends
     sched.kv.assert_empty()
     return done
 
