@@ -75,9 +75,11 @@ def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = N
     return q, scale
 
 
-# Batches up to this many rows take the weight-streaming kernel (at most its MAX_ROWS); the rows of
-# benchmarks/kernels/bench_fp8_linear.py (triton_fp8_skinny against scaled_mm) decide it.
-SKINNY_MAX_ROWS = fp8_skinny_linear.MAX_ROWS
+# Batches up to this many rows take the weight-streaming kernel (at most its MAX_ROWS). Only one row for now:
+# in the H100 engine run (bench_fp8.py) its one-row FMA path made batch 1 1.38x faster than bf16, but its
+# tl.dot path made batch 32 0.43x (every program reads all of x twice, for the scales and the tiles).
+# benchmarks/kernels/bench_fp8_linear.py (triton_fp8_skinny against scaled_mm) is to find the crossover.
+SKINNY_MAX_ROWS = 1
 _logged: set[str] = set()
 
 
