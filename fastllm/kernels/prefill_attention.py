@@ -236,11 +236,11 @@ def _prefill_kernel(
     if HAS_TILE_MAP:  # a grid fixed by the map's size (CUDA graphs), ordered by the host
         b = tl.load(tile_map_ptr + 2 * tl.program_id(0)).to(tl.int64)
         tile = tl.load(tile_map_ptr + 2 * tl.program_id(0) + 1)
-        if b < 0:
-            return
     else:
         tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-running tiles first
         b = tl.program_id(1).to(tl.int64)
+    if b < 0:  # an unused entry of the map
+        return
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start

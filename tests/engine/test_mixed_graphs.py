@@ -158,7 +158,7 @@ def assert_same_or_near_tie(got, want):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("engine_args", [
     dict(max_num_batched_tokens=64, max_num_seqs=4, block_size=8, max_model_len=256, num_gpu_blocks=512),
-    dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=8, max_model_len=192, num_gpu_blocks=40),
+    dict(max_num_batched_tokens=64, max_num_seqs=8, block_size=8, max_model_len=128, num_gpu_blocks=18),
 ], ids=["chunked-prefix", "preemption"])
 def test_gpu_mixed_graphs_on_and_off_agree(dtype, engine_args):
     release_cached_engines()
