@@ -1,8 +1,8 @@
-"""Mixed steps (a prompt's prefill beside decodes) with and without their CUDA graphs (compile/mixed_graphs.py),
-in one engine and one run: the serving gap of issue 22, where a step mixing a 128-token prompt with 48 decodes
-took 24-25 ms against 6.7 ms for a decode step, most of it host time launching the compiled forward.
+"""Mixed steps (a prompt's prefill beside decodes) with and without their CUDA graphs (mixed_graphs.py),
+in one engine and one run: the serving gap of issue 22, where a step mixing a 128-token prompt with 48
+decodes took 24-25 ms against 6.7 ms for a decode step, most of it host time launching the compiled forward.
 
-    python benchmarks/bench_mixed_steps.py            # Llama-3.1-8B, random weights, bf16 (the defaults below)
+    python benchmarks/bench_mixed_steps.py   # Llama-3.1-8B, random weights, bf16 (the defaults below)
     python benchmarks/bench_mixed_steps.py --decodes 48 --prompt-len 128 --rounds 60 --output-json mixed.json
 
 `--decodes` requests decode throughout (their prompts prefilled first, not timed). Each round adds one
@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     runner = engine.worker.runner
     mixed_graphs = runner.mixed_graphs
     if mixed_graphs is None:
-        print("this engine has no mixed-step CUDA graphs (GPU, compiled, mixed_cuda_graph_max_tokens > 0 needed)")
+        print("this engine has no mixed-step CUDA graphs (a GPU, compiled, mixed_cuda_graph_max_tokens > 0)")
         return 1
-    print(f"model {engine.config.model.model}, {args.decodes} decoding + one {args.prompt_len}-token prompt a "
-          f"round; mixed graphs of {mixed_graphs.buckets} tokens; async_scheduling "
+    print(f"model {engine.config.model.model}, {args.decodes} decoding + one {args.prompt_len}-token prompt "
+          f"a round; mixed graphs of {mixed_graphs.buckets} tokens; async_scheduling "
           f"{engine.config.scheduler.async_scheduling}", flush=True)
     rng = np.random.default_rng(0)
     steps_needed = 2 * (args.rounds + args.warmup) * 2 + 64
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if timed_step(engine)[2] == args.decodes:
             break
     else:
-        raise RuntimeError(f"the {args.decodes} requests never decoded alone (max_num_seqs, the token budget?)")
+        raise RuntimeError(f"the {args.decodes} requests never decoded alone (max_num_seqs? the budget?)")
     replays, replay = [], mixed_graphs.replay_staged
     mixed_graphs.replay_staged = lambda num_tokens: replays.append(num_tokens) or replay(num_tokens)
     rows = []
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
     runner.mixed_graphs = mixed_graphs
     del mixed_graphs.replay_staged
-    assert rows[0]["mixed_graph_replays"] == args.rounds, "every timed mixed step should have replayed a graph"
+    assert rows[0]["mixed_graph_replays"] == args.rounds, "every timed mixed step should replay a graph"
     engine.abort_request(decoding)
     while engine.has_unfinished_requests():
         engine.step()
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
           f"(host {on['mixed_host_ms_p50']:.2f}), {off['mixed_step_ms_p50']:.2f} ms without "
           f"(host {off['mixed_host_ms_p50']:.2f}): {off['mixed_step_ms_p50'] / on['mixed_step_ms_p50']:.2f}x")
     print(f"decode step: {on['decode_step_ms_p50']:.2f} ms / {off['decode_step_ms_p50']:.2f} ms; a round "
-          f"(mixed + decode): {on['round_ms_mean']:.2f} ms with graphs, {off['round_ms_mean']:.2f} ms without; "
+          f"(mixed + decode): {on['round_ms_mean']:.2f} ms with graphs, {off['round_ms_mean']:.2f} ms "
+          "without; "
           f"mean step / decode step {on['round_ms_mean'] / 2 / on['decode_step_ms_p50']:.2f}x with graphs, "
           f"{off['round_ms_mean'] / 2 / off['decode_step_ms_p50']:.2f}x without")
     if args.output_json:

@@ -233,8 +233,9 @@ class CompileConfig:
                                                    "(default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs)")
     # torch.compile is GPU-only by default (a CPU compile takes ~15 s a graph)
     compile_on_cpu: bool = arg(False, "torch.compile on the CPU too (slow to compile)")
-    mixed_cuda_graph_max_tokens: int = arg(512, "prefill and mixed steps of up to this many tokens replay CUDA "
-                                           "graphs captured per token bucket (0: they run compiled, without)")
+    mixed_cuda_graph_max_tokens: int = arg(512, "prefill and mixed steps of up to this many tokens replay "
+                                           "CUDA graphs captured per token bucket (0: they run compiled, "
+                                           "without)")
 
     def __post_init__(self):
         sizes = self.cuda_graph_sizes

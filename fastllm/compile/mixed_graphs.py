@@ -64,8 +64,8 @@ class _Bucket:
 
 
 class MixedGraphRunner:
-    def __init__(self, forward, attention_layers, buckets: list[int], max_num_seqs: int, max_blocks_per_seq: int,
-                 max_seq_len: int, decode: CUDAGraphRunner, device: torch.device):
+    def __init__(self, forward, attention_layers, buckets: list[int], max_num_seqs: int,
+                 max_blocks_per_seq: int, max_seq_len: int, decode: CUDAGraphRunner, device: torch.device):
         self.forward, self.attention_layers, self.decode = forward, attention_layers, decode
         self.buckets = sorted(set(buckets))
         self.max_tokens = self.buckets[-1]
@@ -75,7 +75,8 @@ class MixedGraphRunner:
         self.block_q = query_tile_size(groups.pop())
         start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         max_seqs, _, _, _, tables_at = self._layout(self.max_tokens)
-        # int64 part: the largest bucket's 4 rows and its sampling rows (one a request at most), 16-byte aligned
+        # int64 part: the largest bucket's 4 rows, then its sampling rows (one a request at most), 16-byte
+        # aligned
         self.int32_start = 8 * (4 * self.max_tokens + 2 * -(-max_seqs // 2))
         self.static = torch.zeros(self.int32_start + 4 * (tables_at + max_seqs * max_blocks_per_seq),
                                   dtype=torch.uint8, device=device)
@@ -85,7 +86,7 @@ class MixedGraphRunner:
         self.block_tables = torch.zeros(max_seqs, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.max_seq_len = max_seq_len
         self.views = {t: self._views(t) for t in self.buckets}
-        self.static_bytes = (torch.cuda.memory_allocated(device) - start_bytes) if device.type == "cuda" else 0
+        self.static_bytes = torch.cuda.memory_allocated(device) - start_bytes if device.type == "cuda" else 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # each graph's output [tokens, H]
         self.capture_seconds = 0.0
@@ -109,7 +110,8 @@ class MixedGraphRunner:
         i32 = self.static_i32
         metadata = AttentionMetadata(
             slot_mapping=slots, block_tables=self.block_tables[:num_seqs], seq_lens=i32[:num_seqs],
-            query_start_loc=i32[qsl_at:qsl_at + num_seqs + 1], max_query_len=tokens, max_seq_len=self.max_seq_len,
+            query_start_loc=i32[qsl_at:qsl_at + num_seqs + 1], max_query_len=tokens,
+            max_seq_len=self.max_seq_len,
             tile_map=i32[tile_map_at:tile_map_at + 2 * num_tiles].view(num_tiles, 2))
         return _Bucket(tokens, num_seqs, num_tiles, qsl_at, tile_map_at, tables_at, ids, positions, token_src,
                        metadata)
@@ -129,15 +131,15 @@ class MixedGraphRunner:
                   "in-flight tokens from the decode graphs' buffer)"
         if why is not None and why not in self._said:
             self._said.add(why)
-            logger.info("a prefill or mixed step runs compiled without a CUDA graph: %s (logged once per reason)",
-                        why)
+            logger.info("a prefill or mixed step runs compiled without a CUDA graph: %s (logged once per "
+                        "reason)", why)
         return why is None
 
     # one step
 
-    def stage(self, stager, in_flight, from_device: list[tuple[int, int]], ids: np.ndarray, positions: np.ndarray,
-              slots: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray, block_tables: np.ndarray,
-              logits_indices: np.ndarray | None) -> torch.Tensor | None:
+    def stage(self, stager, in_flight, from_device: list[tuple[int, int]], ids: np.ndarray,
+              positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray, query_start_loc: np.ndarray,
+              block_tables: np.ndarray, logits_indices: np.ndarray | None) -> torch.Tensor | None:
         """Copy a step's flat inputs into its bucket's static buffers, padded, in one copy; the rows whose
         input is the in-flight step's token (from_device: (flat row, row of in_flight.sampled)) read it
         on the device. Returns the device rows that sample (None: logits_indices None, every row)."""

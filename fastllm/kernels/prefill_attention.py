@@ -26,9 +26,10 @@ steps (16-bit, head_dim 64 or 128) go to prefill_attention_hopper.py instead: th
 warp-specialized Gluon kernel (FlashAttention-3's producer warp and two consumer warpgroups).
 Grid: (cdiv(max_query_len, BLOCK_Q), B, Hkv). Tiles are launched last-first, so the longest (most causal
 work) start first; tiles past a request's q_len return at once. With a tile map (prefill_tiles.py) the grid
-is (N, 1, Hkv) instead, N fixed by the map's shape, each program reading which tile it computes: a CUDA
-graph captured over a map of N entries replays for any step whose tiles fit it. The inner step is the FA-2 recipe: exp2
-with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's acc operand).
+is (N, 1, Hkv) instead, N fixed by the map's shape, each program reading which tile it computes: a
+CUDA graph captured over a map of N entries replays for any step whose tiles fit it. The inner step is the
+FA-2 recipe: exp2 with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's acc
+operand).
 
 Tiles: a static table (choose_config), not an autotuner, so the engine never stalls on first-use tuning.
 BM 64 / BN 64 / 4 warps / 3 stages was the best of ~30 configs tune.py timed (bf16, D 128, GQA 4, TMA
@@ -53,8 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastllm.kernels import prefill_attention_hopper
-from fastllm.kernels import prefill_tiles
+from fastllm.kernels import prefill_attention_hopper, prefill_tiles
 
 try:  # triton >= 3.4: host-side TMA descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -470,8 +470,8 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
     assert window is None or window >= 1, window
     assert kv_start is None or (kv_start.shape == (batch,) and kv_start.dtype == torch.int32
                                 and kv_start.is_contiguous())
-    assert tile_map is None or (tile_map.dim() == 2 and tile_map.shape[1] == 2 and tile_map.dtype == torch.int32
-                                and tile_map.is_contiguous())
+    assert tile_map is None or (tile_map.dim() == 2 and tile_map.shape[1] == 2
+                                and tile_map.dtype == torch.int32 and tile_map.is_contiguous())
     group = num_q_heads // num_kv_heads
     masks_keys = window is not None or kv_start is not None or return_lse
     if hopper is None:

@@ -82,7 +82,7 @@ class StepInputs:
     staged_for_graph: bool = False  # inputs are in the CUDA graph runner's static buffers
     sampled_in_graph: bool = False  # and so are the sampling params: the replay draws the tokens
     cascade_in_graph: bool = False  # and a cascade plan: the replay is the cascade graph
-    staged_for_mixed_graph: bool = False  # inputs are in the mixed-step graphs' static buffers (mixed_graphs.py)
+    staged_for_mixed_graph: bool = False  # inputs are in the mixed-step graphs' buffers (mixed_graphs.py)
     # Speculative decoding: rows per sample state (its draft tokens + 1, in logits_indices' order), each
     # with the state's params in sampling_metadata; None when draft tokens are not verified (one row each)
     num_verify_rows: list[int] | None = None
@@ -126,7 +126,8 @@ def build_step_inputs(
     if mixed_graph is not None:
         assert not spec_tokens and cascade is None, "draft tokens and cascade groups run without mixed graphs"
         logits_d = mixed_graph.stage(stager, in_flight, batch.from_device, ids, positions, slots, seq_lens,
-                                     query_start_loc, batch.block_tables, None if every_row else logits_indices)
+                                     query_start_loc, batch.block_tables,
+                                     None if every_row else logits_indices)
         return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=logits_d,
                           sample_states=batch.sample_states, staged_for_mixed_graph=True,
                           sampling_metadata=_sampling_metadata(batch.sample_states, vocab_size, eos_token_id,

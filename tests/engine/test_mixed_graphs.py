@@ -40,19 +40,20 @@ def tokens(llm, prompts=MIXED_PROMPTS, params=None):
 
 
 def install_graph_runners(llm, monkeypatch, triton: bool = True):
-    """Decode and mixed-step graph runners in no-replay mode on the engine's runner, the prefill attention on the
-    Triton kernel (triton; else the reference, which ignores tile maps); returns the record of the mixed steps
-    staged ((tokens, in-flight rows) each) and of the prefill kernel's launches (whether each had a tile map)."""
+    """Decode and mixed-step graph runners in no-replay mode on the engine's runner, the prefill attention on
+    the Triton kernel (triton; else the reference, which ignores tile maps); returns the record of the mixed
+    steps staged ((tokens, in-flight rows) each) and of the prefill kernel's launches (whether each had a
+    tile map)."""
     runner = llm.engine.worker.runner
     cfg = runner.config
     max_len, num_seqs = cfg.model.max_model_len, cfg.scheduler.max_num_seqs
     max_blocks = -(-max_len // runner.block_size)
-    decode = CUDAGraphRunner(runner.forward, runner.model.compute_logits, runner.attention_layers,
-                             [1, 2, 4], max_blocks, max_len, runner.args.vocab_size, runner.dtype, runner.device)
+    decode = CUDAGraphRunner(runner.forward, runner.model.compute_logits, runner.attention_layers, [1, 2, 4],
+                             max_blocks, max_len, runner.args.vocab_size, runner.dtype, runner.device)
     decode.graphs = dict.fromkeys(decode.sizes)  # as if captured; replay=False never touches them
     decode.replay = False
-    mixed = MixedGraphRunner(runner.forward, runner.attention_layers,
-                             token_buckets(cfg.scheduler.max_num_batched_tokens), num_seqs, max_blocks, max_len,
+    buckets = token_buckets(cfg.scheduler.max_num_batched_tokens)
+    mixed = MixedGraphRunner(runner.forward, runner.attention_layers, buckets, num_seqs, max_blocks, max_len,
                              decode, runner.device)
     mixed.replay = False
     staged, launches = [], []
@@ -193,7 +194,8 @@ def test_gpu_replay_and_compiled_only_agree():
     them run the same kernels on the same buffers: identical tokens."""
     release_cached_engines()
     # no prefix caching: both runs schedule the same steps
-    llm = LLM(STORIES, device="cuda", dtype="bfloat16", num_gpu_blocks=512, enable_prefix_caching=False, **BASE)
+    llm = LLM(STORIES, device="cuda", dtype="bfloat16", num_gpu_blocks=512, enable_prefix_caching=False,
+              **BASE)
     mixed = llm.engine.worker.runner.mixed_graphs
     replayed = count_replays(llm)
     mixed.replay = False

@@ -28,7 +28,8 @@ class Step:
         self.query = torch.randn(total + pad_tokens, hq, d, device=device).to(dtype)
         self.query[total:] = float("nan")
         self.key, self.value = kv.chunk_rows(self.q_lens, pad_tokens)
-        self.qsl = torch.tensor(np.concatenate([[0], np.cumsum(self.q_lens)]), dtype=torch.int32, device=device)
+        self.qsl = torch.tensor(np.concatenate([[0], np.cumsum(self.q_lens)]), dtype=torch.int32,
+                                device=device)
         self.block_q = query_tile_size(hq // hkv)
         size = max_tiles(total + pad_tokens, len(self.q_lens), self.block_q)
         self.tile_map = torch.from_numpy(build_tile_map(np.array(self.q_lens), np.array(self.seq_lens),
@@ -43,9 +44,9 @@ class Step:
     def reference(self, window):
         k, v, table = self.kv.compact_float()
         n = self.total
-        return reference_impl("prefill_attention")(
-            self.query[:n].float(), self.key[:n].float(), self.value[:n].float(), k, v, table, self.kv.seq_lens,
-            self.qsl, max(self.q_lens), self.scale, window)
+        q, key, value = (x[:n].float() for x in (self.query, self.key, self.value))
+        return reference_impl("prefill_attention")(q, key, value, k, v, table, self.kv.seq_lens, self.qsl,
+                                                   max(self.q_lens), self.scale, window)
 
 
 def _check(step: Step, dtype, window=None):
@@ -125,9 +126,9 @@ def test_query_tile_size_is_the_kernels():
 
 def test_tile_map_skips_the_hopper_kernel(monkeypatch, caplog):
     # with a tile map the Gluon kernel (whose grid follows the step) is never chosen, and the log says so once
-    import fastllm.kernels.prefill_attention as pa
-
     from types import SimpleNamespace
+
+    import fastllm.kernels.prefill_attention as pa
 
     rows = SimpleNamespace(is_cuda=True, shape=(pa.TMA_MIN_TOKENS, 2, 64))  # a large step on an H100
     monkeypatch.setattr(pa, "_hopper_unsupported", lambda *args: None)
@@ -153,7 +154,8 @@ def _mixed_step(num_decodes, prompt_len, seed):
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (16, 8, 64)])
 def test_tile_map_gpu(device, gen, dtype, num_decodes, prompt_len, hq, hkv, d):
     q_lens, seq_lens = _mixed_step(num_decodes, prompt_len, num_decodes)
-    step = Step(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, 16, pad_reqs=7, pad_tokens=512 - sum(q_lens))
+    step = Step(device, gen, dtype, q_lens, seq_lens, hq, hkv, d, 16, pad_reqs=7,
+                pad_tokens=512 - sum(q_lens))
     _check(step, dtype)
     _check(step, dtype, window=100)
 
@@ -175,7 +177,8 @@ def test_tile_map_replays_in_a_cuda_graph(device, gen):
                   qsl=torch.zeros(reqs + 1, device=device, dtype=torch.int32),
                   tile_map=torch.full((max_tiles(tokens, reqs, steps[0].block_q), 2), -1, device=device,
                                       dtype=torch.int32))
-    static["value"], static["value_cache"] = torch.zeros_like(static["key"]), torch.zeros_like(static["key_cache"])
+    static["value"] = torch.zeros_like(static["key"])
+    static["value_cache"] = torch.zeros_like(static["key_cache"])
 
     def load(step):
         n, b = step.total, len(step.q_lens)
@@ -191,8 +194,8 @@ def test_tile_map_replays_in_a_cuda_graph(device, gen):
 
     def run():
         s = static
-        return launch(s["query"], s["key"], s["value"], s["key_cache"], s["value_cache"], s["table"], s["seq_lens"],
-                      s["qsl"], tokens, d ** -0.5, None, None, False, s["tile_map"])
+        return launch(s["query"], s["key"], s["value"], s["key_cache"], s["value_cache"], s["table"],
+                      s["seq_lens"], s["qsl"], tokens, d ** -0.5, None, None, False, s["tile_map"])
 
     load(steps[0])
     run()  # compile outside the capture

@@ -32,8 +32,9 @@ def runners(device, buckets=(16, 32, 64)):
     def forward(input_ids, positions):
         md = get_attn_metadata()
         seen.update(ids=input_ids.clone(), positions=positions.clone(), slots=md.slot_mapping.clone(),
-                    seq_lens=md.seq_lens.clone(), qsl=md.query_start_loc.clone(), tables=md.block_tables.clone(),
-                    tile_map=md.tile_map.clone(), max_query_len=md.max_query_len)
+                    seq_lens=md.seq_lens.clone(), qsl=md.query_start_loc.clone(),
+                    tables=md.block_tables.clone(), tile_map=md.tile_map.clone(),
+                    max_query_len=md.max_query_len)
         return input_ids.float().unsqueeze(1) * 10  # each row's "hidden state": its input token, scaled
 
     decode = CUDAGraphRunner(forward, None, LAYERS, [1, 2, 4, 8], MAX_BLOCKS, MAX_BLOCKS * BLOCK, VOCAB,
@@ -55,7 +56,8 @@ def mixed_requests(rng, chunks: list[int], pending: int):
         total = len(prompt) + len(output) + in_flight
         blocks = rng.permutation(np.arange(1, 64))[:-(-total // BLOCK)].tolist()
         computed = total - 1 if chunk == 0 else len(prompt) - chunk
-        state = CachedRequestState(f"r{i}", prompt, output, SamplingParams(temperature=0), None, blocks, computed)
+        state = CachedRequestState(f"r{i}", prompt, output, SamplingParams(temperature=0), None, blocks,
+                                   computed)
         state.num_pending = int(in_flight)
         states.append(state)
     return states
@@ -72,7 +74,8 @@ def previous_step(rng, states, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("chunks,pending", [([9], 0), ([0, 0, 7, 0], 2), ([0, 5, 0, 20, 0, 1], 3), ([30, 0], 1)],
+@pytest.mark.parametrize("chunks,pending",
+                         [([9], 0), ([0, 0, 7, 0], 2), ([0, 5, 0, 20, 0, 1], 3), ([30, 0], 1)],
                          ids=["prefill", "mixed", "many", "two-buckets-up"])
 def test_mixed_graph_sees_the_plain_batch(device, chunks, pending):
     dev = torch.device(device)
@@ -133,7 +136,8 @@ def test_a_smaller_step_after_a_larger_one():
     mixed, seen = runners(dev)
     rng = np.random.default_rng(3)
     large = mixed_requests(rng, [20, 0, 0, 25, 0, 0], 0)
-    build_step_inputs(large, [20, 1, 1, 25, 1, 1], BLOCK, VOCAB, None, StepInputStager(dev), mixed_graph=mixed)
+    build_step_inputs(large, [20, 1, 1, 25, 1, 1], BLOCK, VOCAB, None, StepInputStager(dev),
+                      mixed_graph=mixed)
     mixed.replay_staged(49)
     small = mixed_requests(rng, [3, 0], 0)
     plain = build_step_inputs(small, [3, 1], BLOCK, VOCAB, None, StepInputStager(dev))
