@@ -233,11 +233,17 @@ class CompileConfig:
                                                    "(default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs)")
     # torch.compile is GPU-only by default (a CPU compile takes ~15 s a graph)
     compile_on_cpu: bool = arg(False, "torch.compile on the CPU too (slow to compile)")
+    mixed_cuda_graph_max_tokens: int = arg(512, "prefill and mixed steps of up to this many tokens replay "
+                                           "CUDA graphs captured per token bucket (0: they run compiled, "
+                                           "without)")
 
     def __post_init__(self):
         sizes = self.cuda_graph_sizes
         _check(sizes is None or (len(sizes) > 0 and all(isinstance(s, int) and s >= 1 for s in sizes)),
                "cuda_graph_sizes", f"must be positive integers, got {sizes!r}")
+        tokens = self.mixed_cuda_graph_max_tokens
+        _check(isinstance(tokens, int) and (tokens == 0 or tokens >= 16), "mixed_cuda_graph_max_tokens",
+               f"must be 0 (off) or at least 16, got {tokens!r}")
 
 
 MAX_SPECULATIVE_TOKENS = 16

@@ -59,8 +59,9 @@ def startup_breakdown(engine: LLMEngine) -> dict:
     out["other_s"] = max(0.0, out["total_s"] - known)  # tokenizer, scheduler, ...
     out["kv_cache_gib"] = engine.worker.kv_cache_gib()
     out["num_gpu_blocks"] = engine.worker.num_gpu_blocks
-    graphs = engine.worker.runner.graphs
-    out["cuda_graph_gib"] = graphs.pool_bytes / 2**30 if graphs is not None else None
+    graphs, mixed = engine.worker.runner.graphs, engine.worker.runner.mixed_graphs
+    out["cuda_graph_gib"] = (graphs.pool_bytes + (mixed.pool_bytes if mixed is not None else 0)) / 2**30 \
+        if graphs is not None else None
     return out
 
 

@@ -10,7 +10,8 @@ A batch of B requests replays the smallest captured size >= B; the padding rows 
 (their K/V writes are skipped) and attend over one token of the null block (block 0, never handed
 out), so they touch no real KV slot. The step's inputs are staged straight into the static buffers
 (input_batch.py), padding rows included: a replay is one launch after the staging copy (and a
-block-table spread). Prefill and mixed steps do not come here.
+block-table spread). Prefill and mixed steps replay graphs of their own (mixed_graphs.py), in the same
+memory pool, reading their in-flight tokens from the same `argmax`.
 A decode step with cascade attention's groups (worker/cascade.py) replays a third graph of its size, whose
 plan inputs are bounded static buffers (CascadeGraphInputs), captured at that size's first such step.
 """
@@ -161,9 +162,13 @@ class CUDAGraphRunner:
                                  self.query_start_loc[:bs + 1], max_query_len=1, max_seq_len=self.max_seq_len,
                                  cascade=self.cascade_inputs.metadata(bs) if cascade else None)
 
+    def in_flight_inputs(self, token_src: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids, but row i is the previous step's sampled token in row token_src[i] of `argmax` where
+        token_src[i] >= 0 (take_in_flight_tokens put them there)."""
+        return torch.where(token_src >= 0, self.argmax.index_select(0, token_src.clamp(min=0)), input_ids)
+
     def _run(self, bs: int, cascade: bool = False) -> None:
-        src = self.token_src[:bs]
-        input_ids = torch.where(src >= 0, self.argmax.index_select(0, src.clamp(min=0)), self.input_ids[:bs])
+        input_ids = self.in_flight_inputs(self.token_src[:bs], self.input_ids[:bs])
         with forward_context(self._metadata(bs, cascade), self.attention_layers):
             hidden = self.forward(input_ids, self.positions[:bs])
         self.compute_logits(hidden, out=self.logits[:bs])
@@ -182,7 +187,7 @@ class CUDAGraphRunner:
         saved = self.argmax.clone()  # the previous step's tokens, which this step's inputs may read
         self._sample(bs)  # warm up the sampler's ops on this size, eagerly
         self.argmax.copy_(saved)
-        graph = self._record(lambda: (self._run(bs), self._sample(bs)))
+        graph = self.record(lambda: (self._run(bs), self._sample(bs)))
         self.sampling_graphs[bs] = graph
         logger.info("captured the sampling graph of batch %d in %.0f ms", bs, (time.perf_counter() - start) * 1e3)
         return graph
@@ -192,7 +197,7 @@ class CUDAGraphRunner:
         saved = self.argmax.clone()  # the previous step's tokens, which this step's inputs may read
         self._run(bs, cascade=True)  # warm up the cascade kernels on this size (rewrites this step's K/V alike)
         self.argmax.copy_(saved)
-        graph = self._record(lambda: self._run(bs, cascade=True))
+        graph = self.record(lambda: self._run(bs, cascade=True))
         self.cascade_graphs[bs] = graph
         logger.info("captured the cascade-attention graph of batch %d in %.0f ms", bs,
                     (time.perf_counter() - start) * 1e3)
@@ -206,7 +211,7 @@ class CUDAGraphRunner:
             size_start = time.perf_counter()
             self._run(bs)  # warm up (and compile this size if it is new)
             logger.debug("batch %d: warm-up %.2f s", bs, time.perf_counter() - size_start)
-            self.graphs[bs] = self._record(lambda: self._run(bs))
+            self.graphs[bs] = self.record(lambda: self._run(bs))
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-ups' activations, once (they lie outside the graphs' pool)
         self.capture_seconds = time.perf_counter() - start
@@ -219,7 +224,8 @@ class CUDAGraphRunner:
         static inputs still hold capture's padding (no KV written)."""
         return {bs: time_graph(self.graphs[bs], repeats) for bs in sizes if bs in self.graphs}
 
-    def _record(self, step) -> torch.cuda.CUDAGraph:
+    def record(self, step) -> torch.cuda.CUDAGraph:
+        """step()'s launches captured into a new graph of the shared pool (the mixed steps' graphs too)."""
         graph = record_graph(step, self.pool, self.capture_stream)
         self.pool = self.pool or graph.pool()
         return graph

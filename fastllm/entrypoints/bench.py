@@ -116,7 +116,9 @@ def parse_batch_sizes(text: str, flag: str = "--batch-sizes") -> list[int]:
 def execution(engine) -> str:
     runner = engine.worker.runner
     if getattr(runner, "graphs", None) is not None:
-        return f"compiled + CUDA graphs up to batch {runner.graphs.max_bs}"
+        mixed = getattr(runner, "mixed_graphs", None)
+        return f"compiled + CUDA graphs up to batch {runner.graphs.max_bs}" \
+            + (f" (mixed steps up to {mixed.max_tokens} tokens)" if mixed is not None else "")
     if getattr(runner, "compile_seconds", 0):
         return "compiled"
     return "eager"

@@ -122,11 +122,11 @@ def paged_decode_attention(
 def prefill_attention(
     query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
     seq_lens: Tensor, query_start_loc: Tensor, max_query_len: int, scale: float, window: int | None = None,
-    kv_start: Tensor | None = None, return_lse: bool = False,
+    kv_start: Tensor | None = None, return_lse: bool = False, tile_map: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     return _select("prefill_attention", query.device)(
         query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-        window, kv_start, return_lse,
+        window, kv_start, return_lse, tile_map,
     )
 
 

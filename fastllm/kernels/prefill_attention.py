@@ -25,8 +25,11 @@ that the descriptors' host cost outweighs them), else through masked pointer loa
 steps (16-bit, head_dim 64 or 128) go to prefill_attention_hopper.py instead: the same row packing in a
 warp-specialized Gluon kernel (FlashAttention-3's producer warp and two consumer warpgroups).
 Grid: (cdiv(max_query_len, BLOCK_Q), B, Hkv). Tiles are launched last-first, so the longest (most causal
-work) start first; tiles past a request's q_len return at once. The inner step is the FA-2 recipe: exp2
-with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's acc operand).
+work) start first; tiles past a request's q_len return at once. With a tile map (prefill_tiles.py) the grid
+is (N, 1, Hkv) instead, N fixed by the map's shape, each program reading which tile it computes: a
+CUDA graph captured over a map of N entries replays for any step whose tiles fit it. The inner step is the
+FA-2 recipe: exp2 with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's acc
+operand).
 
 Tiles: a static table (choose_config), not an autotuner, so the engine never stalls on first-use tuning.
 BM 64 / BN 64 / 4 warps / 3 stages was the best of ~30 configs tune.py timed (bf16, D 128, GQA 4, TMA
@@ -51,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastllm.kernels import prefill_attention_hopper
+from fastllm.kernels import prefill_attention_hopper, prefill_tiles
 
 try:  # triton >= 3.4: host-side TMA descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -71,7 +74,7 @@ class PrefillConfig(NamedTuple):
 
 def choose_config(head_dim: int, group: int, dtype: torch.dtype) -> PrefillConfig:
     """The launch for this shape: a tile must hold at least one token's GROUP rows."""
-    block_m = max(64, triton.next_power_of_2(group))
+    block_m = prefill_tiles.block_m(group)
     if head_dim > 128:  # the fp32 accumulator is twice as wide: narrower key tiles, more warps
         return PrefillConfig(block_m, 32, 8, 2)
     # fp32 (the tiny models' correctness mode) needs twice the shared memory per stage
@@ -218,6 +221,8 @@ def _prefill_kernel(
     key_desc, value_desc,  # TMA descriptors over the same rows as [T, Hkv * D] (CHUNK_TMA; else unused)
     k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     kv_start_ptr,  # int32 [B] (HAS_KV_START): request b attends no key before kv_start[b] (<= its context)
+    tile_map_ptr,  # int32 [N, 2] (HAS_TILE_MAP): program i computes query tile tile_map[i, 1] of request
+    # tile_map[i, 0] (-1: none); see prefill_tiles.py
     lse_ptr,  # float32 [T, Hq] (RETURN_LSE): log2 of each row's softmax denominator
     window,  # SLIDING: the row at position p sees keys p - window < k <= p
     scale_log2,  # scale * log2(e)
@@ -225,11 +230,17 @@ def _prefill_kernel(
     stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    HAS_KV_START: tl.constexpr, SLIDING: tl.constexpr, RETURN_LSE: tl.constexpr,
+    HAS_KV_START: tl.constexpr, SLIDING: tl.constexpr, RETURN_LSE: tl.constexpr, HAS_TILE_MAP: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # query tokens per tile
-    tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-running tiles first
-    b = tl.program_id(1).to(tl.int64)
+    if HAS_TILE_MAP:  # a grid fixed by the map's size (CUDA graphs), ordered by the host
+        b = tl.load(tile_map_ptr + 2 * tl.program_id(0)).to(tl.int64)
+        tile = tl.load(tile_map_ptr + 2 * tl.program_id(0) + 1)
+    else:
+        tile = tl.num_programs(0) - 1 - tl.program_id(0)  # longest-running tiles first
+        b = tl.program_id(1).to(tl.int64)
+    if b < 0:  # an unused entry of the map
+        return
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
@@ -391,10 +402,12 @@ def prefill_attention(
     window: int | None = None,  # sliding window: the row at position p sees keys p - window < k <= p
     kv_start: torch.Tensor | None = None,  # [B] int32, <= each request's context: keys before it are not seen
     return_lse: bool = False,  # also return lse [T, Hq] float32 (base 2)
+    # [N, 2] int32 (prefill_tiles.build_tile_map): the grid is (N, 1, Hkv), whatever max_query_len
+    tile_map: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return prefill_attention_config(query, key, value, key_cache, value_cache, block_tables, seq_lens,
                                     query_start_loc, max_query_len, scale, window=window, kv_start=kv_start,
-                                    return_lse=return_lse)
+                                    return_lse=return_lse, tile_map=tile_map)
 
 
 def _hopper_unsupported(query, key, value, key_cache, value_cache, masks_keys: bool = False) -> str | None:
@@ -406,10 +419,16 @@ def _hopper_unsupported(query, key, value, key_cache, value_cache, masks_keys: b
     return why
 
 
-def _use_hopper_kernel(query, key, value, key_cache, value_cache, masks_keys: bool) -> bool:
+def _use_hopper_kernel(query, key, value, key_cache, value_cache, masks_keys: bool, tile_map: bool) -> bool:
     """Whether the step goes to the Gluon kernel of prefill_attention_hopper.py; says once why not on a
     CUDA device. masks_keys: the call has a window, a key start or asks for the LSE."""
     if not query.is_cuda or not _tma_pays(query.shape[0]):
+        return False
+    if tile_map:  # its grid follows the step's requests
+        if "tile map" not in _logged:
+            _logged.add("tile map")
+            logger.info("prefill_attention: launches with a tile map (CUDA graphs of mixed steps) run the "
+                        "Triton kernel, not the Hopper (Gluon) one, at any size")
         return False
     why = _hopper_unsupported(query, key, value, key_cache, value_cache, masks_keys)
     if why and why not in _logged:
@@ -424,11 +443,13 @@ def _use_hopper_kernel(query, key, value, key_cache, value_cache, masks_keys: bo
 def prefill_attention_config(query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
                              max_query_len: int, scale: float, config: PrefillConfig | None = None,
                              chunk_tma: bool | None = None, hopper: bool | None = None, window: int | None = None,
-                             kv_start: torch.Tensor | None = None, return_lse: bool = False):
+                             kv_start: torch.Tensor | None = None, return_lse: bool = False,
+                             tile_map: torch.Tensor | None = None):
     """prefill_attention with an explicit kernel, tile config and TMA choice (None: the defaults); for tests
     and tune.py. hopper=True forces the Gluon kernel (sm_90 only), False the Triton one; a config or a
     chunk_tma choice means the Triton kernel. chunk_tma=True also runs the TMA path under TRITON_INTERPRET=1.
-    A window, a kv_start or return_lse always run the Triton kernel."""
+    A window, a kv_start, return_lse or a tile_map always run the Triton kernel; a tile map must be built
+    for the config's block_m // group query tokens per tile."""
     num_tokens, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     batch = seq_lens.shape[0]
@@ -449,12 +470,15 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
     assert window is None or window >= 1, window
     assert kv_start is None or (kv_start.shape == (batch,) and kv_start.dtype == torch.int32
                                 and kv_start.is_contiguous())
+    assert tile_map is None or (tile_map.dim() == 2 and tile_map.shape[1] == 2
+                                and tile_map.dtype == torch.int32 and tile_map.is_contiguous())
     group = num_q_heads // num_kv_heads
     masks_keys = window is not None or kv_start is not None or return_lse
     if hopper is None:
         hopper = config is None and chunk_tma is None and _use_hopper_kernel(query, key, value, key_cache, value_cache,
-                                                                             masks_keys)
+                                                                             masks_keys, tile_map is not None)
     elif hopper:  # forced: the default path has just checked the same
+        assert tile_map is None, "the Hopper prefill kernel takes no tile map"
         why = _hopper_unsupported(query, key, value, key_cache, value_cache, masks_keys)
         assert why is None, f"the Hopper prefill kernel cannot take this call: {why}"
     if hopper:
@@ -462,7 +486,8 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
             query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale)
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     lse = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=query.device) if return_lse else out
-    if num_tokens == 0 or batch == 0 or max_query_len <= 0:
+    if num_tokens == 0 or batch == 0 or (max_query_len <= 0 and tile_map is None) \
+            or (tile_map is not None and tile_map.shape[0] == 0):
         return (out, lse) if return_lse else out
     config = config or choose_config(head_dim, group, query.dtype)
     assert config.block_m >= group, (config, group)
@@ -476,10 +501,14 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
         shape, box = [num_tokens, num_kv_heads * head_dim], [config.block_n, head_dim]
         key_desc = TensorDescriptor(key, shape, [key.stride(0), 1], box)
         value_desc = TensorDescriptor(value, shape, [value.stride(0), 1], box)
-    grid = (triton.cdiv(max_query_len, config.block_m // group), batch, num_kv_heads)
+    if tile_map is not None:
+        grid = (tile_map.shape[0], 1, num_kv_heads)
+    else:
+        grid = (triton.cdiv(max_query_len, config.block_m // group), batch, num_kv_heads)
     _prefill_kernel[grid](
         query, key, value, key_desc, value_desc, key_cache, value_cache, out, block_tables, seq_lens,
-        query_start_loc, kv_start if kv_start is not None else seq_lens, lse, window or 0, scale * _LOG2E,
+        query_start_loc, kv_start if kv_start is not None else seq_lens,
+        tile_map if tile_map is not None else seq_lens, lse, window or 0, scale * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -489,6 +518,7 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,
+        HAS_TILE_MAP=tile_map is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return (out, lse) if return_lse else out

@@ -139,6 +139,7 @@ def prefill_attention(
     window: int | None = None,
     kv_start: torch.Tensor | None = None,  # [B] int32, <= each request's cached prefix (seq_len - q_len)
     return_lse: bool = False,
+    tile_map: torch.Tensor | None = None,  # the kernel's grid (prefill_tiles.py): no bearing on the math
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     assert key.shape == value.shape == (query.shape[0], *key_cache.shape[2:]), (key.shape, query.shape)
     return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,

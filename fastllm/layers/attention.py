@@ -57,7 +57,7 @@ class Attention(nn.Module):
                                                value_cache, metadata.slot_mapping, return_key=True)
         return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
                                      metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
-                                     self.scale, window)
+                                     self.scale, window, tile_map=metadata.tile_map)
 
     def _cascade(self, positions, query, key, value, metadata) -> torch.Tensor:
         """Cascade attention: each request's suffix (keys from kv_start) through the paged kernels, with their

@@ -30,7 +30,9 @@ class AsyncRunnerOutput:
         self._result: ModelRunnerOutput | None = None
         self.wait_s = 0.0  # how long result() blocked on the device (the rest of a step is host work)
         if sampled is not None:
-            self._sampled_host = sampled.to("cpu", non_blocking=True)
+            # On the CPU a copy too, not the tensor itself: a graph runner's no-replay mode samples into a
+            # buffer that the next step, launched before this one's result() is read, overwrites.
+            self._sampled_host = sampled.to("cpu", non_blocking=True) if sampled.is_cuda else sampled.clone()
             if logprobs is not None:
                 self._logprobs_host = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
             if sampled.is_cuda:

@@ -33,6 +33,8 @@ class AttentionMetadata:
     max_query_len: int  # host-side bound on the query lengths (1: a pure decode step)
     max_seq_len: int  # host-side bound on seq_lens
     cascade: CascadeMetadata | None = None  # shared-prefix groups, when the step cascades
+    # [N, 2] int32: the prefill kernel's programs (kernels/prefill_tiles.py), a grid fixed for a CUDA graph
+    tile_map: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -82,6 +82,7 @@ class StepInputs:
     staged_for_graph: bool = False  # inputs are in the CUDA graph runner's static buffers
     sampled_in_graph: bool = False  # and so are the sampling params: the replay draws the tokens
     cascade_in_graph: bool = False  # and a cascade plan: the replay is the cascade graph
+    staged_for_mixed_graph: bool = False  # inputs are in the mixed-step graphs' buffers (mixed_graphs.py)
     # Speculative decoding: rows per sample state (its draft tokens + 1, in logits_indices' order), each
     # with the state's params in sampling_metadata; None when draft tokens are not verified (one row each)
     num_verify_rows: list[int] | None = None
@@ -91,6 +92,7 @@ def build_step_inputs(
     states: list[CachedRequestState], num_scheduled: list[int], block_size: int, vocab_size: int,
     eos_token_id: int | None, stager: StepInputStager, in_flight: AsyncRunnerOutput | None = None,
     graph=None, spec_tokens: list[list[int]] | None = None, cascade: CascadePlan | None = None,
+    mixed_graph=None,
 ) -> StepInputs:
     """Flatten the scheduled requests into one unpadded batch (or, for a graph, padded to its size).
     in_flight: the last step's output while its tokens are still on the device (rows whose input is
@@ -99,7 +101,9 @@ def build_step_inputs(
     static buffers, padded to its replay size.
     spec_tokens: each request's draft tokens, the last of its scheduled tokens (speculative decoding):
     every row of a sampling request from its last known token on gives logits (verify rows).
-    cascade: the step's shared-prefix groups (worker/cascade.py), sent with the rest."""
+    cascade: the step's shared-prefix groups (worker/cascade.py), sent with the rest.
+    mixed_graph: a MixedGraphRunner that fits this step (not a decode graph's): the inputs are staged
+    straight into its static buffers, padded to its bucket."""
     counts = np.asarray(num_scheduled, dtype=np.int64)
     starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
     ends = starts + counts
@@ -119,6 +123,15 @@ def build_step_inputs(
         return _stage_for_graph(graph, stager, in_flight, batch.from_device, ids, positions, slots, seq_lens,
                                 batch.block_tables, None if every_row else logits_indices, batch.sample_states,
                                 vocab_size, eos_token_id, cascade)
+    if mixed_graph is not None:
+        assert not spec_tokens and cascade is None, "draft tokens and cascade groups run without mixed graphs"
+        logits_d = mixed_graph.stage(stager, in_flight, batch.from_device, ids, positions, slots, seq_lens,
+                                     query_start_loc, batch.block_tables,
+                                     None if every_row else logits_indices)
+        return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=logits_d,
+                          sample_states=batch.sample_states, staged_for_mixed_graph=True,
+                          sampling_metadata=_sampling_metadata(batch.sample_states, vocab_size, eos_token_id,
+                                                               stager.device))
     scatter = np.asarray(batch.from_device, dtype=np.int64).reshape(-1, 2).T
     (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d, *cascade_d) = stager.send(
         [ids, positions, slots, logits_indices, scatter],

@@ -10,6 +10,7 @@ import torch
 
 from fastllm.compile.backend import compile_forward, mark_tokens_unbacked
 from fastllm.compile.cuda_graphs import CUDAGraphRunner, default_capture_sizes
+from fastllm.compile.mixed_graphs import MixedGraphRunner, token_buckets
 from fastllm.config import EngineConfig
 from fastllm.core.scheduler_output import SchedulerOutput
 from fastllm.distributed.parallel_state import ParallelRank
@@ -53,6 +54,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.forward = self.model.forward  # replaced by the compiled forward in init_kv_cache
         self.graphs: CUDAGraphRunner | None = None
+        self.mixed_graphs: MixedGraphRunner | None = None  # prefill and mixed steps' graphs, per token bucket
         self.compile_seconds = 0.0
         self.compile_how = None  # "compiled, saved to ..." / "loaded ..." (see compile/aot_cache.py)
         self.cascade = CascadePlanner(config.cache.cascade_attention, self.block_size, self.args.sliding_windows)
@@ -122,8 +124,22 @@ class ModelRunner:
             self.graphs.enable_cascade()
         self.graphs.capture()
         logger.info("execution: compiled; decode batches up to %d replay CUDA graphs", self.graphs.max_bs)
+        self._capture_mixed_graphs(max_blocks)
         if self.spec is not None:
             self.spec.build_step(self.forward, draft_forward, sizes, capture=True)
+
+    def _capture_mixed_graphs(self, max_blocks: int) -> None:
+        max_tokens = min(self.config.compile.mixed_cuda_graph_max_tokens,
+                         self.config.scheduler.max_num_batched_tokens)
+        if not max_tokens:
+            logger.info("execution: prefill and mixed steps run compiled, without CUDA graphs "
+                        "(mixed_cuda_graph_max_tokens=0)")
+            return
+        self.mixed_graphs = MixedGraphRunner(self.forward, self.attention_layers, token_buckets(max_tokens),
+                                             self.config.scheduler.max_num_seqs, max_blocks,
+                                             self.config.model.max_model_len, self.graphs, self.device)
+        self.mixed_graphs.capture()
+        logger.info("execution: prefill and mixed steps of up to %d tokens replay CUDA graphs", max_tokens)
 
     def step_costs(self) -> tuple[dict[int, float], dict[int, float]]:
         """Measured milliseconds of a speculative and of a plain decode graph's replay, by batch size
@@ -188,9 +204,13 @@ class ModelRunner:
         cascade = self.cascade.plan(states, num_scheduled)  # shared-prefix groups (worker/cascade.py)
         graph = self.graphs if self.graphs is not None and not scores_prompt \
             and self.graphs.fits(num_scheduled, in_flight_tokens) else None
+        num_tokens = sum(num_scheduled)
+        mixed = self.mixed_graphs if graph is None and self.mixed_graphs is not None \
+            and self.mixed_graphs.fits(num_tokens, in_flight_tokens, cascade) else None
         with nvtx_range("prepare_inputs"):
             inputs = build_step_inputs(states, num_scheduled, self.block_size, self.args.vocab_size,
-                                       self.eos_token_id, self.stager, last, graph, cascade=cascade)
+                                       self.eos_token_id, self.stager, last, graph, cascade=cascade,
+                                       mixed_graph=mixed)
         logits = greedy = None
         if inputs.staged_for_graph:
             self.last_decode_step = (False, len(states), False)
@@ -198,6 +218,9 @@ class ModelRunner:
                 logits, greedy = self.graphs.replay_staged(len(states), inputs.logits_indices,
                                                            sampling=inputs.sampled_in_graph,
                                                            cascade=inputs.cascade_in_graph)
+        elif inputs.staged_for_mixed_graph:
+            with nvtx_range("forward_mixed_graph"):
+                hidden = self.mixed_graphs.replay_staged(num_tokens)
         else:
             with nvtx_range("forward"), forward_context(inputs.attn_metadata, self.attention_layers):
                 hidden = self.forward(inputs.input_ids, inputs.positions)

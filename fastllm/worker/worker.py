@@ -86,7 +86,9 @@ class Worker:
         total = self._elapsed(start)
         graphs = self.runner.graphs
         self.timings["compile"] = self.runner.compile_seconds
-        self.timings["cuda_graphs"] = graphs.capture_seconds if graphs is not None else 0.0
+        mixed = self.runner.mixed_graphs
+        self.timings["cuda_graphs"] = (graphs.capture_seconds if graphs is not None else 0.0) \
+            + (mixed.capture_seconds if mixed is not None else 0.0)
         self.timings["kv_alloc"] = max(0.0, total - self.timings["compile"] - self.timings["cuda_graphs"])
 
     def kv_cache_gib(self) -> float:
