@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-json", default=None)
     add_engine_args(parser)
     parser.set_defaults(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", max_model_len=4096,
-                        max_num_seqs=64, async_scheduling=False)
+                        max_num_seqs=64, async_scheduling=False, mixed_cuda_graph_max_tokens=512)
     args = parser.parse_args(argv)
 
     from fastllm.engine.llm_engine import LLMEngine
