@@ -165,12 +165,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def waits_for_steps_in_flight(self) -> bool:
-        """Whether nothing can be scheduled before a step in flight ends: every request is a running beam
-        whose position is being computed or waits for the rest of its search (which advances once the step
-        in flight reports)."""
-        return bool(self.running) and not self.waiting and not self.swapped \
-            and all(self._beam_waits(r) for r in self.running)
+    def beams_wait_for_steps_in_flight(self) -> bool:
+        """Whether a running beam waits for a step in flight: its position is being computed, or its search
+        advances once that step reports. Finishing the step before scheduling lets the beams join the next
+        one; otherwise, beside requests that do not wait, they would run every other step."""
+        return bool(self._beam_of) and any(self._beam_waits(r) for r in self.running)
 
     # one step
 

@@ -126,9 +126,9 @@ class EngineCore:
         self.last_step_wait_s = 0.0
         outputs = []
         while self._in_flight and (self._in_flight[0][1].done  # a speculative step
-                                   or self.scheduler.waits_for_steps_in_flight()):
-            # (every request waits for a step in flight, e.g. beams for their reports: rather than schedule an
-            # empty step, finish it and launch the next one at once)
+                                   or self.scheduler.beams_wait_for_steps_in_flight()):
+            # (beams wait for their reports: finish the step so that they join the next one, at the cost of
+            # the overlap for the requests beside them)
             outputs += self._finish(*self._in_flight.popleft())
         with nvtx_range("schedule"):
             scheduler_output = self.scheduler.schedule()

@@ -156,6 +156,23 @@ def test_a_beam_search_alone_launches_a_step_every_engine_step():
     engine.check_kv_pool_whole()
 
 
+def test_a_beam_search_beside_a_plain_request_joins_every_step():
+    """A plain request beside a beam search does not wait for the step in flight, but the beams do: the
+    engine finishes that step before scheduling, so the search takes a step a position, not two."""
+    llm = cached_llm()
+    engine = llm.engine
+    assert engine.config.scheduler.async_scheduling
+    engine.add_request("plain", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    engine.add_beam_search("s", PROMPTS[0], BeamSearchParams(3, max_tokens=8, ignore_eos=True))
+    before, search_done_at = engine.stats.num_steps, None
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        if any(o.request_id == "s" for o in outputs):
+            search_done_at = engine.stats.num_steps - before
+    assert search_done_at is not None and search_done_at <= 8 + 1, search_done_at
+    engine.check_kv_pool_whole()
+
+
 def test_abort_and_bad_input():
     llm = cached_llm()
     engine = llm.engine
