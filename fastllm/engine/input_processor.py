@@ -74,9 +74,9 @@ class InputProcessor:
                                  f"got {t}")
         max_len = self.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)
-        if len(token_ids) + max_tokens > max_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({max_len})")
+        if len(token_ids) + max_tokens > max_len:  # (max_tokens given: unset, it fills what the prompt leaves)
+            raise ValueError(f"SamplingParams.max_tokens ({max_tokens}) + the prompt ({len(token_ids)} tokens) "
+                             f"exceeds max_model_len ({max_len})")
         if max_tokens < 1:
             raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room to generate within "
                              f"max_model_len ({max_len})")

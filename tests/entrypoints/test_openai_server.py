@@ -183,6 +183,8 @@ def test_bad_completion_requests(server, body, status, match):
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert match in error["message"] and error["code"] == status and error["type"]
+    if "max_tokens" in body:
+        assert error["param"] == "max_tokens", error
     wait_idle(engine)
 
 

@@ -135,7 +135,7 @@ BAD = [
     (dict(n=0), "n", "n must be >= 1"),
     (dict(max_tokens=None), "max_tokens", "max_tokens is required"),
     (dict(max_tokens=0, echo=True), "max_tokens", "max_tokens must be an integer >= 1"),
-    (dict(max_tokens=10**6), None, "exceeds max_model_len"),
+    (dict(max_tokens=10**6), "max_tokens", "exceeds max_model_len"),
     (dict(prompt=PROMPTS[:4]), "prompt", "at most 3 prompts"),
     (dict(extra_body={"length_penalty": "long"}), "length_penalty", None),
     (dict(extra_body={"early_stopping": "sometimes"}), "early_stopping", None),
