@@ -58,3 +58,4 @@ class BeamSearchSequence:
 @dataclass(slots=True)
 class BeamSearchOutput:
     sequences: list[BeamSearchSequence]  # best score first
+    error: str | None = None  # why the search failed (a step it was in failed): then it has no sequences

@@ -75,7 +75,7 @@ class LLM:
                 text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
                 score = beam_score(beam.cumulative_logprob, len(beam.token_ids), params.length_penalty)
                 sequences.append(BeamSearchSequence(tokens, text, beam.cumulative_logprob, score, beam.finish_reason))
-            outputs.append(BeamSearchOutput(sequences))
+            outputs.append(BeamSearchOutput(sequences, out.error))
         return outputs
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
