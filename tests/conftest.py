@@ -3,6 +3,7 @@ engine's KV block pool is whole again after each test."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -86,6 +87,26 @@ def allow_fp8_on_cpu(monkeypatch):
     from fastllm.layers import fp8
 
     monkeypatch.setattr(fp8, "check_device", lambda device, scheme: None)
+
+
+@contextlib.contextmanager
+def nth_step_fails(worker, n: int):
+    """Within the block, the n-th step with scheduled tokens that `worker` executes raises
+    RuntimeError("planted step failure"); yields the scheduler outputs of those steps as they come."""
+    execute, calls = worker.execute_model, []
+
+    def execute_model(sched):
+        if sched.num_scheduled_tokens:
+            calls.append(sched)
+            if len(calls) == n:
+                raise RuntimeError("planted step failure")
+        return execute(sched)
+
+    worker.execute_model = execute_model
+    try:
+        yield calls
+    finally:
+        del worker.execute_model  # the class's method again
 
 
 def release_cached_engines() -> None:

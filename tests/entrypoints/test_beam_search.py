@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastllm import BeamSearchParams, SamplingParams
-from tests.conftest import PROMPTS, STORIES, _hf_cache, cached_llm, hf_logits
+from tests.conftest import PROMPTS, STORIES, _hf_cache, cached_llm, hf_logits, nth_step_fails
 
 PERIOD = 426  # "." as the EOS token: stories260K's own EOS comes after a whole story, "." every sentence
 MAX_TOKENS = 16
@@ -173,25 +173,14 @@ def test_a_beam_search_beside_a_plain_request_joins_every_step():
     engine.check_kv_pool_whole()
 
 
-def test_a_search_that_a_failed_step_ends_says_why(monkeypatch):
+def test_a_search_that_a_failed_step_ends_says_why():
     """A step of the search raises: LLM.beam_search returns that search without sequences and with the
     error (as generate's outputs carry theirs), the pool is whole, and the next search runs."""
     llm = cached_llm()
-    worker = llm.engine.worker
-    execute, calls = worker.execute_model, []
-
-    def third_step_fails(sched):
-        if sched.num_scheduled_tokens:
-            calls.append(sched)
-            if len(calls) == 3:
-                raise RuntimeError("planted step failure")
-        return execute(sched)
-
-    monkeypatch.setattr(worker, "execute_model", third_step_fails)
-    [failed] = llm.beam_search(PROMPTS[0], BeamSearchParams(2, max_tokens=6, ignore_eos=True))
+    with nth_step_fails(llm.engine.worker, 3):
+        [failed] = llm.beam_search(PROMPTS[0], BeamSearchParams(2, max_tokens=6, ignore_eos=True))
     assert failed.sequences == [] and "planted step failure" in failed.error
     llm.engine.check_kv_pool_whole()
-    monkeypatch.undo()
     [ok] = llm.beam_search(PROMPTS[0], BeamSearchParams(2, max_tokens=6, ignore_eos=True))
     assert ok.error is None and len(ok.sequences) == 2
 

@@ -18,7 +18,7 @@ pytest.importorskip("uvicorn")
 
 from fastllm import BeamSearchParams  # noqa: E402
 from fastllm.entrypoints.openai.limits import ServerLimits  # noqa: E402
-from tests.conftest import PROMPTS, cached_llm  # noqa: E402
+from tests.conftest import PROMPTS, cached_llm, nth_step_fails  # noqa: E402
 from tests.engine.engine_testing import count_steps, wait_idle  # noqa: E402
 from tests.entrypoints.conftest import MODEL, serving, thread_engine  # noqa: E402
 from tests.entrypoints.test_beam_search import PERIOD, run_beam_search  # noqa: E402
@@ -228,22 +228,9 @@ def test_a_failed_step_mid_search_is_500_for_that_search_only(client, server):
     """A step of the search raises: its response is a 500 with the cause (no beams), its beams' blocks
     are freed (the client fixture checks the pool) and the next search is served."""
     _, engine = server
-    worker = engine.engine.worker
-    execute, calls = worker.execute_model, []
-
-    def fifth_step_fails(sched):
-        if sched.num_scheduled_tokens:
-            calls.append(sched)
-            if len(calls) == 5:
-                raise RuntimeError("planted step failure")
-        return execute(sched)
-
-    worker.execute_model = fifth_step_fails
-    try:
-        with pytest.raises(openai.InternalServerError, match="planted step failure"):
-            beam_request(client, PROMPTS[0], 2, 3, ignore_eos=True)
-    finally:
-        del worker.execute_model
+    with nth_step_fails(engine.engine.worker, 5) as calls, \
+            pytest.raises(openai.InternalServerError, match="planted step failure"):
+        beam_request(client, PROMPTS[0], 2, 3, ignore_eos=True)
     assert len(calls) >= 5
     out = beam_request(client, PROMPTS[0], 2, 3, ignore_eos=True)
     assert [c.finish_reason for c in out.choices] == ["length", "length"]
