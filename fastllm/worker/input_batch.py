@@ -88,6 +88,18 @@ class StepInputs:
     num_verify_rows: list[int] | None = None
 
 
+def _stage_for_mixed_graph(mixed_graph, stager: StepInputStager, in_flight, batch, ids, positions, slots,
+                           seq_lens, query_start_loc, logits_indices, vocab_size: int,
+                           eos_token_id: int | None) -> StepInputs:
+    """A prefill or mixed step staged into its mixed-graph bucket's static buffers (MixedGraphRunner.stage)."""
+    logits_d = mixed_graph.stage(stager, in_flight, batch.from_device, ids, positions, slots, seq_lens,
+                                 query_start_loc, batch.block_tables, logits_indices)
+    return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=logits_d,
+                      sample_states=batch.sample_states, staged_for_mixed_graph=True,
+                      sampling_metadata=_sampling_metadata(batch.sample_states, vocab_size, eos_token_id,
+                                                           stager.device))
+
+
 def build_step_inputs(
     states: list[CachedRequestState], num_scheduled: list[int], block_size: int, vocab_size: int,
     eos_token_id: int | None, stager: StepInputStager, in_flight: AsyncRunnerOutput | None = None,
@@ -125,13 +137,9 @@ def build_step_inputs(
                                 vocab_size, eos_token_id, cascade)
     if mixed_graph is not None:
         assert not spec_tokens and cascade is None, "draft tokens and cascade groups run without mixed graphs"
-        logits_d = mixed_graph.stage(stager, in_flight, batch.from_device, ids, positions, slots, seq_lens,
-                                     query_start_loc, batch.block_tables,
-                                     None if every_row else logits_indices)
-        return StepInputs(input_ids=None, positions=None, attn_metadata=None, logits_indices=logits_d,
-                          sample_states=batch.sample_states, staged_for_mixed_graph=True,
-                          sampling_metadata=_sampling_metadata(batch.sample_states, vocab_size, eos_token_id,
-                                                               stager.device))
+        return _stage_for_mixed_graph(mixed_graph, stager, in_flight, batch, ids, positions, slots, seq_lens,
+                                      query_start_loc, None if every_row else logits_indices, vocab_size,
+                                      eos_token_id)
     scatter = np.asarray(batch.from_device, dtype=np.int64).reshape(-1, 2).T
     (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d, *cascade_d) = stager.send(
         [ids, positions, slots, logits_indices, scatter],
