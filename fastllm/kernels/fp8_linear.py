@@ -1,9 +1,8 @@
 """FP8 projections, y = x @ (W x weight_scale)^T with W in e4m3, on the FP8 tensor cores (sm_89+).
 
-Up to SKINNY_MAX_ROWS rows (decode batches) the weight-streaming kernel runs (fp8_skinny_linear.py: it
-quantizes the activations itself). Larger batches: the activations are quantized per token by a Triton kernel (one
-program a row: the row's amax, then x / scale rounded to e4m3; or the static input_scale for every row),
-and the product runs in cuBLASLt through torch._scaled_mm with row-wise scales: scale_a [M, 1] per token
+Up to SKINNY_MAX_ROWS rows (decode batches) the weight-streaming kernel runs (fp8_skinny_linear.py).
+Larger batches: the activations are quantized per token (fp8_quantize.py: the row's amax, then x / scale
+rounded to e4m3; or the static input_scale for every row), and the product runs in cuBLASLt through torch._scaled_mm with row-wise scales: scale_a [M, 1] per token
 and scale_b [1, N] per output channel, both float32, the weight column-major (W [N, K] row-major,
 transposed), accumulation in fp32 and one rounding to the output dtype.
 
@@ -21,64 +20,17 @@ from __future__ import annotations
 import logging
 
 import torch
-import triton
-import triton.language as tl
 
-from fastllm.kernels import fp8_skinny_linear, pdl, reference
-from fastllm.kernels.reference import FP8, FP8_MAX, MIN_AMAX
+from fastllm.kernels import fp8_skinny_linear, reference
+from fastllm.kernels.fp8_quantize import quantize_fp8_per_token
 
 logger = logging.getLogger("fastllm.kernels")
 
-_BLOCK_K = 2048
-
-
-@triton.jit
-def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, static_scale_ptr, k_in, stride_xm,  # q [M, K] contiguous, scale [M]
-    STATIC: tl.constexpr, BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * stride_xm
-    q_row = q_ptr + row * k_in
-    pdl.wait(USE_PDL)  # launched with PDL (pdl.py)
-    if STATIC:
-        scale = tl.load(static_scale_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, k_in, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + ks, mask=ks < k_in, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_AMAX), FP8_MAX)
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, k_in, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + ks, mask=ks < k_in, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
-        tl.store(q_row + ks, q.to(q_ptr.dtype.element_ty), mask=ks < k_in)
-
-
-def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 scales [M, 1]), as the reference's."""
-    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
-    rows, k_in = x.shape
-    q = torch.empty(rows, k_in, dtype=FP8, device=x.device)
-    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    if rows:
-        _quantize_rows_kernel[(rows,)](
-            x, q, scale, input_scale if input_scale is not None else scale, k_in, x.stride(0),
-            STATIC=input_scale is not None, BLOCK_K=min(_BLOCK_K, triton.next_power_of_2(k_in)),
-            FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=4, **pdl.launch_options(x.device),
-        )
-    return q, scale
-
-
 # Batches up to this many rows take the weight-streaming kernel (at most its MAX_ROWS). Only one row for now:
 # in the H100 engine run (bench_fp8.py) its one-row FMA path made batch 1 1.38x faster than bf16, but its
-# tl.dot path made batch 32 0.43x (every program reads all of x twice, for the scales and the tiles).
-# benchmarks/kernels/bench_fp8_linear.py (triton_fp8_skinny against scaled_mm) is to find the crossover.
+# tl.dot path made batch 32 0.43x, when every program read all of x twice (for the scales and the tiles); that
+# path now reads x quantized once (fp8_quantize.py), not yet timed. benchmarks/kernels/bench_fp8_linear.py
+# (triton_fp8_skinny against scaled_mm) is to find the crossover.
 SKINNY_MAX_ROWS = 1
 _logged: set[str] = set()
 

@@ -1,18 +1,19 @@
 """FP8 projections of a decode batch (a few rows): y = x @ (W x weight_scale)^T with W in e4m3, as a
-weight-streaming kernel that quantizes the activations itself.
+weight-streaming kernel.
 
 The bf16 skinny kernel's plan (skinny_linear.py) on half the bytes: each program streams BLOCK_N rows of
-W over the whole K while the few rows of x stay in L2. Each program first finds every row's scale (its
-amax / 448 over the whole row, or the static input_scale), then quantizes the x tiles as it goes, so no
-separate quantization kernel runs and no e4m3 copy of x is written. One row takes an FMA path (per-lane
-partial sums of the e4m3 products in fp32, one cross-lane reduction at the end); more rows an e4m3 tl.dot
-with fp32 accumulation, padded to 16 rows. Up to MAX_ROWS rows; fp8_linear.py hands larger batches to
-torch._scaled_mm.
+W over the whole K while the few rows of x stay in L2. One row takes an FMA path that quantizes x itself
+(its scale, amax / 448 over the whole row or the static input_scale, first; then x's tiles as it goes: no
+separate launch) and keeps per-lane partial sums of the e4m3 products in fp32, one cross-lane reduction at
+the end. More rows read x quantized once by fp8_quantize.py (each program would otherwise re-read all of x
+for the scales and again for the tiles) and take an e4m3 tl.dot with fp32 accumulation, padded to 16 rows.
+Up to MAX_ROWS rows; fp8_linear.py hands larger batches to torch._scaled_mm.
 
 Math: reference.fp8_linear. The quantized x is bitwise the reference's on the GPU (the same IEEE division
 and round-to-nearest-even cast); e4m3 products are exact in fp32, summed in another order, then scaled by
 x's and W's scales and rounded once to the output dtype.
-Memory traffic: N * K bytes of W once; x (M * K elements) twice per program, from L2; M * N written.
+Memory traffic: N * K bytes of W once; x from L2 by every program (one row: twice, in its dtype; more: once,
+in e4m3, after fp8_quantize.py's pass); M * N written.
 Launch configs: skinny_linear's table (same row buckets, the same BLOCK_K in elements: half the bytes of a
 bf16 tile), not tuned for e4m3 yet.
 """
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import pdl
+from fastllm.kernels.fp8_quantize import quantize_fp8_per_token
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
 from fastllm.kernels.skinny_linear import MAX_ROWS, Config, choose_config
 
@@ -33,9 +35,9 @@ __all__ = ["MAX_ROWS", "launch"]
 @triton.jit(do_not_specialize=["num_rows"])
 def _fp8_skinny_linear_kernel(
     x_ptr, w_ptr, w_scale_ptr, bias_ptr, input_scale_ptr, out_ptr, num_rows, n_out, k_in, stride_xm,
-    HAS_BIAS: tl.constexpr, STATIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, STATIC: tl.constexpr, PREQUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, FP8_MAX: tl.constexpr,
+    MIN_AMAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -45,7 +47,9 @@ def _fp8_skinny_linear_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * k_in  # [BLOCK_N, 1]
     x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
     pdl.wait(USE_PDL)  # launched with PDL (pdl.py): x is the previous kernel's output
-    if STATIC:
+    if PREQUANT:  # x is e4m3 already; input_scale_ptr holds each row's scale
+        x_scale = tl.load(input_scale_ptr + rows, mask=row_ok, other=1.0)
+    elif STATIC:
         x_scale = tl.zeros([BLOCK_M], tl.float32) + tl.load(input_scale_ptr).to(tl.float32)
     else:  # each row's amax over the whole of K (x is a few rows: it stays in L2 for the second pass)
         amax = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
@@ -60,8 +64,11 @@ def _fp8_skinny_linear_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_in
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, x_scale[:, None]), -FP8_MAX, FP8_MAX).to(w.dtype)
+        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if PREQUANT:
+            q = x
+        else:
+            q = tl.clamp(tl.math.div_rn(x.to(tl.float32), x_scale[:, None]), -FP8_MAX, FP8_MAX).to(w.dtype)
         if USE_DOT:
             acc += tl.dot(q, tl.trans(w))
         else:  # BLOCK_M == 1
@@ -89,10 +96,14 @@ def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
     cfg = config or choose_config(num_rows, n_out, k_in)
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
+    x_in, scales = x, input_scale
+    if use_dot:  # x quantized once here, not re-read for its scales by every program
+        x_in, row_scales = quantize_fp8_per_token(x, input_scale)
+        scales = row_scales.view(num_rows)
     _fp8_skinny_linear_kernel[(triton.cdiv(n_out, cfg.block_n),)](
-        x, weight, weight_scale, bias if bias is not None else weight_scale,
-        input_scale if input_scale is not None else weight_scale, out, num_rows, n_out, k_in, x.stride(0),
-        HAS_BIAS=bias is not None, STATIC=input_scale is not None,
+        x_in, weight, weight_scale, bias if bias is not None else weight_scale,
+        scales if scales is not None else weight_scale, out, num_rows, n_out, k_in, x_in.stride(0),
+        HAS_BIAS=bias is not None, STATIC=input_scale is not None and not use_dot, PREQUANT=use_dot,
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, USE_DOT=use_dot, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.launch_options(x.device),
