@@ -49,12 +49,15 @@ class ModelShape(LlamaArgs):
         return replace(super().from_hf_config(cfg), dtype_bytes=nbytes, kv_dtype_bytes=nbytes, fp8=fp8)
 
     @classmethod
-    def from_model(cls, model: str | None, dtype: str = "auto") -> "ModelShape":
-        """From a model directory or an embedded config name (as --model takes)."""
+    def from_model(cls, model: str | None, dtype: str = "auto", quantization: str | None = None) -> "ModelShape":
+        """From a model directory or an embedded config name (as --model takes); quantization as the engine
+        argument (an FP8 checkpoint is FP8 whatever it says)."""
         from fastllm.config import resolve_model_path
+        from fastllm.layers.fp8 import scheme_for
 
         path = Path(resolve_model_path(model)) / "config.json"
-        return cls.from_hf_config(json.loads(path.read_text()), dtype)
+        cfg = json.loads(path.read_text())
+        return cls.from_hf_config(cfg, dtype, scheme_for(quantization, cfg))
 
     # parameter counts
 
@@ -178,13 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ceilings", help="ceilings JSON (default: the ones in the run)")
     parser.add_argument("--model", help="print one step's math for this model instead of reading a run")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", choices=["fp8", "fp8-per-tensor"], default=None,
+                        help="with --model: FP8 weights (the projections at one byte each)")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--context", type=int, default=256, help="tokens each request attends over")
     args = parser.parse_args(argv)
     try:
         ceilings = json.loads(Path(args.ceilings).read_text()) if args.ceilings else None
         if args.run is None:
-            shape = ModelShape.from_model(args.model, args.dtype)
+            shape = ModelShape.from_model(args.model, args.dtype, args.quantization)
             ctx = [args.context] * args.batch_size
             num_bytes, flops = shape.decode_bytes(ctx), shape.decode_flops(ctx)
             f = floor_seconds(num_bytes, flops, ceilings)

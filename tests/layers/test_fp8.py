@@ -273,3 +273,4 @@ def test_roofline_counts_fp8_projections_at_one_byte():
     assert quantized.weight_bytes == bf16.weight_bytes - projections
     assert quantized.decode_weight_bytes(8) == bf16.decode_weight_bytes(8) - projections
     assert 8.4 < quantized.weight_bytes / 2**30 < 8.5
+    assert ModelShape.from_model("llama-3.1-8b", "bfloat16", "fp8").weight_bytes == quantized.weight_bytes
