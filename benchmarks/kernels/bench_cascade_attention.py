@@ -67,16 +67,16 @@ def cascade_bytes(batch: int, prefix: int, own: int, splits: int) -> int:
 
 
 def measure(case: str):
-    import triton
+    from kbench import num_sms
 
     from fastllm.kernels.cascade_attention import choose_num_splits
     from fastllm.kernels.paged_decode_attention import bytes_moved, paged_decode_attention
-    from kbench import num_sms
+    from fastllm.kernels.prefill_tiles import query_tile_size
 
     batch, prefix, own = CASES[case]
     scale = HEAD_DIM**-0.5
     group = HQ // HKV
-    splits = choose_num_splits(batch, 1, HKV, max(64, triton.next_power_of_2(group)) // group, prefix, num_sms())
+    splits = choose_num_splits(batch, 1, HKV, query_tile_size(group), prefix, num_sms())
     nbytes = cascade_bytes(batch, prefix, own, splits)
     sets = input_sets(lambda: shared_prefix_problem(batch, prefix, own), lambda args: nbytes)
     ours = [functools.partial(cascade, *args, prefix, own, scale) for args in sets]

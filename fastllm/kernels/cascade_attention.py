@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastllm.kernels import sm_count
+from fastllm.kernels import prefill_tiles, sm_count
 from fastllm.kernels.prefill_attention import _prefix_tile
 
 _LOG2E = 1.4426950408889634
@@ -144,7 +144,7 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
     assert block_tables.dtype == prefix_rows.dtype == prefix_lens.dtype == rows.dtype == row_start.dtype == torch.int32
     assert row_start.shape == (num_groups + 1,) and rows.is_contiguous() and prefix_lens.is_contiguous()
     group = num_q_heads // num_kv_heads
-    block_m = block_m or max(64, triton.next_power_of_2(group))
+    block_m = block_m or prefill_tiles.block_m(group)  # the prefill kernel's row tile, as the docstring says
     if num_splits is None:
         num_splits = choose_num_splits(max_group_rows, num_groups, num_kv_heads, block_m // group, max_prefix_len,
                                        sm_count.num_sms(query.device))
