@@ -233,11 +233,9 @@ class CompileConfig:
                                                    "(default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs)")
     # torch.compile is GPU-only by default (a CPU compile takes ~15 s a graph)
     compile_on_cpu: bool = arg(False, "torch.compile on the CPU too (slow to compile)")
-    # Off by default until its GPU tests have run on a GPU (they were written with it, but the session that
-    # built it ran out of device time before they finished; README "Measured" has its H100 timings).
-    mixed_cuda_graph_max_tokens: int = arg(0, "prefill and mixed steps of up to this many tokens replay "
-                                           "CUDA graphs captured per token bucket, e.g. 512 (0: they run "
-                                           "compiled, without)")
+    mixed_cuda_graph_max_tokens: int = arg(512, "prefill and mixed steps of up to this many tokens replay "
+                                           "CUDA graphs captured per token bucket (0: they run compiled, "
+                                           "without)")
 
     def __post_init__(self):
         sizes = self.cuda_graph_sizes

@@ -315,8 +315,10 @@ MIN_AMAX = 1e-12  # an all-zero row or token still gets a finite, non-zero scale
 
 
 def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The float32 scale that maps amax to e4m3's largest value."""
-    return amax.float().clamp_min(MIN_AMAX) / FP8_MAX
+    """The float32 scale that maps amax to e4m3's largest value, IEEE-divided on every device (CUDA turns
+    a division by a Python number into a multiplication by its rounded reciprocal; the kernels divide)."""
+    amax = amax.float().clamp_min(MIN_AMAX)
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
