@@ -73,12 +73,16 @@ def _(x, weight, weight_scale, bias, input_scale):
 
 
 @torch.library.custom_op("fastllm::attention", mutates_args=())
-def attention(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, layer_index: int) -> Tensor:
+def attention(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, layer_index: int,
+              q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None,
+              norm_eps: float = 1e-6) -> Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] before rotary -> [T, Hq, D]; rotates q and k (out of place)
-    and writes the rotated key and the value into the layer's cache."""
-    return get_forward_context().attention_layers[layer_index].run(positions, query, key, value)
+    and writes the rotated key and the value into the layer's cache. With q/k norm weights [D] (Qwen3),
+    each head of q and k is RMS-normed first, inside the same kernels."""
+    layer = get_forward_context().attention_layers[layer_index]
+    return layer.run(positions, query, key, value, q_norm_weight, k_norm_weight, norm_eps)
 
 
 @attention.register_fake
-def _(positions, query, key, value, layer_index):
+def _(positions, query, key, value, layer_index, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6):
     return torch.empty_like(query)

@@ -153,9 +153,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def rotary_embedding(
-    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool = True
+    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool = True,
+    q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
 ) -> None:
-    return _select("rotary_embedding", query.device)(positions, query, key, cos_sin_cache, is_neox)
+    return _select("rotary_embedding", query.device)(positions, query, key, cos_sin_cache, is_neox,
+                                                     q_norm_weight, k_norm_weight, norm_eps)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:
@@ -169,9 +171,11 @@ def argmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
 def rotary_kv_cache_write(
     positions: Tensor, query: Tensor, key: Tensor, value: Tensor, cos_sin_cache: Tensor, is_neox: bool,
     key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, return_key: bool,
+    q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor | None]:
     return _select("rotary_kv_cache_write", query.device)(
-        positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, return_key
+        positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
+        return_key, q_norm_weight, k_norm_weight, norm_eps,
     )
 
 
@@ -179,10 +183,11 @@ def rotary_decode_attention(
     positions: Tensor, query: Tensor, key: Tensor, value: Tensor, cos_sin_cache: Tensor, is_neox: bool,
     key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
     max_seq_len: int, scale: float, window: int | None = None,
+    q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
 ) -> Tensor:
     return _select("rotary_decode_attention", query.device)(
         positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, block_tables,
-        seq_lens, max_seq_len, scale, window,
+        seq_lens, max_seq_len, scale, window, q_norm_weight, k_norm_weight, norm_eps,
     )
 
 

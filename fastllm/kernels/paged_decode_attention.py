@@ -28,8 +28,9 @@ rotary_decode_attention (APPEND) is the engine's decode step in one launch: q an
 rotated in the kernel (rotary.py's math at full width, each element with its pair partner), split 0 of each
 (request, KV head) writes the new k/v into the cache (skipped for slot < 0), and the split holding position
 seq_len - 1 adds the new token to its online softmax from registers, so no program reads that slot back
-and nothing orders the write before the other splits' reads. It replaced a rotary + KV-write launch per
-layer, which cost more than the work it adds here (README, "Kernel choices").
+and nothing orders the write before the other splits' reads. With q/k norm weights (Qwen3) each q head and
+the new k are RMS-normed first (rotary.py's math), so the norm costs no launch either. It replaced a rotary
++ KV-write launch per layer, which cost more than the work it adds here (README, "Kernel choices").
 
 Launch config (split count, BLOCK_N, warps, stages, minimum split length) comes from a host-side table
 (`choose_config`) that depends only on max_seq_len (a host-side bound), batch, Hkv, head_dim, dtype and the
@@ -55,6 +56,7 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import pdl, sm_count
+from fastllm.kernels.rotary import check_qk_norm, head_rms_norm
 
 _LOG2E = 1.4426950408889634
 _MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
@@ -103,6 +105,9 @@ class NewTokens(NamedTuple):
     cos_sin_cache: torch.Tensor  # [max_positions, D] float32: cos in [:, :D/2], sin in [:, D/2:]
     is_neox: bool
     slot_mapping: torch.Tensor  # [B] int; < 0: padding, writes nothing
+    q_norm_weight: torch.Tensor | None = None  # [D]: RMS-norm each q head and the new k first (Qwen3)
+    k_norm_weight: torch.Tensor | None = None  # [D]
+    norm_eps: float = 1e-6
 
 
 # The merge's [heads, splits, head_dim] fp32 tile stays within this many elements (64 registers a thread
@@ -133,6 +138,7 @@ def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
     counters_ptr,  # int32 [B * Hkv], all 0 between launches (MERGE_IN_KERNEL)
     pos_ptr, k_new_ptr, v_new_ptr, cos_sin_ptr, slot_ptr,  # APPEND: this step's token of each request
+    q_norm_ptr, k_norm_ptr, norm_eps,  # APPEND and QK_NORM: each head's RMSNorm weight [HEAD_DIM] for q and k
     kv_start_ptr,  # int32 [B] (HAS_KV_START): request b attends no key before kv_start[b]
     lse_ptr,  # float32 [B, Hq] (RETURN_LSE): log2 of each row's softmax denominator
     window,  # SLIDING: keys seq_len - window .. seq_len - 1 only
@@ -150,6 +156,7 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     APPEND: tl.constexpr,  # rotate q and the new k here, write the new k/v, attend to them from registers
     IS_NEOX: tl.constexpr, HALF: tl.constexpr,  # APPEND's rotary layout
+    QK_NORM: tl.constexpr,  # APPEND: RMS-norm q's heads and the new k before rotating them
     USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): seq_lens (staged step input) is read before the wait
     OFFSET_64: tl.constexpr,  # a cache of 2^31 elements or more: page offsets in int64, else int32
     HAS_KV_START: tl.constexpr, SLIDING: tl.constexpr, RETURN_LSE: tl.constexpr,
@@ -195,10 +202,23 @@ def _decode_split_kernel(
         cos, sin, pair, sign = _rope_row(cos_sin_ptr + tl.load(pos_ptr + b).to(tl.int64) * stride_cs, d, d_ok,
                                          HALF, IS_NEOX)
         q_pair = tl.load(q_rows + pair[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-        q = _rotate(q, q_pair, cos[None, :], sin[None, :], sign[None, :]).to(q_ptr.dtype.element_ty)
         k_row = k_new_ptr + b * stride_knb + kv_head * stride_knh
-        k_new = _rotate(tl.load(k_row + d, mask=d_ok, other=0.0), tl.load(k_row + pair, mask=d_ok, other=0.0),
-                        cos, sin, sign)
+        k_new = tl.load(k_row + d, mask=d_ok, other=0.0)
+        k_pair = tl.load(k_row + pair, mask=d_ok, other=0.0)
+        if QK_NORM:  # padding rows and columns load 0 and add nothing to a head's mean square
+            qf, kf = q.to(tl.float32), k_new.to(tl.float32)
+            q_inv_rms = tl.rsqrt(tl.sum(qf * qf, axis=1) / HEAD_DIM + norm_eps)[:, None]
+            k_inv_rms = tl.rsqrt(tl.sum(kf * kf, axis=0) / HEAD_DIM + norm_eps)
+            qw = tl.load(q_norm_ptr + d, mask=d_ok, other=0.0)
+            qw_pair = tl.load(q_norm_ptr + pair, mask=d_ok, other=0.0)
+            kw = tl.load(k_norm_ptr + d, mask=d_ok, other=0.0)
+            kw_pair = tl.load(k_norm_ptr + pair, mask=d_ok, other=0.0)
+            q = head_rms_norm(q, qw[None, :], q_inv_rms, q_ptr.dtype.element_ty)
+            q_pair = head_rms_norm(q_pair, qw_pair[None, :], q_inv_rms, q_ptr.dtype.element_ty)
+            k_new = head_rms_norm(k_new, kw, k_inv_rms, k_new_ptr.dtype.element_ty)
+            k_pair = head_rms_norm(k_pair, kw_pair, k_inv_rms, k_new_ptr.dtype.element_ty)
+        q = _rotate(q, q_pair, cos[None, :], sin[None, :], sign[None, :]).to(q_ptr.dtype.element_ty)
+        k_new = _rotate(k_new, k_pair, cos, sin, sign)
         # rounded as rotary_kv_cache_write rounds it: to the activations' dtype, then to the cache's
         k_new = k_new.to(k_new_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
         v_new = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + d, mask=d_ok,
@@ -502,10 +522,14 @@ def paged_decode_attention_splits(
         assert cos_sin.shape[1] == head_dim and head_dim % 2 == 0
         assert append.positions.shape == append.slot_mapping.shape == (batch,)
         assert append.positions.is_contiguous() and append.slot_mapping.is_contiguous()
-        new_args = (append.positions, new_k, new_v, cos_sin, append.slot_mapping)
+        qk_norm = check_qk_norm(append.q_norm_weight, append.k_norm_weight, head_dim)
+        norm_weights = (append.q_norm_weight, append.k_norm_weight) if qk_norm else (seq_lens,) * 2  # unused
+        new_args = (append.positions, new_k, new_v, cos_sin, append.slot_mapping, *norm_weights,
+                    append.norm_eps)
         new_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1), cos_sin.stride(0))
     else:
-        new_args, new_strides = (seq_lens,) * 5, (0,) * 5  # unused
+        qk_norm = False
+        new_args, new_strides = (seq_lens,) * 7 + (0.0,), (0,) * 5  # unused
     block_gm = triton.next_power_of_2(group)
     block_s = max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS // (block_gm * block_d)))  # the merge's tile
     kv_start_arg = kv_start if kv_start is not None else seq_lens  # unused without it
@@ -523,6 +547,7 @@ def paged_decode_attention_splits(
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         APPEND=append is not None, IS_NEOX=append is None or append.is_neox, HALF=head_dim // 2,
+        QK_NORM=qk_norm,
         OFFSET_64=offset_64, HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(query.device),
     )
@@ -584,10 +609,14 @@ def rotary_decode_attention(
     max_seq_len: int,
     scale: float,
     window: int | None = None,
+    q_norm_weight: torch.Tensor | None = None,  # [D]: RMS-norm each q head and the new k first (Qwen3)
+    k_norm_weight: torch.Tensor | None = None,  # [D]
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """A decode step's whole attention in one launch: rotary_kv_cache_write, then paged_decode_attention
     (see the reference for the exact semantics). Saves a launch-bound kernel per layer and the rotated
     q's round trip through memory."""
-    append = NewTokens(positions, key, value, cos_sin_cache, is_neox, slot_mapping)
+    append = NewTokens(positions, key, value, cos_sin_cache, is_neox, slot_mapping, q_norm_weight,
+                       k_norm_weight, norm_eps)
     return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, append,
                           window=window)

@@ -217,12 +217,22 @@ def rotary_embedding(
     key: torch.Tensor,  # [T, Hkv, D], rotated in place
     cos_sin_cache: torch.Tensor,  # [max_positions, D] float32: cos in [:, :D/2], sin in [:, D/2:]
     is_neox: bool = True,
+    q_norm_weight: torch.Tensor | None = None,  # [D]
+    k_norm_weight: torch.Tensor | None = None,  # [D]
+    norm_eps: float = 1e-6,
 ) -> None:
     """Rotary embedding over the full head dim.
 
     is_neox=True is the half-split layout (HF Llama's rotate_half: pairs (i, i + D/2));
     False is the interleaved GPT-J layout (pairs (2i, 2i + 1)).
+    With q/k norm weights (Qwen3; both or neither) each head of q and k is first rms_norm'ed over D and
+    rounded to its dtype, as transformers' Qwen3RMSNorm before its rotary.
     """
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight go together: got only one of them")
+    if q_norm_weight is not None:
+        query.copy_(rms_norm(query, q_norm_weight, norm_eps))
+        key.copy_(rms_norm(key, k_norm_weight, norm_eps))
     cos, sin = cos_sin_cache[positions.long()].chunk(2, dim=-1)  # [T, D/2] each
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     for x in (query, key):
@@ -247,11 +257,14 @@ def rotary_kv_cache_write(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T]; < 0 means skip
     return_key: bool,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """rotary_embedding on copies of query and key, then kv_cache_write of the rotated key and value.
-    Returns (rotated query, rotated key if return_key else None)."""
+    """rotary_embedding (with the q/k norms if given) on copies of query and key, then kv_cache_write of
+    the rotated key and value. Returns (rotated query, rotated key if return_key else None)."""
     query, key = query.clone(), key.clone()
-    rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+    rotary_embedding(positions, query, key, cos_sin_cache, is_neox, q_norm_weight, k_norm_weight, norm_eps)
     kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
     return query, (key if return_key else None)
 
@@ -271,13 +284,17 @@ def rotary_decode_attention(
     max_seq_len: int,
     scale: float,
     window: int | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
-    """A decode step's attention: rotary_kv_cache_write, then each request attends over its cached tokens
-    (the last window - 1 of them with a window) and its new token (rotated key and value, in the cache's
-    dtype). Where slot >= 0 this is exactly paged_decode_attention after the write; a padding row
-    (slot < 0) writes nothing and still attends to its own new token."""
+    """A decode step's attention: rotary_kv_cache_write (with the q/k norms if given), then each request
+    attends over its cached tokens (the last window - 1 of them with a window) and its new token (rotated
+    key and value, in the cache's dtype). Where slot >= 0 this is exactly paged_decode_attention after the
+    write; a padding row (slot < 0) writes nothing and still attends to its own new token."""
     query, key = rotary_kv_cache_write(positions, query, key, value, cos_sin_cache, is_neox, key_cache,
-                                       value_cache, slot_mapping, return_key=True)
+                                       value_cache, slot_mapping, True, q_norm_weight, k_norm_weight,
+                                       norm_eps)
     out = torch.empty_like(query)
     for i, seq_len in enumerate(seq_lens.tolist()):
         first = _first_key(seq_len, 1, window, 0)

@@ -5,6 +5,7 @@ kv_cache_write.py's scatter, for every token t with slot s = slot_mapping[t]:
     q_out[t] = rope(query[t], p_t)
     key_cache[s // page, s % page] = rope(key[t], p_t),  value_cache[...] = value[t]    (s >= 0 only)
     key_out[t] = rope(key[t], p_t)                                                      (return_key only)
+With q/k norm weights (Qwen3) each q and k head is RMS-normed first, as rotary.py describes.
 Out of place: query and key (views of the qkv projection) are left as they are, so the attention op
 that calls this mutates none of its inputs. Prefill's chunk loops read the chunk's keys from key_out's
 contiguous rows; return_key=False leaves them to the cache. The engine's decode steps no longer come
@@ -24,19 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
-from fastllm.kernels.rotary import rotated_halves
+from fastllm.kernels.rotary import check_qk_norm, rotated_halves
 
 
 @triton.jit
 def _rotary_kv_write_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, slot_ptr, q_out_ptr, k_out_ptr, key_cache_ptr, value_cache_ptr,
+    q_norm_ptr, k_norm_ptr, eps,  # HAS_NORM: each head's RMSNorm weight [HEAD_DIM] for q and for k
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     num_q_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PAGE: tl.constexpr,
-    IS_NEOX: tl.constexpr, RETURN_KEY: tl.constexpr,
+    IS_NEOX: tl.constexpr, RETURN_KEY: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -46,14 +48,15 @@ def _rotary_kv_write_kernel(
     cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=i_ok, other=0.0).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=i_ok, other=0.0).to(tl.float32)
 
-    qa, qb, h, off_a, off_b, mask = rotated_halves(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin,
-                                                    i, i_ok, HALF, BLOCK_HQ, IS_NEOX)
+    qa, qb, h, off_a, off_b, mask = rotated_halves(q_ptr + t * stride_qt, stride_qh, num_q_heads, cos, sin, i,
+                                                    i_ok, q_norm_ptr, eps, HALF, BLOCK_HQ, IS_NEOX, HAS_NORM)
     q_out = q_out_ptr + t * stride_qot + h * stride_qoh
     tl.store(q_out + off_a, qa.to(q_out_ptr.dtype.element_ty), mask=mask)
     tl.store(q_out + off_b, qb.to(q_out_ptr.dtype.element_ty), mask=mask)
 
     ka, kb, h, off_a, off_b, mask = rotated_halves(k_ptr + t * stride_kt, stride_kh, num_kv_heads, cos, sin,
-                                                    i, i_ok, HALF, BLOCK_HK, IS_NEOX)
+                                                    i, i_ok, k_norm_ptr, eps, HALF, BLOCK_HK, IS_NEOX,
+                                                    HAS_NORM)
     # Round to the activations' dtype first, as rotary + kv_cache_write do, then to the cache's.
     ka = ka.to(k_ptr.dtype.element_ty)
     kb = kb.to(k_ptr.dtype.element_ty)
@@ -98,9 +101,13 @@ def rotary_kv_cache_write(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int; < 0 means skip
     return_key: bool,
+    q_norm_weight: torch.Tensor | None = None,  # [D]: RMS-norm each q head first (Qwen3), with k_norm_weight
+    k_norm_weight: torch.Tensor | None = None,  # [D]
+    norm_eps: float = 1e-6,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
+    has_norm = check_qk_norm(q_norm_weight, k_norm_weight, head_dim)
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim), (key.shape, value.shape)
     assert head_dim % 2 == 0 and cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_dim
     assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape
@@ -119,6 +126,7 @@ def rotary_kv_cache_write(
     k_out_arg = k_out if k_out is not None else q_out  # unused
     _rotary_kv_write_kernel[(num_tokens,)](
         positions, query, key, value, cos_sin_cache, slot_mapping, q_out, k_out_arg, key_cache, value_cache,
+        *((q_norm_weight, k_norm_weight) if has_norm else (cos_sin_cache,) * 2), norm_eps,  # (unused without)
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos_sin_cache.stride(0),
         q_out.stride(0), q_out.stride(1), k_out_arg.stride(0), k_out_arg.stride(1),
@@ -128,6 +136,6 @@ def rotary_kv_cache_write(
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        PAGE=key_cache.shape[1], IS_NEOX=is_neox, RETURN_KEY=return_key, num_warps=4,
+        PAGE=key_cache.shape[1], IS_NEOX=is_neox, RETURN_KEY=return_key, HAS_NORM=has_norm, num_warps=4,
     )
     return q_out, k_out

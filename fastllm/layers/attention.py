@@ -2,9 +2,10 @@
 
 The layer owns the rotary embedding. A decode step is one kernel: rotary, the cache write of the new
 k and v, and attention over the cache plus the new token. A prefill or mixed step rotates q and k and
-writes the cache in one kernel, then attends over the cached prefix and the rotated chunk. A layer with a
-sliding window passes it to the kernels. A step whose metadata carries cascade groups attends in three
-parts instead (see _cascade), on layers whose window does not bite in that step."""
+writes the cache in one kernel, then attends over the cached prefix and the rotated chunk. A model with
+per-head q/k RMSNorms (Qwen3) passes them in: the rotary kernels apply them first, with no launch of their
+own. A layer with a sliding window passes it to the kernels. A step whose metadata carries cascade groups
+attends in three parts instead (see _cascade), on layers whose window does not bite in that step."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from torch import nn
 from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
 from fastllm.kernels import dispatch as ops
 from fastllm.kernels.side_stream import fork_join
+from fastllm.layers.norm import RMSNorm
 from fastllm.layers.rotary import RotaryEmbedding
 from fastllm.worker.attn_metadata import get_attn_metadata
 
@@ -29,15 +31,22 @@ class Attention(nn.Module):
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.layer_index = layer_index  # its place in the model's attention_layers() (the forward context)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor) -> torch.Tensor:
-        """positions [T]; query [T, Hq, D], key/value [T, Hkv, D] before rotary -> [T, Hq, D]."""
-        return torch.ops.fastllm.attention(positions, query, key, value, self.layer_index)
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """positions [T]; query [T, Hq, D], key/value [T, Hkv, D] before rotary -> [T, Hq, D].
+        q_norm, k_norm (both or neither, one eps): RMSNorms over head_dim applied to each head first."""
+        if q_norm is None and k_norm is None:
+            return torch.ops.fastllm.attention(positions, query, key, value, self.layer_index)
+        if q_norm is None or k_norm is None or q_norm.eps != k_norm.eps:
+            raise ValueError("q_norm and k_norm go together, with one eps")
+        return torch.ops.fastllm.attention(positions, query, key, value, self.layer_index, q_norm.weight,
+                                           k_norm.weight, q_norm.eps)
 
-    def run(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
-            value: torch.Tensor) -> torch.Tensor:
-        """The body of the attention op: rotate q and k, write the new K/V into the cache and attend
-        (the inputs stay as they are)."""
+    def run(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+            norm_eps: float = 1e-6) -> torch.Tensor:
+        """The body of the attention op: (norm and) rotate q and k, write the new K/V into the cache and
+        attend (the inputs stay as they are)."""
         metadata = get_attn_metadata()
         if metadata is None or self.kv_cache is None:
             # Profiling run (no cache yet): the output only needs the right shape.
@@ -47,26 +56,28 @@ class Attention(nn.Module):
         window = self.sliding_window
         if window is not None and metadata.max_seq_len <= window:
             window = None  # no row of this step reaches past its window: full attention is the same
+        norm = dict(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps)
         if metadata.cascade is not None and window is None:
-            return self._cascade(positions, query, key, value, metadata)
+            return self._cascade(positions, query, key, value, metadata, norm)
         if metadata.is_decode_only:  # one kernel: rotary, the cache write and attention
             return ops.rotary_decode_attention(positions, query, key, value, cos_sin, is_neox, key_cache,
                                                value_cache, metadata.slot_mapping, metadata.block_tables,
-                                               metadata.seq_lens, metadata.max_seq_len, self.scale, window)
+                                               metadata.seq_lens, metadata.max_seq_len, self.scale, window,
+                                               **norm)
         query, key = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox, key_cache,
-                                               value_cache, metadata.slot_mapping, return_key=True)
+                                               value_cache, metadata.slot_mapping, return_key=True, **norm)
         return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
                                      metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
                                      self.scale, window, tile_map=metadata.tile_map)
 
-    def _cascade(self, positions, query, key, value, metadata) -> torch.Tensor:
+    def _cascade(self, positions, query, key, value, metadata, norm: dict) -> torch.Tensor:
         """Cascade attention: each request's suffix (keys from kv_start) through the paged kernels, with their
         log-sum-exp; each group's rows against its shared prefix in one pass, beside it; the two merged by LSE."""
         key_cache, value_cache = self.kv_cache
         cascade = metadata.cascade
         query, key = ops.rotary_kv_cache_write(positions, query, key, value, self.rotary.cos_sin_cache,
                                                self.rotary.is_neox, key_cache, value_cache, metadata.slot_mapping,
-                                               return_key=True)
+                                               return_key=True, **norm)
 
         def suffix():
             if metadata.is_decode_only:

@@ -104,6 +104,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(args.hidden_size, [q_size, kv_size, kv_size], args.qkv_bias,
                                              tp_rank, tp, partitions=[tp, kv_parts, kv_parts], fp8=args.fp8)
         self.o_proj = RowParallelLinear(q_size, args.hidden_size, False, tp_rank, tp, fp8=args.fp8)
+        # Qwen3: applied inside the attention op's rotary kernels, not launched on their own
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         rotary = RotaryEmbedding(args.head_dim, args.max_position_embeddings, args.rope_theta, args.rope_scaling)
@@ -118,9 +119,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(positions, q, k, v)
+        out = self.attn(positions, q, k, v, self.q_norm, self.k_norm)
         return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
 
 

@@ -1,6 +1,7 @@
 """torch.compile of the model: one graph with no breaks (prefill, decode and mixed steps), the same
 greedy tokens as the eager model, and the compiled forward saved and loaded again. On the CPU a
-compile takes ~15-30 s, so this is one test that compiles once."""
+compile takes ~15-30 s, so this is one test that compiles once; Qwen3's q/k norm path is only traced (a
+quick second test)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,20 @@ def test_compiled_equals_eager_without_graph_breaks(tmp_path, monkeypatch):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     got = [o.outputs[0].token_ids for o in reloaded.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_qwen3_qk_norm_traces_without_graph_breaks():
+    """Qwen3's q/k norm weights ride into the attention op (the rotary kernels apply them): the whole forward
+    still traces as one graph. The eager backend only traces (no Inductor compile), so this is quick."""
+    from fastllm.models.llama import LlamaArgs, LlamaForCausalLM
+    from fastllm.worker.attn_metadata import forward_context
+
+    args = LlamaArgs(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling={},
+                     max_position_embeddings=32, qk_norm=True)
+    model = LlamaForCausalLM(args)
+    ids, positions = torch.arange(5), torch.arange(5)
+    torch._dynamo.reset()
+    with forward_context(None, model.attention_layers()):  # no metadata: the op only shapes its output
+        out = torch.compile(model.forward, fullgraph=True, dynamic=True, backend="eager")(ids, positions)
+    assert out.shape == (5, 32)

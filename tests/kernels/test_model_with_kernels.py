@@ -51,7 +51,34 @@ def tiny_llama31_head_dim_128(tmp_path_factory):
 
 
 def test_tiny_llama31_head_dim_128_bf16(tmp_path_factory, monkeypatch):
-    model = tiny_llama31_head_dim_128(tmp_path_factory)
+    partings = bf16_partings_at_near_ties(tiny_llama31_head_dim_128(tmp_path_factory), monkeypatch)
+    print(f"\ntiny Llama-3.1 (head_dim 128) bf16, Triton vs reference: partings (prompt, position, margin) "
+          f"{partings}")
+
+
+def test_tiny_qwen3_bf16(tmp_path_factory, monkeypatch):
+    """Qwen3's q/k norms run inside the rotary kernels (rotary_decode_attention on decode steps,
+    rotary_kv_cache_write on prefill): the same bar as Llama's against the reference kernels."""
+    partings = bf16_partings_at_near_ties(make_tiny_model(tmp_path_factory, "qwen3"), monkeypatch)
+    print(f"\ntiny Qwen3 (q/k norm) bf16, Triton vs reference: partings (prompt, position, margin) "
+          f"{partings}")
+
+
+def test_tiny_qwen3_float32_equal_reference(tmp_path_factory, monkeypatch):
+    model = make_tiny_model(tmp_path_factory, "qwen3")
+    g = torch.Generator().manual_seed(2)
+    prompts = [{"prompt_token_ids": torch.randint(3, 512, (n,), generator=g).tolist()}
+               for n in (5, 17, 33, 1)]
+    ref, _ = run(model, "reference", prompts, 32, "float32", monkeypatch)
+    got, paths = run(model, "auto", prompts, 32, "float32", monkeypatch)
+    assert paths["rotary_decode_attention"].endswith("paged_decode_attention"), paths
+    assert paths["rotary_kv_cache_write"].endswith("rotary_kv_cache_write"), paths
+    assert got == ref
+
+
+def bf16_partings_at_near_ties(model, monkeypatch) -> list[tuple[int, int, float]]:
+    """Greedy bf16 tokens of the Triton kernels against the reference kernels' on four random prompts; returns
+    where they part (prompt length, position, the reference's top-2 margin there)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (7, 31, 64, 100)]
     ref, _ = run(model, "reference", [{"prompt_token_ids": p} for p in prompts], 32, "bfloat16", monkeypatch,
@@ -77,8 +104,8 @@ def test_tiny_llama31_head_dim_128_bf16(tmp_path_factory, monkeypatch):
             assert margin < BF16_MARGIN, f"prompt {len(prompt)}: parted at {k + n} with margin {margin:.3g}"
             partings.append((len(prompt), k + n, round(margin, 4)))
             k += n + 1
-    print(f"\ntiny Llama-3.1 (head_dim 128) bf16, Triton vs reference: partings (prompt, position, margin) {partings}")
     llm.engine.check_kv_pool_whole()
+    return partings
 
 
 BF16_MARGIN = 0.1  # nats: bf16 attention/matmul rounding moves these logits by up to a few hundredths

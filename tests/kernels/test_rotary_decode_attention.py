@@ -8,6 +8,8 @@ slot back, and a padding row (slot -1) leaves its slot NaN. Checks:
   * the caches against the reference run in the input dtype: V bit for bit, K within one ulp
     (rotary's fp32 math, rounded), every other slot untouched (poison included);
   * the inputs are not modified (the attention op declares no mutation).
+With Qwen3's q/k norm weights (q and the new k RMS-normed per head before the rotation) the cached K may be
+3 ulp off instead of one: a head's mean square summed in another order can flip a rounding of the norm.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ import torch
 from fastllm.kernels import reference_impl, triton_impl
 from tests.kernels.kernel_testing import BF16, PagedKV, assert_close, gpu
 from tests.kernels.test_paged_decode_attention import CASES, GPU_CASES, TOL, _tile_configs
-from tests.kernels.test_rotary import _cos_sin_cache
+from tests.kernels.test_rotary import NORM_EPS, _cos_sin_cache, qk_norm_weights
 
 
 def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, is_neox=True, padding=(), num_blocks=None,
-         max_seq_len=None, num_splits=None, tile=None, offset_64=None):
+         max_seq_len=None, num_splits=None, tile=None, offset_64=None, qk_norm=False):
     num_blocks = num_blocks or sum(-(-n // page) for n in seq_lens) + 8
     kv = PagedKV(seq_lens, num_blocks, page, hkv, d, dtype, device, gen)
     batch = len(seq_lens)
@@ -46,12 +48,14 @@ def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, is_neox=True, padding=(
     scale = d**-0.5
     ref_kc, ref_vc = kv.key_cache.clone(), kv.value_cache.clone()
     up_kc, up_vc = kv.key_cache.float(), kv.value_cache.float()
+    norm = (*qk_norm_weights(d, dtype, device, gen), NORM_EPS) if qk_norm else ()
+    up_norm = (norm[0].float(), norm[1].float(), NORM_EPS) if qk_norm else ()
 
     common = (cos_sin, is_neox)
-    tail = (slot_mapping, kv.block_tables, kv.seq_lens, max_seq_len, scale)
+    tail = (slot_mapping, kv.block_tables, kv.seq_lens, max_seq_len, scale, None)  # (None: no window)
     if num_splits is None:
         out = triton_impl("rotary_decode_attention")(positions, query, key, value, *common, kv.key_cache,
-                                                     kv.value_cache, *tail)
+                                                     kv.value_cache, *tail, *norm)
     else:
         from fastllm.kernels.paged_decode_attention import NewTokens, paged_decode_attention_splits
 
@@ -59,16 +63,16 @@ def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, is_neox=True, padding=(
         out = paged_decode_attention_splits(
             query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, max_seq_len, scale, num_splits,
             block_n=block_n, num_warps=num_warps, num_stages=num_stages, offset_64=offset_64,
-            append=NewTokens(positions, key, value, cos_sin, is_neox, slot_mapping))
+            append=NewTokens(positions, key, value, cos_sin, is_neox, slot_mapping, *norm))
     ref = reference_impl("rotary_decode_attention")
-    up = ref(positions, query.float(), key.float(), value.float(), *common, up_kc, up_vc, *tail)
-    ref(positions, query, key, value, *common, ref_kc, ref_vc, *tail)
+    up = ref(positions, query.float(), key.float(), value.float(), *common, up_kc, up_vc, *tail, *up_norm)
+    ref(positions, query, key, value, *common, ref_kc, ref_vc, *tail, *norm)
 
     assert torch.equal(qkv, before), "an input was modified"
     assert out.dtype == dtype
     assert_close(out, up, *TOL[dtype], what=f"rotary decode lens={seq_lens} padding={padding}")
     torch.testing.assert_close(kv.value_cache, ref_vc, rtol=0, atol=0, equal_nan=True)
-    eps = torch.finfo(dtype).eps
+    eps = torch.finfo(dtype).eps * (3 if qk_norm else 1)
     torch.testing.assert_close(kv.key_cache, ref_kc, rtol=eps, atol=eps, equal_nan=True)
     return out
 
@@ -77,6 +81,19 @@ def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, is_neox=True, padding=(
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,page", CASES)
 def test_rotary_decode_matches_reference(device, gen, dtype, seq_lens, hq, hkv, d, page):
     _run(device, gen, dtype, seq_lens, hq, hkv, d, page)
+
+
+@pytest.mark.parametrize("seq_lens,hq,hkv,d,page", CASES + [([5, 1, 20], 4, 2, 256, 8)])
+def test_rotary_decode_qk_norm(device, gen, seq_lens, hq, hkv, d, page):
+    _run(device, gen, torch.float32, seq_lens, hq, hkv, d, page, qk_norm=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rotary_decode_qk_norm_splits_and_padding(device, gen, num_splits, is_neox):
+    # every split normalizes q; padding rows (slot -1) too, without writing their k
+    _run(device, gen, torch.float32, [300, 1, 129, 40], 8, 2, 64, 16, is_neox=is_neox, padding=(1, 3),
+         max_seq_len=300, num_splits=num_splits, qk_norm=True)
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (16, 2)])  # GQA ratios 1, 4, 8
@@ -122,3 +139,12 @@ def test_rotary_decode_gpu(device, gen, dtype, seq_lens, hq, hkv, d, page):
 def test_rotary_decode_gpu_every_config(device, gen, tile, num_splits, is_neox):
     _run(device, gen, torch.bfloat16, [1, 17, 512, 4095, 4096, 2000, 33, 64], 32, 8, 128, 16, is_neox=is_neox,
          padding=(1,), num_blocks=16384, max_seq_len=4096, num_splits=num_splits, tile=tile)
+
+
+@gpu
+@pytest.mark.parametrize("seq_lens", GPU_CASES, ids=lambda v: f"B{len(v)}max{max(v)}")
+@pytest.mark.parametrize("hq,hkv,d,page", [(32, 8, 128, 16), (16, 8, 128, 16), (8, 1, 256, 32)])
+def test_rotary_decode_qk_norm_gpu(device, gen, seq_lens, hq, hkv, d, page):
+    # Qwen3-8B (32/8 heads) and -0.6B (16/8) shapes
+    _run(device, gen, torch.bfloat16, seq_lens, hq, hkv, d, page, padding=(0,), num_blocks=32768,
+         max_seq_len=4096, qk_norm=True)

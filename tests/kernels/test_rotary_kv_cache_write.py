@@ -6,6 +6,7 @@ Checks, with q/k/v views of one fused qkv buffer and a NaN-poisoned cache:
     within one ulp of the reference run in the input dtype;
   * v lands in the cache bit for bit; every slot outside slot_mapping (padding rows: -1) keeps its NaN;
   * the inputs are not modified (the attention op declares no mutation).
+With Qwen3's q/k norm weights, q and k are compared as test_rotary compares them (assert_rotated).
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import pytest
 import torch
 
 from fastllm.kernels import reference_impl, triton_impl
-from tests.kernels.kernel_testing import BF16, gpu, rel_err
-from tests.kernels.test_rotary import TOL, _cos_sin_cache
+from tests.kernels.kernel_testing import BF16, gpu
+from tests.kernels.test_rotary import NORM_EPS, _cos_sin_cache, assert_rotated, qk_norm_weights
 
 
 def _check(device, gen, dtype, num_tokens, hq, hkv, d, page, is_neox, return_key, num_padding=2,
-           num_blocks=13, max_pos=4096):
+           num_blocks=13, max_pos=4096, qk_norm=False):
     total = num_tokens + num_padding
     qkv = torch.randn(total, (hq + 2 * hkv) * d + 8, generator=gen).to(device=device, dtype=dtype)
     query = qkv[:, : hq * d].view(total, hq, d)
@@ -40,13 +41,17 @@ def _check(device, gen, dtype, num_tokens, hq, hkv, d, page, is_neox, return_key
     value_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     ref_kc, ref_vc = key_cache.clone(), value_cache.clone()
     up_kc, up_vc = key_cache.float(), value_cache.float()
+    norm = (*qk_norm_weights(d, dtype, device, gen), NORM_EPS) if qk_norm else ()
+    up_norm = (norm[0].float(), norm[1].float(), NORM_EPS) if qk_norm else ()
 
     q_out, k_out = triton_impl("rotary_kv_cache_write")(positions, query, key, value, cos_sin, is_neox,
-                                                        key_cache, value_cache, slot_mapping, return_key)
+                                                        key_cache, value_cache, slot_mapping, return_key,
+                                                        *norm)
     ref = reference_impl("rotary_kv_cache_write")
-    same_q, same_k = ref(positions, query, key, value, cos_sin, is_neox, ref_kc, ref_vc, slot_mapping, True)
+    same_q, same_k = ref(positions, query, key, value, cos_sin, is_neox, ref_kc, ref_vc, slot_mapping, True,
+                         *norm)
     up_q, up_k = ref(positions, query.float(), key.float(), value.float(), cos_sin, is_neox, up_kc, up_vc,
-                     slot_mapping, True)
+                     slot_mapping, True, *up_norm)
     assert torch.equal(qkv, before), "an input was modified"
     assert (k_out is not None) == return_key
 
@@ -54,18 +59,11 @@ def _check(device, gen, dtype, num_tokens, hq, hkv, d, page, is_neox, return_key
     written = torch.zeros(num_blocks * page, dtype=torch.bool, device=device)
     written[slot_mapping[valid].long()] = True
     cached_k = key_cache.view(-1, hkv, d)[slot_mapping[valid].long()]  # in token order
-    rel, abs_ = TOL[dtype]
-    ulp = torch.finfo(dtype).eps
     outs = [(q_out, up_q, same_q, "q"), (cached_k, up_k[valid], same_k[valid], "cached k")]
     if return_key:
         outs.append((k_out, up_k, same_k, "k_out"))
     for out, up, same, name in outs:
-        assert out.dtype == dtype and torch.isfinite(out).all(), name
-        assert rel_err(out, up) <= rel, f"{name}: rel err {rel_err(out, up):.3g}"
-        scale = up.abs().max().item()
-        assert (out.double() - up.double()).abs().max().item() <= abs_ * scale, name
-        bound = ulp * same.double().abs() + 1e-6 * scale  # one ulp (+ fp32 FMA contraction, see test_rotary)
-        assert ((out.double() - same.double()).abs() <= bound).all(), f"{name}: more than 1 ulp off"
+        assert_rotated(out, up, same, dtype, name, qk_norm)
     assert torch.equal(value_cache.view(-1, hkv, d)[written], ref_vc.view(-1, hkv, d)[written]), "v"
     untouched = int((~written).sum()) * hkv * d
     for cache in (key_cache, value_cache):
@@ -77,6 +75,14 @@ def _check(device, gen, dtype, num_tokens, hq, hkv, d, page, is_neox, return_key
 @pytest.mark.parametrize("num_tokens,hq,hkv,d,page", [(1, 4, 4, 8, 8), (5, 8, 2, 64, 16), (9, 6, 2, 80, 32)])
 def test_rotary_kv_cache_write(device, gen, dtype, is_neox, num_tokens, hq, hkv, d, page):
     _check(device, gen, dtype, num_tokens, hq, hkv, d, page, is_neox, return_key=num_tokens != 1)
+
+
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("num_tokens,hq,hkv,d,page", [(1, 4, 4, 8, 8), (5, 8, 2, 64, 16), (9, 6, 2, 80, 32),
+                                                      (4, 16, 2, 128, 16), (3, 2, 1, 256, 8)])
+def test_rotary_kv_cache_write_qk_norm(device, gen, is_neox, num_tokens, hq, hkv, d, page):
+    _check(device, gen, torch.float32, num_tokens, hq, hkv, d, page, is_neox, return_key=num_tokens != 1,
+           qk_norm=True)
 
 
 def test_rotary_kv_cache_write_no_tokens(device):
@@ -98,3 +104,12 @@ def test_rotary_kv_cache_write_no_tokens(device):
 def test_rotary_kv_cache_write_gpu(device, gen, dtype, is_neox, num_tokens, hq, hkv, d, page, return_key):
     _check(device, gen, dtype, num_tokens, hq, hkv, d, page, is_neox, return_key,
            num_padding=5, num_blocks=-(-(num_tokens + 8) // page) + 3, max_pos=131072)
+
+
+@gpu
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("num_tokens,hq,hkv,d,page", [(1, 32, 8, 128, 16), (640, 32, 8, 128, 16),
+                                                      (4099, 16, 8, 128, 16), (33, 8, 1, 256, 32)])
+def test_rotary_kv_cache_write_qk_norm_gpu(device, gen, is_neox, num_tokens, hq, hkv, d, page):
+    _check(device, gen, torch.bfloat16, num_tokens, hq, hkv, d, page, is_neox, return_key=True, num_padding=5,
+           num_blocks=-(-(num_tokens + 8) // page) + 3, max_pos=131072, qk_norm=True)
