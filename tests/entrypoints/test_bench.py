@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -292,3 +293,15 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
         assert r["steps"] < result["baseline"][str(r["batch_size"])]["steps"]
         assert 0 < r["spec_acceptance_rate"] <= 1 and r["speedup"] > 0 and r["acceptance"] == "measured"
     assert "spec_mean_accepted_len" in capsys.readouterr().out
+
+
+def test_arrivals_offer_the_rate_asked_for():
+    from fastllm.bench import serving
+
+    for seed in range(4):
+        offsets = serving.arrival_offsets(1000, 32.0, seed)
+        gaps = np.diff(offsets)
+        assert offsets[0] == 0 and (gaps > 0).all() and len(set(gaps.round(9))) > 900  # random gaps
+        assert abs(999 / offsets[-1] - 32.0) < 1e-9  # yet exactly 32/s over the run
+    assert serving.arrival_offsets(5, float("inf"), 0) == [0.0] * 5
+    assert serving.arrival_offsets(1, 8.0, 0) == [0.0]
