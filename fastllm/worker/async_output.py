@@ -75,7 +75,13 @@ class AsyncRunnerOutput:
 
 def collect_logprobs(sample_states: list, logprobs: tuple[torch.Tensor, ...]) -> dict:
     """req id -> (token logprob, rank, top-N pairs) for the sample states that asked, from the
-    sampler's [S] / [S, N] tensors (on the host), row i being sample_states[i]'s."""
+    sampler's [S] / [S, N] tensors (on the host), row i being sample_states[i]'s. Beam search steps
+    (SamplerOutput's two tensors) have no token logprob or rank: (None, None, top-N pairs)."""
+    if len(logprobs) == 2:
+        top_ids, top_vals = (t.tolist() for t in logprobs)
+        return {state.req_id: (None, None, list(zip(ids[:state.sampling_params.logprobs],
+                                                    vals[:state.sampling_params.logprobs])))
+                for state, ids, vals in zip(sample_states, top_ids, top_vals)}
     token_logprob, rank, top_ids, top_vals = (t.tolist() for t in logprobs)
     out = {}
     for i, state in enumerate(sample_states):

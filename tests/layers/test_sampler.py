@@ -185,3 +185,27 @@ def test_filters_keep_requests_off_the_graph_sampling_paths():
         metadata = SamplingMetadata.build([SamplingRow(params, None, [0], [], EOS)], VOCAB, torch.device("cpu"))
         assert not metadata.argmax_only
     assert SamplingParams(temperature=0, bad_words=["a"]).reads_output_tokens
+
+
+def test_beam_steps_give_the_general_paths_top_logprobs_and_argmax():
+    """A batch of beam search steps (only the top N read) gives the same top ids and logprobs as the general
+    logprobs path, its argmax as the sampled token, and the runner's readback has them as (None, None, pairs)."""
+    from fastllm.sampling_params import BeamSearchParams
+    from fastllm.worker.async_output import collect_logprobs
+    from fastllm.worker.input_batch import CachedRequestState
+
+    params = BeamSearchParams(3, 8).sampling_params()
+    plain = SamplingParams(temperature=0.0, logprobs=6)
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 4
+    states = [CachedRequestState(f"b{i}", [1], [], params, None, [0], 0) for i in range(4)]
+    metadata = SamplingMetadata.beam_rows(4, 6)
+    assert metadata.beam_steps and not SamplingMetadata.build(
+        [SamplingRow(plain, None, [1], [], EOS)] * 4, 50, logits.device).beam_steps
+    beam = Sampler()(logits, metadata)
+    general = Sampler()(logits, SamplingMetadata.build([SamplingRow(plain, None, [1], [], EOS)] * 4, 50, logits.device))
+    assert len(beam.logprobs) == 2
+    assert beam.sampled.tolist() == general.sampled.tolist() == logits.argmax(dim=-1).tolist()
+    assert torch.equal(beam.logprobs[0], general.logprobs[2]) and torch.equal(beam.logprobs[1], general.logprobs[3])
+    got = collect_logprobs(states, beam.logprobs)
+    want = collect_logprobs(states, general.logprobs)
+    assert got == {r: (None, None, pairs) for r, (_, _, pairs) in want.items()}
