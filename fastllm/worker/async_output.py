@@ -32,9 +32,12 @@ class AsyncRunnerOutput:
         if sampled is not None:
             # On the CPU a copy too, not the tensor itself: a graph runner's no-replay mode samples into a
             # buffer that the next step, launched before this one's result() is read, overwrites.
-            self._sampled_host = sampled.to("cpu", non_blocking=True) if sampled.is_cuda else sampled.clone()
             if logprobs is not None:
                 self._logprobs_host = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
+            if logprobs is not None and len(logprobs) == 2:  # beam steps: each sampled token is its top id
+                self._sampled_host = self._logprobs_host[0][:, 0]
+            else:
+                self._sampled_host = sampled.to("cpu", non_blocking=True) if sampled.is_cuda else sampled.clone()
             if sampled.is_cuda:
                 self._ready = torch.cuda.Event()
                 self._ready.record(step_stream(sampled.device))
