@@ -65,6 +65,9 @@ class SamplingParams:
     _stop_list: list[str] = field(init=False, repr=False)
     # bad_words as token ids, one list per spelling: filled at the engine boundary (tokenize_bad_words)
     _bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
+    # A beam search's step (BeamSearchParams.sampling_params): only the top `logprobs` are read, not the
+    # sampled token's logprob or rank, so the sampler computes no more (Sampler.forward)
+    _beam_step: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self):
         if self.top_k == -1:
@@ -288,8 +291,10 @@ class BeamSearchParams:
 
     def sampling_params(self) -> SamplingParams:
         """What each beam's steps ask of the sampler: the top 2 * beam_width raw logprobs."""
-        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
-                              logprobs=2 * self.beam_width, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                                logprobs=2 * self.beam_width, output_kind=RequestOutputKind.FINAL_ONLY)
+        params._beam_step = True
+        return params
 
 
 def _is_int(value) -> bool:

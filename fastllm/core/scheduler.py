@@ -152,8 +152,9 @@ class Scheduler:
         return list(scheduled.values()), searches
 
     def _queue_of(self, request: Request):
-        return {RequestStatus.RUNNING: self.running, RequestStatus.SWAPPED: self.swapped}.get(
-            request.status, self.waiting)
+        status = request.status  # (no dict built a call: every pruned beam comes here)
+        return self.running if status == RequestStatus.RUNNING else \
+            self.swapped if status == RequestStatus.SWAPPED else self.waiting
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)

@@ -45,6 +45,9 @@ class SamplingMetadata:
     logprob_rows: list[int] = field(default_factory=list)
     # Rows with SamplingParams.has_logits_filters: (row, params, output token ids)
     filter_rows: list[tuple[int, SamplingParams, list[int]]] = field(default_factory=list)
+    # Every row is a beam search's step (SamplingParams._beam_step): greedy, nothing masked, and only its top
+    # max_num_logprobs logprobs are read (no sampled token's logprob or rank)
+    beam_steps: bool = False
 
     @property
     def argmax_only(self) -> bool:
@@ -57,6 +60,13 @@ class SamplingMetadata:
         """For a batch whose every row's params are argmax_only (the common benchmark case)."""
         return cls(temperature=None, greedy=None, top_k=None, top_p=None, min_p=None, all_greedy=True,
                    generators={}, penalty_rows=[], banned=[], max_num_logprobs=None)
+
+    @classmethod
+    def beam_rows(cls, num_rows: int, num_logprobs: int) -> "SamplingMetadata":
+        """For a batch of beam search steps only (no per-row records to build)."""
+        return cls(temperature=None, greedy=None, top_k=None, top_p=None, min_p=None, all_greedy=True,
+                   generators={}, penalty_rows=[], banned=[], max_num_logprobs=num_logprobs,
+                   logprob_rows=list(range(num_rows)), beam_steps=True)
 
     @classmethod
     def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "SamplingMetadata":
@@ -105,14 +115,17 @@ class SamplingMetadata:
 @dataclass
 class SamplerOutput:
     sampled: torch.Tensor  # [B] int64
-    # For rows that asked: sampled token logprob [B], its rank [B], top-N ids [B, N], top-N logprobs [B, N]
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # For rows that asked: sampled token logprob [B], its rank [B], top-N ids [B, N], top-N logprobs [B, N];
+    # for beam steps (SamplingMetadata.beam_steps) only the last two
+    logprobs: tuple[torch.Tensor, ...] | None = None
 
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if metadata.argmax_only:
             return SamplerOutput(kernels.argmax(logits))  # in the model's dtype: the same argmax as in fp32
+        if metadata.beam_steps:
+            return beam_step_candidates(logits, metadata.max_num_logprobs)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
         logits = process_logits(logits, metadata)
@@ -125,6 +138,14 @@ class Sampler(nn.Module):
         if raw_logprobs is not None:
             out.logprobs = gather_logprobs(raw_logprobs, sampled, metadata.max_num_logprobs)
         return out
+
+
+def beam_step_candidates(logits: torch.Tensor, num: int) -> SamplerOutput:
+    """Beam search steps: each row's top `num` raw logprobs (the search's candidates) and, as its sampled
+    token, the first of them (its argmax): the fewest kernels and copies to the host, as every beam step waits
+    for them."""
+    top = torch.log_softmax(logits.float(), dim=-1).topk(num, dim=-1)
+    return SamplerOutput(top.indices[:, 0], (top.indices, top.values))
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

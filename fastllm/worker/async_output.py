@@ -32,9 +32,12 @@ class AsyncRunnerOutput:
         if sampled is not None:
             # On the CPU a copy too, not the tensor itself: a graph runner's no-replay mode samples into a
             # buffer that the next step, launched before this one's result() is read, overwrites.
-            self._sampled_host = sampled.to("cpu", non_blocking=True) if sampled.is_cuda else sampled.clone()
             if logprobs is not None:
                 self._logprobs_host = tuple(t.to("cpu", non_blocking=True) for t in logprobs)
+            if logprobs is not None and len(logprobs) == 2:  # beam steps: each sampled token is its top id
+                self._sampled_host = self._logprobs_host[0][:, 0]
+            else:
+                self._sampled_host = sampled.to("cpu", non_blocking=True) if sampled.is_cuda else sampled.clone()
             if sampled.is_cuda:
                 self._ready = torch.cuda.Event()
                 self._ready.record(step_stream(sampled.device))
@@ -75,7 +78,13 @@ class AsyncRunnerOutput:
 
 def collect_logprobs(sample_states: list, logprobs: tuple[torch.Tensor, ...]) -> dict:
     """req id -> (token logprob, rank, top-N pairs) for the sample states that asked, from the
-    sampler's [S] / [S, N] tensors (on the host), row i being sample_states[i]'s."""
+    sampler's [S] / [S, N] tensors (on the host), row i being sample_states[i]'s. Beam search steps
+    (SamplerOutput's two tensors) have no token logprob or rank: (None, None, top-N pairs)."""
+    if len(logprobs) == 2:
+        top_ids, top_vals = (t.tolist() for t in logprobs)
+        return {state.req_id: (None, None, list(zip(ids[:state.sampling_params.logprobs],
+                                                    vals[:state.sampling_params.logprobs])))
+                for state, ids, vals in zip(sample_states, top_ids, top_vals)}
     token_logprob, rank, top_ids, top_vals = (t.tolist() for t in logprobs)
     out = {}
     for i, state in enumerate(sample_states):

@@ -237,6 +237,8 @@ def _sampling_metadata(sample_states, vocab_size, eos_token_id, device, drafts=N
     is sampled as if drafts[:j] were already output, for the penalties and the min_tokens mask."""
     if sample_states and all(s.sampling_params.argmax_only for s in sample_states):
         return SamplingMetadata.argmax_rows()  # no per-row records to build
+    if drafts is None and sample_states and all(s.sampling_params._beam_step for s in sample_states):
+        return SamplingMetadata.beam_rows(len(sample_states), max(s.sampling_params.logprobs for s in sample_states))
     rows = [SamplingRow(s.sampling_params, s.generator, s.prompt_token_ids, s.output_token_ids, eos_token_id,
                         s.num_pending) for s in sample_states]
     if drafts is not None:

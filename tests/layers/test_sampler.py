@@ -185,3 +185,46 @@ def test_filters_keep_requests_off_the_graph_sampling_paths():
         metadata = SamplingMetadata.build([SamplingRow(params, None, [0], [], EOS)], VOCAB, torch.device("cpu"))
         assert not metadata.argmax_only
     assert SamplingParams(temperature=0, bad_words=["a"]).reads_output_tokens
+
+
+def test_beam_steps_give_the_general_paths_top_logprobs_and_argmax():
+    """A batch of beam search steps (only the top N read) gives the same top ids and logprobs as the general
+    logprobs path, its argmax as the sampled token, and the runner's readback has them as (None, None, pairs)."""
+    from fastllm.sampling_params import BeamSearchParams
+    from fastllm.worker.async_output import AsyncRunnerOutput, collect_logprobs
+    from fastllm.worker.input_batch import CachedRequestState
+
+    params = BeamSearchParams(3, 8).sampling_params()
+    plain = SamplingParams(temperature=0.0, logprobs=6)
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 4
+    states = [CachedRequestState(f"b{i}", [1], [], params, None, [0], 0) for i in range(4)]
+    metadata = SamplingMetadata.beam_rows(4, 6)
+    assert metadata.beam_steps and not SamplingMetadata.build(
+        [SamplingRow(plain, None, [1], [], EOS)] * 4, 50, logits.device).beam_steps
+    beam = Sampler()(logits, metadata)
+    general = Sampler()(logits, SamplingMetadata.build([SamplingRow(plain, None, [1], [], EOS)] * 4, 50, logits.device))
+    assert len(beam.logprobs) == 2
+    assert beam.sampled.tolist() == general.sampled.tolist() == logits.argmax(dim=-1).tolist()
+    assert torch.equal(beam.logprobs[0], general.logprobs[2]) and torch.equal(beam.logprobs[1], general.logprobs[3])
+    got = collect_logprobs(states, beam.logprobs)
+    want = collect_logprobs(states, general.logprobs)
+    assert got == {r: (None, None, pairs) for r, (_, _, pairs) in want.items()}
+    # The runner's readback: each state's sampled token (its argmax, from the top ids) and its top pairs
+    result = AsyncRunnerOutput([s.req_id for s in states], states, beam.sampled, beam.logprobs).result()
+    assert result.sampled_token_ids == [[t] for t in logits.argmax(dim=-1).tolist()]
+    assert result.logprobs == got and [s.output_token_ids for s in states] == result.sampled_token_ids
+
+
+@pytest.mark.gpu
+def test_beam_steps_on_the_gpu_give_the_general_paths_top_logprobs():
+    """On the GPU (bf16 logits of a real vocabulary's size, as a beam step's graph gives them) the beam
+    path's top ids and logprobs are the general path's, its sampled token the sampler's argmax."""
+    params = SamplingParams(temperature=0.0, logprobs=8)
+    logits = (torch.randn(4, 128256, generator=torch.Generator().manual_seed(0)) * 3).to("cuda", torch.bfloat16)
+    beam = Sampler()(logits, SamplingMetadata.beam_rows(4, 8))
+    general = Sampler()(logits, SamplingMetadata.build([SamplingRow(params, None, [1], [], EOS)] * 4, 128256,
+                                                       logits.device))
+    assert torch.equal(beam.logprobs[0], general.logprobs[2]) and torch.equal(beam.logprobs[1], general.logprobs[3])
+    # (bf16 logits tie often: the argmax is the lowest of the tied ids, the top-1 id one of them)
+    top = logits.float().max(dim=-1).values
+    assert (logits.float().gather(1, beam.sampled[:, None]).squeeze(1) == top).all()
