@@ -18,6 +18,7 @@ DEFAULT_MODEL = str(ASSETS / "stories260K")
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8", "fp8-per-tensor")  # None: the checkpoint's weights as they are (layers/fp8.py)
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 (layers/fp8.py, kv_cache_dtype)
 
 
 def arg(default: Any = None, help: str = "", choices: tuple | None = None, **kwargs: Any):
@@ -134,6 +135,8 @@ class CacheConfig:
     # Requests that share leading KV blocks attend to that prefix once per group (worker/cascade.py).
     cascade_attention: bool | None = arg(None, "read a prefix that requests share once per group: on for every "
                                          "such group, off never (default: where its cost model says it pays)")
+    kv_cache_dtype: str = arg("auto", "'auto': the KV cache in the model's dtype; 'fp8': float8 e4m3 with a "
+                                      "scale per layer for K and for V, twice the blocks (GPUs of sm_89+)")
 
     def __post_init__(self):
         _check(any(self.cascade_attention is v for v in (None, True, False)), "cascade_attention",
@@ -143,6 +146,8 @@ class CacheConfig:
         _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "num_gpu_blocks", f"must be >= 2, got {self.num_gpu_blocks}")
         _check(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", f"must be > 0, got {self.cpu_kv_cache_gib}")
         _check(self.swap_space_gib >= 0, "swap_space_gib", f"must be >= 0, got {self.swap_space_gib}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 # Requests per step when max_num_seqs is not given. vLLM runs larger batches by default on GPUs of

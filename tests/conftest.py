@@ -89,6 +89,15 @@ def allow_fp8_on_cpu(monkeypatch):
     monkeypatch.setattr(fp8, "check_device", lambda device, scheme: None)
 
 
+@pytest.fixture
+def allow_fp8_kv_cache_on_cpu(monkeypatch):
+    """Lift the engine's refusal of an FP8 KV cache (kv_cache_dtype="fp8") on the CPU: the references
+    store e4m3 and dequantize as they read, what the GPU kernels compute up to rounding."""
+    from fastllm.layers import fp8
+
+    monkeypatch.setattr(fp8, "check_kv_cache_device", lambda device: None)
+
+
 @contextlib.contextmanager
 def nth_step_fails(worker, n: int):
     """Within the block, the n-th step with scheduled tokens that `worker` executes raises

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from fastllm.kernels import prefill_tiles, sm_count
 from fastllm.kernels.prefill_attention import _prefix_tile
+from fastllm.kernels.reference import FP8, check_kv_scales
 
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, partial write, merge input)
@@ -40,7 +41,8 @@ _WAVES = 2  # row tiles x G x Hkv x splits ~ this many programs per SM
 def _cascade_prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_tables_ptr, prefix_rows_ptr, prefix_lens_ptr, rows_ptr,
     row_start_ptr,
-    scale_log2,  # scale * log2(e)
+    scale_log2,  # scale * k_scale * log2(e) (k_scale: 1.0 but for an FP8 cache, read as prefill reads it)
+    v_scale,  # an FP8 cache's value scale (1.0 else), applied to the output
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -93,7 +95,7 @@ def _cascade_prefix_kernel(
             acc, m_i, l_i, q, full_end, end, bt_row, k_head, v_head, stride_kb, stride_ks, stride_vb, stride_vs,
             scale_log2, HEAD_DIM, PAGE, BLOCK_D, BLOCK_N, True, PRECISION, 0, 0, 0, False)
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # (v_scale 1.0: exact)
     tl.store(o_ptr + state[:, None] * HEAD_DIM + d[None, :], o, mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + state, m_i + tl.log2(l_i), mask=row_ok)  # a non-empty split: l_i >= 1
 
@@ -120,17 +122,21 @@ def cascade_prefix_attention(
     max_group_rows: int,  # host-side bound on row_start[g + 1] - row_start[g]
     max_prefix_len: int,  # host-side bound on prefix_lens
     scale: float,
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o [R, Hq, S, D] float32, lse [R, Hq, S] float32): S partial states per row (see the
     reference for the exact semantics)."""
     return cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens,
-                                           rows, row_start, max_group_rows, max_prefix_len, scale)
+                                           rows, row_start, max_group_rows, max_prefix_len, scale,
+                                           k_scale=k_scale, v_scale=v_scale)
 
 
 def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens, rows,
                                     row_start, max_group_rows: int, max_prefix_len: int, scale: float,
                                     num_splits: int | None = None, block_m: int | None = None,
-                                    num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                    num_warps: int | None = None, k_scale: float = 1.0,
+                                    v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cascade_prefix_attention with an explicit launch config (None: the chosen one); tests and tuning."""
     num_rows = rows.shape[0]
     _, num_q_heads, head_dim = query.shape
@@ -138,7 +144,9 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
     num_groups = prefix_lens.shape[0]
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    assert query.dtype == key_cache.dtype == value_cache.dtype, "tl.dot needs matching operand dtypes"
+    assert key_cache.dtype == value_cache.dtype and key_cache.dtype in (query.dtype, FP8), \
+        "tl.dot needs matching operand dtypes (FP8 caches convert)"
+    check_kv_scales(key_cache, k_scale, v_scale)
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
     assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and prefix_rows.shape == (num_groups,)
     assert block_tables.dtype == prefix_rows.dtype == prefix_lens.dtype == rows.dtype == row_start.dtype == torch.int32
@@ -155,7 +163,8 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
         return o, lse
     grid = (triton.cdiv(max_group_rows, block_m // group) * num_splits, num_groups, num_kv_heads)
     _cascade_prefix_kernel[grid](
-        query, key_cache, value_cache, o, lse, block_tables, prefix_rows, prefix_lens, rows, row_start, scale * _LOG2E,
+        query, key_cache, value_cache, o, lse, block_tables, prefix_rows, prefix_lens, rows, row_start,
+        scale * k_scale * _LOG2E, v_scale,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0), num_splits,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),

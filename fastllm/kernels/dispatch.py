@@ -104,18 +104,20 @@ Tensor = torch.Tensor
 
 
 def kv_cache_write(
-    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    return _select("kv_cache_write", key.device)(key, value, key_cache, value_cache, slot_mapping)
+    return _select("kv_cache_write", key.device)(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_decode_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
     max_seq_len: int, scale: float, window: int | None = None, kv_start: Tensor | None = None,
-    return_lse: bool = False,
+    return_lse: bool = False, k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     return _select("paged_decode_attention", query.device)(
-        query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, window, kv_start, return_lse
+        query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, window, kv_start, return_lse,
+        k_scale, v_scale,
     )
 
 
@@ -123,20 +125,22 @@ def prefill_attention(
     query: Tensor, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor,
     seq_lens: Tensor, query_start_loc: Tensor, max_query_len: int, scale: float, window: int | None = None,
     kv_start: Tensor | None = None, return_lse: bool = False, tile_map: Tensor | None = None,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     return _select("prefill_attention", query.device)(
         query, key, value, key_cache, value_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
-        window, kv_start, return_lse, tile_map,
+        window, kv_start, return_lse, tile_map, k_scale, v_scale,
     )
 
 
 def cascade_prefix_attention(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, prefix_rows: Tensor,
     prefix_lens: Tensor, rows: Tensor, row_start: Tensor, max_group_rows: int, max_prefix_len: int, scale: float,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     return _select("cascade_prefix_attention", query.device)(
         query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens, rows, row_start, max_group_rows,
-        max_prefix_len, scale,
+        max_prefix_len, scale, k_scale, v_scale,
     )
 
 
@@ -172,10 +176,11 @@ def rotary_kv_cache_write(
     positions: Tensor, query: Tensor, key: Tensor, value: Tensor, cos_sin_cache: Tensor, is_neox: bool,
     key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, return_key: bool,
     q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> tuple[Tensor, Tensor | None]:
     return _select("rotary_kv_cache_write", query.device)(
         positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
-        return_key, q_norm_weight, k_norm_weight, norm_eps,
+        return_key, q_norm_weight, k_norm_weight, norm_eps, k_scale, v_scale,
     )
 
 
@@ -184,10 +189,11 @@ def rotary_decode_attention(
     key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, block_tables: Tensor, seq_lens: Tensor,
     max_seq_len: int, scale: float, window: int | None = None,
     q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> Tensor:
     return _select("rotary_decode_attention", query.device)(
         positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, block_tables,
-        seq_lens, max_seq_len, scale, window, q_norm_weight, k_norm_weight, norm_eps,
+        seq_lens, max_seq_len, scale, window, q_norm_weight, k_norm_weight, norm_eps, k_scale, v_scale,
     )
 
 

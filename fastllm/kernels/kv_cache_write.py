@@ -2,7 +2,8 @@
 
 Math: for every token t with slot s = slot_mapping[t] >= 0,
     key_cache[s // block_size, s % block_size] = key[t]      (and the same for value)
-Tokens with s < 0 are padding (e.g. CUDA-graph filler rows) and write nothing.
+Tokens with s < 0 are padding (e.g. CUDA-graph filler rows) and write nothing. An FP8 cache stores
+e4m3 of key / k_scale and value / v_scale, saturated (kv_fp8.py).
 
 Memory traffic: a pure copy. Per valid token it reads Hkv * D elements of key and value and writes
 the same count into each cache, plus one slot index per token:
@@ -25,6 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels.kv_fp8 import to_cache
+from fastllm.kernels.reference import check_kv_scales
+
 
 class KVWriteConfig(NamedTuple):
     block_t: int  # tokens per program
@@ -40,7 +44,7 @@ CANDIDATES = [LEGACY_CONFIG, KVWriteConfig(4, 4), KVWriteConfig(2, 4), KVWriteCo
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one variant for every step's token count (no JIT mid-serving)
 def _kv_cache_write_kernel(
-    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, num_tokens,
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr, num_tokens, k_scale, v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,  # key/value [T, Hkv, D], last dim contiguous
     stride_kcb, stride_kcs, stride_kch,  # key_cache [num_blocks, block_size, Hkv, D]
     stride_vcb, stride_vcs, stride_vch,
@@ -68,8 +72,8 @@ def _kv_cache_write_kernel(
         + h[None, :, None] * stride_kch + d[None, None, :]
     vc = value_cache_ptr + (block * stride_vcb + offset * stride_vcs)[:, None, None] \
         + h[None, :, None] * stride_vch + d[None, None, :]
-    tl.store(kc, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(kc, to_cache(k, k_scale, key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, to_cache(v, v_scale, value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def choose_config(num_tokens: int, row_bytes: int) -> KVWriteConfig:
@@ -94,12 +98,17 @@ def kv_cache_write(
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int32/int64; < 0 means skip
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> None:
-    kv_cache_write_config(key, value, key_cache, value_cache, slot_mapping, config=None)
+    kv_cache_write_config(key, value, key_cache, value_cache, slot_mapping, config=None, k_scale=k_scale,
+                          v_scale=v_scale)
 
 
-def kv_cache_write_config(key, value, key_cache, value_cache, slot_mapping, config: KVWriteConfig | None) -> None:
+def kv_cache_write_config(key, value, key_cache, value_cache, slot_mapping, config: KVWriteConfig | None,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """kv_cache_write with config None (choose_config) or one explicit candidate (tests, tune.py)."""
+    check_kv_scales(key_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = key.shape
     assert value.shape == key.shape, (value.shape, key.shape)
     assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape
@@ -112,7 +121,7 @@ def kv_cache_write_config(key, value, key_cache, value_cache, slot_mapping, conf
         return
     cfg = config or choose_config(num_tokens, num_heads * head_dim * key.element_size())
     _kv_cache_write_kernel[(triton.cdiv(num_tokens, cfg.block_t),)](
-        key, value, key_cache, value_cache, slot_mapping, num_tokens,
+        key, value, key_cache, value_cache, slot_mapping, num_tokens, k_scale, v_scale,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),

@@ -32,6 +32,10 @@ and nothing orders the write before the other splits' reads. With q/k norm weigh
 the new k are RMS-normed first (rotary.py's math), so the norm costs no launch either. It replaced a rotary
 + KV-write launch per layer, which cost more than the work it adds here (README, "Kernel choices").
 
+An FP8 cache (kv_cache_dtype="fp8") is read as e4m3 and converted to q's dtype in registers, k_scale folded
+into the softmax scale and v_scale into each split's output (kv_fp8.py); the APPEND step stores the new
+k/v as e4m3 and attends to them as stored.
+
 Launch config (split count, BLOCK_N, warps, stages, minimum split length) comes from a host-side table
 (`choose_config`) that depends only on max_seq_len (a host-side bound), batch, Hkv, head_dim, dtype and the
 SM count, never on device values: no host sync, and a CUDA graph replays the same launch for any seq_lens.
@@ -56,6 +60,8 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import pdl, sm_count
+from fastllm.kernels.kv_fp8 import to_cache
+from fastllm.kernels.reference import FP8, check_kv_scales
 from fastllm.kernels.rotary import check_qk_norm, head_rms_norm
 
 _LOG2E = 1.4426950408889634
@@ -142,7 +148,8 @@ def _decode_split_kernel(
     kv_start_ptr,  # int32 [B] (HAS_KV_START): request b attends no key before kv_start[b]
     lse_ptr,  # float32 [B, Hq] (RETURN_LSE): log2 of each row's softmax denominator
     window,  # SLIDING: keys seq_len - window .. seq_len - 1 only
-    scale_log2,  # scale * log2(e): softmax runs in base 2
+    scale_log2,  # scale * k_scale * log2(e): softmax runs in base 2 (k_scale: 1.0 but for an FP8 cache)
+    k_scale, v_scale,  # an FP8 cache's scales (the new k/v are divided by them; outputs times v_scale)
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cs,
@@ -220,9 +227,9 @@ def _decode_split_kernel(
         q = _rotate(q, q_pair, cos[None, :], sin[None, :], sign[None, :]).to(q_ptr.dtype.element_ty)
         k_new = _rotate(k_new, k_pair, cos, sin, sign)
         # rounded as rotary_kv_cache_write rounds it: to the activations' dtype, then to the cache's
-        k_new = k_new.to(k_new_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
-        v_new = tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + d, mask=d_ok,
-                        other=0.0).to(v_cache_ptr.dtype.element_ty)
+        k_new = to_cache(k_new.to(k_new_ptr.dtype.element_ty), k_scale, k_cache_ptr.dtype.element_ty)
+        v_new = to_cache(tl.load(v_new_ptr + b * stride_vnb + kv_head * stride_vnh + d, mask=d_ok, other=0.0),
+                         v_scale, v_cache_ptr.dtype.element_ty)
         new_slot = tl.load(slot_ptr + b).to(tl.int64)  # < 0: a padding row, writes nothing
         if (split == 0) & (new_slot >= 0):
             page_of, in_page = new_slot // PAGE, new_slot % PAGE
@@ -265,6 +272,8 @@ def _decode_split_kernel(
         k = tl.load(k_head + k_off, mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N] = K^T
         # Masked tokens must load 0, not whatever is in the slot: p = 0 times NaN is still NaN.
         v = tl.load(v_head + v_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = k.to(q_ptr.dtype.element_ty)  # (an FP8 cache's e4m3, exactly; else a no-op)
+        v = v.to(q_ptr.dtype.element_ty)
         s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_G, BLOCK_N], unscaled
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
@@ -284,7 +293,7 @@ def _decode_split_kernel(
         m_i = m_new
 
     has_keys = l_i > 0.0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]  # seq_len 0: o = 0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale  # seq_len 0: o = 0 (v_scale 1.0: exact)
     row_mask = g_ok[:, None] & d_ok[None, :]
     if DIRECT_OUT or part_len >= kv_len:  # this request's keys are all in this split: nothing to merge
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
@@ -474,19 +483,23 @@ def paged_decode_attention_splits(
     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, merge_in_kernel: bool = True,
     min_split_len: int = 0, append: NewTokens | None = None, offset_64: bool | None = None,
     window: int | None = None, kv_start: torch.Tensor | None = None, return_lse: bool = False,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """paged_decode_attention with an explicit launch config (tests and tuning); max_seq_len is unused here.
     merge_in_kernel=False merges the splits in a second kernel (the layout before the in-kernel merge).
     min_split_len: keys a split holds at least (rounded up to whole tiles), so that a short request uses
     fewer of the num_splits. append: rotary_decode_attention's step (query is then before rotary).
     offset_64: int64 page offsets; None decides from the cache size (tests force True on small caches).
-    window, kv_start, return_lse: as in the reference (the splits cut only the keys a request attends)."""
+    window, kv_start, return_lse: as in the reference (the splits cut only the keys a request attends).
+    k_scale, v_scale: an FP8 cache's scales."""
     batch, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    assert query.dtype == key_cache.dtype == value_cache.dtype, "tl.dot needs matching operand dtypes"
+    assert key_cache.dtype == value_cache.dtype and key_cache.dtype in (query.dtype, FP8), \
+        "tl.dot needs matching operand dtypes (an FP8 cache is converted to q's)"
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), query.dtype
+    check_kv_scales(key_cache, k_scale, v_scale)
     assert head_dim <= 256, head_dim
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
     assert block_tables.dim() == 2 and block_tables.shape[0] == batch and block_tables.dtype == torch.int32
@@ -535,7 +548,7 @@ def paged_decode_attention_splits(
     kv_start_arg = kv_start if kv_start is not None else seq_lens  # unused without it
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_o, part_lse, block_tables, seq_lens, counters, *new_args,
-        kv_start_arg, lse, window or 0, scale * _LOG2E,
+        kv_start_arg, lse, window or 0, scale * k_scale * _LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
@@ -573,14 +586,16 @@ def paged_decode_attention(
     window: int | None = None,  # sliding window: keys seq_len - window .. seq_len - 1
     kv_start: torch.Tensor | None = None,  # [B] int32: keys before it are not attended (a cascade's suffix)
     return_lse: bool = False,  # also return lse [B, Hq] float32 (base 2)
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale,
-                          window=window, kv_start=kv_start, return_lse=return_lse)
+                          window=window, kv_start=kv_start, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
 
 
 def _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float,
                    append: NewTokens | None = None, window: int | None = None, kv_start: torch.Tensor | None = None,
-                   return_lse: bool = False):
+                   return_lse: bool = False, k_scale: float = 1.0, v_scale: float = 1.0):
     """paged_decode_attention_splits with the host table's launch config (choose_config). A window bounds
     the keys a request attends, and so the splits and tiles its launch walks, whatever the context."""
     if window is not None:  # (plus up to a tile below the window's first key: splits start on tiles)
@@ -590,7 +605,7 @@ def _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_se
     return paged_decode_attention_splits(
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,
-        append=append, window=window, kv_start=kv_start, return_lse=return_lse,
+        append=append, window=window, kv_start=kv_start, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
     )
 
 
@@ -612,6 +627,8 @@ def rotary_decode_attention(
     q_norm_weight: torch.Tensor | None = None,  # [D]: RMS-norm each q head and the new k first (Qwen3)
     k_norm_weight: torch.Tensor | None = None,  # [D]
     norm_eps: float = 1e-6,
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """A decode step's whole attention in one launch: rotary_kv_cache_write, then paged_decode_attention
     (see the reference for the exact semantics). Saves a launch-bound kernel per layer and the rotated
@@ -619,4 +636,4 @@ def rotary_decode_attention(
     append = NewTokens(positions, key, value, cos_sin_cache, is_neox, slot_mapping, q_norm_weight,
                        k_norm_weight, norm_eps)
     return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, append,
-                          window=window)
+                          window=window, k_scale=k_scale, v_scale=v_scale)

@@ -31,6 +31,12 @@ CUDA graph captured over a map of N entries replays for any step whose tiles fit
 FA-2 recipe: exp2 with log2(e) folded into one FMA per score, p @ V accumulated in place (tl.dot's acc
 operand).
 
+An FP8 cache (kv_cache_dtype="fp8"): the cached prefix is read as e4m3 and converted to q's dtype in
+registers; the chunk's own rows, read from key/value, are rounded to e4m3 as the cache stores them first
+(kv_fp8.as_cached), so the step attends to the keys a later step will read back; k_scale is folded into the
+softmax scale, v_scale into the output. The Hopper (Gluon) kernel reads 16-bit caches only: FP8 caches run
+this one (logged once).
+
 Tiles: a static table (choose_config), not an autotuner, so the engine never stalls on first-use tuning.
 BM 64 / BN 64 / 4 warps / 3 stages was the best of ~30 configs tune.py timed (bf16, D 128, GQA 4, TMA
 chunk loads; README, "Kernel choices"). Two programs fit an SM (112 KB of shared memory each), so one
@@ -55,6 +61,8 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import prefill_attention_hopper, prefill_tiles
+from fastllm.kernels.kv_fp8 import as_cached
+from fastllm.kernels.reference import FP8, check_kv_scales
 
 try:  # triton >= 3.4: host-side TMA descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -128,21 +136,21 @@ def _prefix_tile(
     k_ptrs = k_head_ptr + (page * stride_kb + slot * stride_ks)[:, None] + d[None, :]
     v_ptrs = v_head_ptr + (page * stride_vb + slot * stride_vs)[:, None] + d[None, :]
     # masked keys must load 0: p = 0 times a NaN left in an unused slot is still NaN
-    k = _load_rows(k_ptrs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
+    k = _load_rows(k_ptrs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM).to(q.dtype)  # (FP8 cache: exact)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N], unscaled
     if MASKED:
         s = tl.where(n_ok[None, :], s, float("-inf"))
         if SLIDING:
             s = tl.where(n[None, :] > q_pos[:, None] - window, s, float("-inf"))
-    v = _load_rows(v_ptrs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM)
+    v = _load_rows(v_ptrs, n_ok, d_ok, MASKED, BLOCK_D != HEAD_DIM).to(q.dtype)
     return _softmax_step(acc, m_i, l_i, s, v, scale_log2, PRECISION)
 
 
 @triton.jit
 def _chunk_tile_rows(
-    acc, m_i, l_i, q, j0, q_len, q_tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2, window,
+    acc, m_i, l_i, q, j0, q_len, q_tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2, window, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr, CACHE_TY: tl.constexpr,
 ):
     """Chunk keys j0 : j0 + BLOCK_N from the contiguous rows; with CAUSAL_MASK, key j only for rows of
     token q_tok >= j (and with SLIDING, q_tok - window < j), and no row at or past q_len is read."""
@@ -152,11 +160,13 @@ def _chunk_tile_rows(
     d_ok = d < HEAD_DIM
     k = _load_rows(k_rows + j.to(tl.int64)[:, None] * stride_kt + d[None, :], j_ok, d_ok, CAUSAL_MASK,
                    BLOCK_D != HEAD_DIM)
+    k = as_cached(k, k_scale, CACHE_TY)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if CAUSAL_MASK:
         s = _causal_mask(s, j, q_tok, window, SLIDING)
     v = _load_rows(v_rows + j.to(tl.int64)[:, None] * stride_vt + d[None, :], j_ok, d_ok, CAUSAL_MASK,
                    BLOCK_D != HEAD_DIM)
+    v = as_cached(v, v_scale, CACHE_TY)
     return _softmax_step(acc, m_i, l_i, s, v, scale_log2, PRECISION)
 
 
@@ -171,14 +181,14 @@ def _causal_mask(s, j, q_tok, window, SLIDING: tl.constexpr):
 
 @triton.jit
 def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q_tok, scale_log2, window,
-                    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr,
-                    SLIDING: tl.constexpr):
+                    k_scale, v_scale, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                    SLIDING: tl.constexpr, CACHE_TY: tl.constexpr):
     """Chunk keys j0 : j0 + BLOCK_N through TMA. A diagonal tile (CAUSAL_MASK) may run past the request
     into the next request's rows or padding: those scores are masked and their V rows zeroed (p = 0 times
     a NaN row would still be NaN); rows past the tensor's end load as zeros."""
-    k = k_desc.load([q_start + j0, col])  # [BLOCK_N, HEAD_DIM]
+    k = as_cached(k_desc.load([q_start + j0, col]), k_scale, CACHE_TY)  # [BLOCK_N, HEAD_DIM]
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    v = v_desc.load([q_start + j0, col])
+    v = as_cached(v_desc.load([q_start + j0, col]), v_scale, CACHE_TY)
     if CAUSAL_MASK:
         j = j0 + tl.arange(0, BLOCK_N)
         s = _causal_mask(s, j, q_tok, window, SLIDING)
@@ -189,17 +199,19 @@ def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q
 @triton.jit
 def _chunk_tile(
     acc, m_i, l_i, q, j0, q_start, q_len, q_tok, k_desc, v_desc, col, k_rows, v_rows, stride_kt, stride_vt,
-    scale_log2, window, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    scale_log2, window, k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, CHUNK_TMA: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
+    CACHE_TY: tl.constexpr,
 ):
     """Chunk keys j0 : j0 + BLOCK_N through TMA or through pointers (CHUNK_TMA, a compile-time choice)."""
     if CHUNK_TMA:
         acc, m_i, l_i = _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q_tok,
-                                        scale_log2, window, BLOCK_N, CAUSAL_MASK, PRECISION, SLIDING)
+                                        scale_log2, window, k_scale, v_scale, BLOCK_N, CAUSAL_MASK, PRECISION,
+                                        SLIDING, CACHE_TY)
     else:
         acc, m_i, l_i = _chunk_tile_rows(acc, m_i, l_i, q, j0, q_len, q_tok, k_rows, v_rows, stride_kt, stride_vt,
-                                         scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL_MASK, PRECISION,
-                                         SLIDING)
+                                         scale_log2, window, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                         CAUSAL_MASK, PRECISION, SLIDING, CACHE_TY)
     return acc, m_i, l_i
 
 
@@ -225,7 +237,8 @@ def _prefill_kernel(
     # tile_map[i, 0] (-1: none); see prefill_tiles.py
     lse_ptr,  # float32 [T, Hq] (RETURN_LSE): log2 of each row's softmax denominator
     window,  # SLIDING: the row at position p sees keys p - window < k <= p
-    scale_log2,  # scale * log2(e)
+    scale_log2,  # scale * k_scale * log2(e) (k_scale: 1.0 but for an FP8 cache)
+    k_scale, v_scale,  # an FP8 cache's scales: the chunk's rows are rounded as the cache stores them
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -309,17 +322,20 @@ def _prefill_kernel(
     for j0 in range(j_start, j_a, BLOCK_N):
         acc, m_i, l_i = _chunk_tile(
             acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
-            stride_vt, scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION, SLIDING)
+            stride_vt, scale_log2, window, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION,
+            SLIDING, k_cache_ptr.dtype.element_ty)
     for j0 in range(j_a, j_b, BLOCK_N):
         acc, m_i, l_i = _chunk_tile(
             acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
-            stride_vt, scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, False, CHUNK_TMA, PRECISION, SLIDING)
+            stride_vt, scale_log2, window, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, CHUNK_TMA, PRECISION,
+            SLIDING, k_cache_ptr.dtype.element_ty)
     for j0 in range(j_b, last_tok + 1, BLOCK_N):
         acc, m_i, l_i = _chunk_tile(
             acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
-            stride_vt, scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION, SLIDING)
+            stride_vt, scale_log2, window, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION,
+            SLIDING, k_cache_ptr.dtype.element_ty)
 
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # (v_scale 1.0: exact)
     tl.store(out_ptr + (row_t * stride_ot + heads * stride_oh)[:, None] + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:  # every row sees at least its own key: l_i > 0
@@ -404,10 +420,12 @@ def prefill_attention(
     return_lse: bool = False,  # also return lse [T, Hq] float32 (base 2)
     # [N, 2] int32 (prefill_tiles.build_tile_map): the grid is (N, 1, Hkv), whatever max_query_len
     tile_map: torch.Tensor | None = None,
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     return prefill_attention_config(query, key, value, key_cache, value_cache, block_tables, seq_lens,
                                     query_start_loc, max_query_len, scale, window=window, kv_start=kv_start,
-                                    return_lse=return_lse, tile_map=tile_map)
+                                    return_lse=return_lse, tile_map=tile_map, k_scale=k_scale, v_scale=v_scale)
 
 
 def _hopper_unsupported(query, key, value, key_cache, value_cache, masks_keys: bool = False) -> str | None:
@@ -444,7 +462,7 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
                              max_query_len: int, scale: float, config: PrefillConfig | None = None,
                              chunk_tma: bool | None = None, hopper: bool | None = None, window: int | None = None,
                              kv_start: torch.Tensor | None = None, return_lse: bool = False,
-                             tile_map: torch.Tensor | None = None):
+                             tile_map: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
     """prefill_attention with an explicit kernel, tile config and TMA choice (None: the defaults); for tests
     and tune.py. hopper=True forces the Gluon kernel (sm_90 only), False the Triton one; a config or a
     chunk_tma choice means the Triton kernel. chunk_tma=True also runs the TMA path under TRITON_INTERPRET=1.
@@ -456,9 +474,10 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
     assert key.shape == value.shape == (num_tokens, num_kv_heads, head_dim), (key.shape, query.shape)
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
-    assert query.dtype == key.dtype == value.dtype == key_cache.dtype == value_cache.dtype, \
-        "tl.dot needs matching operand dtypes"
+    assert query.dtype == key.dtype == value.dtype and key_cache.dtype == value_cache.dtype \
+        and key_cache.dtype in (query.dtype, FP8), "tl.dot needs matching operand dtypes (FP8 caches convert)"
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), query.dtype
+    check_kv_scales(key_cache, k_scale, v_scale)
     assert head_dim <= 256, head_dim
     assert query.stride(2) == key.stride(2) == value.stride(2) == 1
     assert key_cache.stride(3) == 1 and value_cache.stride(3) == 1
@@ -508,7 +527,7 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
     _prefill_kernel[grid](
         query, key, value, key_desc, value_desc, key_cache, value_cache, out, block_tables, seq_lens,
         query_start_loc, kv_start if kv_start is not None else seq_lens,
-        tile_map if tile_map is not None else seq_lens, lse, window or 0, scale * _LOG2E,
+        tile_map if tile_map is not None else seq_lens, lse, window or 0, scale * k_scale * _LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -304,6 +304,8 @@ def unsupported(query, key, value, key_cache, value_cache) -> str | None:
         return "not an sm_90 GPU"
     if query.dtype not in (torch.float16, torch.bfloat16):
         return f"dtype {query.dtype}"
+    if key_cache.dtype != query.dtype:  # (FP8 KV caches: the Triton kernel reads them)
+        return f"a {key_cache.dtype} KV cache (it reads caches of the activations' dtype only)"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim}"
     page = key_cache.shape[1]

@@ -10,6 +10,10 @@ Shapes used throughout:
     key_cache, value_cache: [num_blocks, block_size, Hkv, D]
     block_tables: [B, max_blocks_per_seq] int32   seq_lens: [B] int32 (tokens in the cache,
     including the ones written this step)         query_start_loc: [B + 1] int32
+
+An FP8 cache (kv_cache_dtype="fp8") holds e4m3 values of K / k_scale and V / v_scale (per-tensor float
+scales, one pair per layer): writers divide and saturate (kv_to_cache), readers multiply back
+(kv_from_cache). With a 16/32-bit cache the scales must be 1.0.
 """
 
 from __future__ import annotations
@@ -26,22 +30,28 @@ def kv_cache_write(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int, slot = block * block_size + offset; < 0 means skip
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
+    check_kv_scales(key_cache, k_scale, v_scale)
     block_size = key_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[valid].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[valid].to(value_cache.dtype)
+    key_cache[blocks, offsets] = kv_to_cache(key[valid], key_cache.dtype, k_scale)
+    value_cache[blocks, offsets] = kv_to_cache(value[valid], value_cache.dtype, v_scale)
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """The K (or V) rows of positions [start, end) through one request's block table: [end - start, Hkv, D].
-    Blocks before start's are never touched (a sliding window may have freed them)."""
+def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int,
+               scale: float = 1.0) -> torch.Tensor:
+    """The K (or V) rows of positions [start, end) through one request's block table: [end - start, Hkv, D]
+    (an FP8 cache's dequantized, in float32). Blocks before start's are never touched (a sliding window may
+    have freed them)."""
     block_size = cache.shape[1]
     first, last = start // block_size, (end + block_size - 1) // block_size
     blocks = cache[block_table[first:last].long()]  # [n, block_size, Hkv, D]
-    return blocks.reshape(-1, *cache.shape[2:])[start - first * block_size:end - first * block_size]
+    rows = blocks.reshape(-1, *cache.shape[2:])[start - first * block_size:end - first * block_size]
+    return kv_from_cache(rows, scale)
 
 
 def _first_key(seq_len: int, q_len: int, window: int | None, kv_start: int) -> int:
@@ -60,6 +70,8 @@ def paged_attention(
     window: int | None = None,
     kv_start: torch.Tensor | None = None,
     return_lse: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of each request's query tokens over its paged KV.
 
@@ -70,7 +82,9 @@ def paged_attention(
     kv_start [B]: request i sees no key before kv_start[i] (cascade attention's suffix).
     return_lse: also return lse [T, Hq] float32, log2 of each row's softmax denominator
     sum_k exp(scale q.k) (base 2, as the kernels keep it; -inf where a row sees no key).
+    k_scale, v_scale: an FP8 cache's scales (its entries are dequantized first).
     """
+    check_kv_scales(key_cache, k_scale, v_scale)
     out = torch.empty_like(query)
     lse = torch.full(query.shape[:2], float("-inf"), dtype=torch.float32, device=query.device)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -81,8 +95,8 @@ def paged_attention(
         if q_len == 0:
             continue
         first = _first_key(seq_len, q_len, window, starts[i])
-        k = _gather_kv(key_cache, block_tables[i], first, seq_len)
-        v = _gather_kv(value_cache, block_tables[i], first, seq_len)
+        k = _gather_kv(key_cache, block_tables[i], first, seq_len, k_scale)
+        v = _gather_kv(value_cache, block_tables[i], first, seq_len, v_scale)
         out[start:end], lse[start:end] = _attend(query[start:end], k, v, scale, first, window)
     return (out, lse) if return_lse else out
 
@@ -119,10 +133,12 @@ def paged_decode_attention(
     window: int | None = None,
     kv_start: torch.Tensor | None = None,  # [B] int32: keys before it are not attended (a cascade's suffix)
     return_lse: bool = False,
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     query_start_loc = torch.arange(query.shape[0] + 1, dtype=torch.int32)
     return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
-                           kv_start, return_lse)
+                           kv_start, return_lse, k_scale, v_scale)
 
 
 def prefill_attention(
@@ -140,10 +156,12 @@ def prefill_attention(
     kv_start: torch.Tensor | None = None,  # [B] int32, <= each request's cached prefix (seq_len - q_len)
     return_lse: bool = False,
     tile_map: torch.Tensor | None = None,  # the kernel's grid (prefill_tiles.py): no bearing on the math
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     assert key.shape == value.shape == (query.shape[0], *key_cache.shape[2:]), (key.shape, query.shape)
     return paged_attention(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, window,
-                           kv_start, return_lse)
+                           kv_start, return_lse, k_scale, v_scale)
 
 
 def cascade_prefix_attention(
@@ -158,11 +176,14 @@ def cascade_prefix_attention(
     max_group_rows: int,  # host-side bound on a group's rows (sizes the grid)
     max_prefix_len: int,  # host-side bound on prefix_lens (sizes the KV split)
     scale: float,
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cascade attention's shared part: every query row of a group attends to all of its group's prefix
     keys (no causal mask: the prefix lies before every row). Returns S partial states per row,
     o [R, Hq, S, D] float32 (normalized) and lse [R, Hq, S] float32 (base 2; -inf: an empty part), which
     merge_attn_states folds into the rows' suffix attention. Here S = 1; a kernel may split the prefix."""
+    check_kv_scales(key_cache, k_scale, v_scale)
     num_rows, num_heads, head_dim = rows.shape[0], query.shape[1], query.shape[2]
     o = torch.zeros(num_rows, num_heads, 1, head_dim, dtype=torch.float32, device=query.device)
     lse = torch.full((num_rows, num_heads, 1), float("-inf"), dtype=torch.float32, device=query.device)
@@ -170,8 +191,8 @@ def cascade_prefix_attention(
     for g, prefix_len in enumerate(lens):
         r0, r1 = bounds[g], bounds[g + 1]
         table = block_tables[int(prefix_rows[g])]
-        k = _gather_kv(key_cache, table, 0, prefix_len)
-        v = _gather_kv(value_cache, table, 0, prefix_len)
+        k = _gather_kv(key_cache, table, 0, prefix_len, k_scale)
+        v = _gather_kv(value_cache, table, 0, prefix_len, v_scale)
         for r in range(r0, r1):  # each row alone: as the last query of a request whose keys end at the prefix
             out, row_lse = _attend(query[rows[r].long()].unsqueeze(0).float(), k, v, scale)
             o[r, :, 0], lse[r, :, 0] = out[0], row_lse[0]
@@ -260,12 +281,14 @@ def rotary_kv_cache_write(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """rotary_embedding (with the q/k norms if given) on copies of query and key, then kv_cache_write of
     the rotated key and value. Returns (rotated query, rotated key if return_key else None)."""
     query, key = query.clone(), key.clone()
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox, q_norm_weight, k_norm_weight, norm_eps)
-    kv_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    kv_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
     return query, (key if return_key else None)
 
 
@@ -287,21 +310,23 @@ def rotary_decode_attention(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """A decode step's attention: rotary_kv_cache_write (with the q/k norms if given), then each request
     attends over its cached tokens (the last window - 1 of them with a window) and its new token (rotated
-    key and value, in the cache's dtype). Where slot >= 0 this is exactly paged_decode_attention after the
-    write; a padding row (slot < 0) writes nothing and still attends to its own new token."""
+    key and value, as the cache holds them). Where slot >= 0 this is exactly paged_decode_attention after
+    the write; a padding row (slot < 0) writes nothing and still attends to its own new token."""
     query, key = rotary_kv_cache_write(positions, query, key, value, cos_sin_cache, is_neox, key_cache,
                                        value_cache, slot_mapping, True, q_norm_weight, k_norm_weight,
-                                       norm_eps)
+                                       norm_eps, k_scale, v_scale)
     out = torch.empty_like(query)
     for i, seq_len in enumerate(seq_lens.tolist()):
         first = _first_key(seq_len, 1, window, 0)
-        k = torch.cat([_gather_kv(key_cache, block_tables[i], first, seq_len - 1),
-                       key[i:i + 1].to(key_cache.dtype)])
-        v = torch.cat([_gather_kv(value_cache, block_tables[i], first, seq_len - 1),
-                       value[i:i + 1].to(value_cache.dtype)])
+        k = torch.cat([_gather_kv(key_cache, block_tables[i], first, seq_len - 1, k_scale),
+                       as_cached(key[i:i + 1], key_cache.dtype, k_scale)])
+        v = torch.cat([_gather_kv(value_cache, block_tables[i], first, seq_len - 1, v_scale),
+                       as_cached(value[i:i + 1], value_cache.dtype, v_scale)])
         out[i:i + 1] = _attend(query[i:i + 1], k, v, scale, first, window)[0]
     return out
 
@@ -364,3 +389,28 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
+
+
+def check_kv_scales(cache: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """KV scales belong to FP8 caches: with another cache they would do nothing, so they must be 1.0."""
+    if cache.dtype != FP8 and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError(f"k_scale / v_scale ({k_scale}, {v_scale}) apply to an FP8 KV cache only, "
+                         f"not to a {cache.dtype} one")
+
+
+def kv_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """K or V rows as a cache of cache_dtype stores them: FP8, x / scale rounded to e4m3 and saturated
+    (IEEE division, as the kernels divide); else x in the cache's dtype."""
+    if cache_dtype == FP8:
+        return quantize_fp8(x, torch.tensor(scale, dtype=torch.float32, device=x.device))
+    return x.to(cache_dtype)
+
+
+def kv_from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache entries as values: e4m3 times the scale in float32; other dtypes as they are."""
+    return x.float() * scale if x.dtype == FP8 else x
+
+
+def as_cached(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as a read of the cache after x was written gives it back."""
+    return kv_from_cache(kv_to_cache(x, cache_dtype, scale), scale)

@@ -5,7 +5,8 @@ kv_cache_write.py's scatter, for every token t with slot s = slot_mapping[t]:
     q_out[t] = rope(query[t], p_t)
     key_cache[s // page, s % page] = rope(key[t], p_t),  value_cache[...] = value[t]    (s >= 0 only)
     key_out[t] = rope(key[t], p_t)                                                      (return_key only)
-With q/k norm weights (Qwen3) each q and k head is RMS-normed first, as rotary.py describes.
+With q/k norm weights (Qwen3) each q and k head is RMS-normed first, as rotary.py describes. An FP8 cache
+stores e4m3 of the rotated key / k_scale and value / v_scale (kv_fp8.py); key_out stays unquantized.
 Out of place: query and key (views of the qkv projection) are left as they are, so the attention op
 that calls this mutates none of its inputs. Prefill's chunk loops read the chunk's keys from key_out's
 contiguous rows; return_key=False leaves them to the cache. The engine's decode steps no longer come
@@ -25,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels.kv_fp8 import to_cache
+from fastllm.kernels.reference import check_kv_scales
 from fastllm.kernels.rotary import check_qk_norm, rotated_halves
 
 
@@ -32,6 +35,7 @@ from fastllm.kernels.rotary import check_qk_norm, rotated_halves
 def _rotary_kv_write_kernel(
     pos_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, slot_ptr, q_out_ptr, k_out_ptr, key_cache_ptr, value_cache_ptr,
     q_norm_ptr, k_norm_ptr, eps,  # HAS_NORM: each head's RMSNorm weight [HEAD_DIM] for q and for k
+    k_scale, v_scale,  # an FP8 cache's scales
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
     stride_qot, stride_qoh, stride_kot, stride_koh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
@@ -68,14 +72,14 @@ def _rotary_kv_write_kernel(
         block = slot // PAGE
         offset = slot % PAGE
         kc = key_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch
-        tl.store(kc + off_a, ka.to(key_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(kc + off_b, kb.to(key_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(kc + off_a, to_cache(ka, k_scale, key_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(kc + off_b, to_cache(kb, k_scale, key_cache_ptr.dtype.element_ty), mask=mask)
         hv = tl.arange(0, BLOCK_HK)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         v_mask = (hv < num_kv_heads) & (d < HEAD_DIM)
         v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + d, mask=v_mask)
         vc = value_cache_ptr + block * stride_vcb + offset * stride_vcs + hv * stride_vch + d
-        tl.store(vc, v.to(value_cache_ptr.dtype.element_ty), mask=v_mask)
+        tl.store(vc, to_cache(v, v_scale, value_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def bytes_moved(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -104,7 +108,10 @@ def rotary_kv_cache_write(
     q_norm_weight: torch.Tensor | None = None,  # [D]: RMS-norm each q head first (Qwen3), with k_norm_weight
     k_norm_weight: torch.Tensor | None = None,  # [D]
     norm_eps: float = 1e-6,
+    k_scale: float = 1.0,  # an FP8 cache's scales
+    v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check_kv_scales(key_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     has_norm = check_qk_norm(q_norm_weight, k_norm_weight, head_dim)
@@ -127,6 +134,7 @@ def rotary_kv_cache_write(
     _rotary_kv_write_kernel[(num_tokens,)](
         positions, query, key, value, cos_sin_cache, slot_mapping, q_out, k_out_arg, key_cache, value_cache,
         *((q_norm_weight, k_norm_weight) if has_norm else (cos_sin_cache,) * 2), norm_eps,  # (unused without)
+        k_scale, v_scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos_sin_cache.stride(0),
         q_out.stride(0), q_out.stride(1), k_out_arg.stride(0), k_out_arg.stride(1),

@@ -29,7 +29,20 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window  # the row at position p sees keys p - window < k <= p (None: all)
         # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]; bound by the runner.
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # An FP8 cache's per-tensor scales (the cache holds K / k_scale, V / v_scale in e4m3): the checkpoint's
+        # (k_scale, v_scale) where it has them (set by the model's load_weights), else 1.0, as in vLLM.
+        self.checkpoint_kv_scales: tuple[float, float] | None = None
+        self.kv_scales = {}  # k_scale, v_scale for the kernels; empty with a 16/32-bit cache
         self.layer_index = layer_index  # its place in the model's attention_layers() (the forward context)
+
+    def bind_kv_cache(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Attend over this cache from now on (its dtype decides whether the scales apply)."""
+        self.kv_cache = kv_cache
+        if kv_cache[0].dtype == torch.float8_e4m3fn:
+            k_scale, v_scale = self.checkpoint_kv_scales or (1.0, 1.0)
+            self.kv_scales = dict(k_scale=k_scale, v_scale=v_scale)
+        else:
+            self.kv_scales = {}
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
@@ -57,41 +70,44 @@ class Attention(nn.Module):
         if window is not None and metadata.max_seq_len <= window:
             window = None  # no row of this step reaches past its window: full attention is the same
         norm = dict(q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps)
+        scales = self.kv_scales
         if metadata.cascade is not None and window is None:
             return self._cascade(positions, query, key, value, metadata, norm)
         if metadata.is_decode_only:  # one kernel: rotary, the cache write and attention
             return ops.rotary_decode_attention(positions, query, key, value, cos_sin, is_neox, key_cache,
                                                value_cache, metadata.slot_mapping, metadata.block_tables,
                                                metadata.seq_lens, metadata.max_seq_len, self.scale, window,
-                                               **norm)
+                                               **norm, **scales)
         query, key = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox, key_cache,
-                                               value_cache, metadata.slot_mapping, return_key=True, **norm)
+                                               value_cache, metadata.slot_mapping, return_key=True, **norm,
+                                               **scales)
         return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
                                      metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
-                                     self.scale, window, tile_map=metadata.tile_map)
+                                     self.scale, window, tile_map=metadata.tile_map, **scales)
 
     def _cascade(self, positions, query, key, value, metadata, norm: dict) -> torch.Tensor:
         """Cascade attention: each request's suffix (keys from kv_start) through the paged kernels, with their
         log-sum-exp; each group's rows against its shared prefix in one pass, beside it; the two merged by LSE."""
         key_cache, value_cache = self.kv_cache
-        cascade = metadata.cascade
+        cascade, scales = metadata.cascade, self.kv_scales
         query, key = ops.rotary_kv_cache_write(positions, query, key, value, self.rotary.cos_sin_cache,
                                                self.rotary.is_neox, key_cache, value_cache, metadata.slot_mapping,
-                                               return_key=True, **norm)
+                                               return_key=True, **norm, **scales)
 
         def suffix():
             if metadata.is_decode_only:
                 return ops.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
                                                   metadata.seq_lens, cascade.max_suffix_len, self.scale, None,
-                                                  cascade.kv_start, True)
+                                                  cascade.kv_start, True, **scales)
             return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
                                          metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
-                                         self.scale, None, cascade.kv_start, True)
+                                         self.scale, None, cascade.kv_start, True, **scales)
 
         def prefix():
             return ops.cascade_prefix_attention(
                 query, key_cache, value_cache, metadata.block_tables, cascade.prefix_rows, cascade.prefix_lens,
-                cascade.rows, cascade.row_start, cascade.max_group_rows, cascade.max_prefix_len, self.scale)
+                cascade.rows, cascade.row_start, cascade.max_group_rows, cascade.max_prefix_len, self.scale,
+                **scales)
 
         # The two parts are independent: the prefix kernel runs beside the suffix kernel (side_stream.py).
         (prefix_o, prefix_lse), (out, lse) = fork_join(prefix, suffix, query.device)

@@ -83,8 +83,9 @@ def _fp8_static_input(config: dict) -> bool:
 
 
 def _compressed_tensors_static_input(config: dict) -> bool:
-    if config.get("kv_cache_scheme") is not None:
-        raise _unsupported("an FP8 KV cache (kv_cache_scheme)")
+    kv = config.get("kv_cache_scheme")
+    if kv is not None and ((kv.get("num_bits"), kv.get("type")) != (8, "float") or kv.get("strategy") != "tensor"):
+        raise _unsupported(f"kv_cache_scheme {kv} (FP8 KV caches with per-tensor scales only)")
     groups = list((config.get("config_groups") or {}).values())
     if not groups:
         raise _unsupported("no config_groups")
@@ -120,6 +121,18 @@ def check_device(device: torch.device, scheme: Fp8Scheme) -> None:
                          f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}")
 
 
+def check_kv_cache_device(device: torch.device) -> None:
+    """An FP8 KV cache (kv_cache_dtype="fp8") runs on GPUs of sm_89 or newer only: anything else is a
+    ValueError naming `kv_cache_dtype` (no silent 16-bit cache)."""
+    if device.type != "cuda":
+        raise ValueError("kv_cache_dtype: an FP8 KV cache needs a CUDA GPU of compute capability 8.9 or newer "
+                         f"(e4m3 conversions); the engine runs on {device.type}")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError("kv_cache_dtype: an FP8 KV cache needs a GPU of compute capability 8.9 or newer; "
+                         f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}")
+
+
 def quantize_weight(weight: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """A 16/32-bit weight [N, K] -> (e4m3 [N, K], float32 scale [N])."""
     amax = weight.abs().amax() if per_tensor else weight.abs().amax(dim=1)
@@ -151,3 +164,31 @@ def check_loaded(model: nn.Module) -> None:
     if absent:
         raise ValueError(f"checkpoint is missing {len(absent)} FP8 scales, e.g. {absent[:3]}")
 
+
+
+# A checkpoint's FP8 KV-cache scales (compressed-tensors, AutoFP8, vLLM's names): suffix of the attention
+# module's name -> which of K and V it scales.
+_KV_SCALES = {"k_scale": "k", "v_scale": "v", "kv_scale": "kv", "k_proj.output_scale": "k",
+              "v_proj.output_scale": "v"}
+
+
+def kv_scale_name(name: str) -> tuple[str, str] | None:
+    """(the attention module, "k" / "v" / "kv") when checkpoint tensor `name` is an FP8 KV-cache scale,
+    e.g. model.layers.3.self_attn.k_scale; else None."""
+    for suffix, which in _KV_SCALES.items():
+        if name.endswith(".self_attn." + suffix):
+            return name[:-len(suffix) - 1], which
+    return None
+
+
+def load_kv_scale(attn, which: str, source, name: str) -> None:
+    """Set a layer's checkpoint KV scale (attention.Attention.checkpoint_kv_scales) from a per-tensor
+    checkpoint tensor; they apply when kv_cache_dtype is "fp8"."""
+    scale = source[...].float()
+    if scale.numel() != 1 or not torch.isfinite(scale).all() or scale.item() <= 0:
+        raise ValueError(f"{name}: FP8 KV-cache scales must be one positive number per tensor, got shape "
+                         f"{tuple(scale.shape)}")
+    k_scale, v_scale = attn.checkpoint_kv_scales or (1.0, 1.0)
+    value = scale.item()
+    attn.checkpoint_kv_scales = (value if which in ("k", "kv") else k_scale,
+                                 value if which in ("v", "kv") else v_scale)

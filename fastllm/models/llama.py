@@ -30,6 +30,7 @@ from fastllm.distributed.parallel_state import ParallelRank, stage_layers
 from fastllm.layers.activation import SiluAndMul
 from fastllm.layers.attention import Attention
 from fastllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from fastllm.layers import fp8
 from fastllm.layers.fp8 import Fp8Scheme
 from fastllm.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_into
 from fastllm.layers.norm import RMSNorm
@@ -307,6 +308,10 @@ class LlamaForCausalLM(nn.Module):
                                                [0])))) for name in params}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (self.args.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            if (kv_scale := fp8.kv_scale_name(name)) is not None:  # an FP8 KV cache's scale
+                if self.owns(kv_scale[0]):
+                    fp8.load_kv_scale(self.get_submodule(kv_scale[0]).attn, kv_scale[1], tensor, name)
                 continue
             shard = None
             for fragment, (fused, index) in self.stacked_params.items():

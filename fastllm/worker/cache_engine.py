@@ -1,4 +1,8 @@
-"""The KV cache tensors (device pool and CPU swap pool) and the block copies between them."""
+"""The KV cache tensors (device pool and CPU swap pool) and the block copies between them.
+
+The cache's dtype is the model's, or float8 e4m3 (kv_cache_dtype="fp8": half the bytes a block, so twice
+the blocks in the same memory). Swaps and copy-on-write move an FP8 cache's bytes through uint8 views
+(index copies have no float8 kernels)."""
 
 from __future__ import annotations
 
@@ -28,26 +32,33 @@ class CacheEngine:
     def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(layer[0], layer[1]) for layer in self.gpu]
 
+    @staticmethod
+    def _bytes(pool: torch.Tensor) -> torch.Tensor:
+        """The pool as its copies move it: an FP8 pool's raw bytes, others as they are."""
+        return pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool
+
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(gpu block, cpu block) pairs."""
         if pairs:
             src, dst = zip(*pairs)
-            self.cpu[:, :, list(dst)] = self.gpu[:, :, list(src)].to("cpu")
+            self._bytes(self.cpu)[:, :, list(dst)] = self._bytes(self.gpu)[:, :, list(src)].to("cpu")
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(cpu block, gpu block) pairs."""
         if pairs:
             src, dst = zip(*pairs)
-            self.gpu[:, :, list(dst)] = self.cpu[:, :, list(src)].to(self.gpu.device, non_blocking=True)
+            self._bytes(self.gpu)[:, :, list(dst)] = self._bytes(self.cpu)[:, :, list(src)].to(self.gpu.device,
+                                                                                            non_blocking=True)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """(src, dst) device blocks, for copy-on-write. A few pairs (a beam search's step has up to its width)
         are copied one by one, a strided copy each; more, by one gather and one scatter on index tensors.
         (Indexing with Python lists sends each index from pageable memory, which waits for the device, and on
         the CPU walks the whole pool.)"""
+        pool = self._bytes(self.gpu)
         if len(pairs) <= MAX_SINGLE_COPIES:
             for src, dst in pairs:
-                self.gpu[:, :, dst].copy_(self.gpu[:, :, src])
+                pool[:, :, dst].copy_(pool[:, :, src])
         else:
-            src, dst = torch.tensor(pairs, dtype=torch.int64).T.to(self.gpu.device, non_blocking=True)
-            self.gpu.index_copy_(2, dst, self.gpu.index_select(2, src))
+            src, dst = torch.tensor(pairs, dtype=torch.int64).T.to(pool.device, non_blocking=True)
+            pool.index_copy_(2, dst, pool.index_select(2, src))

@@ -14,6 +14,8 @@ from fastllm.compile.mixed_graphs import MixedGraphRunner, token_buckets
 from fastllm.config import EngineConfig
 from fastllm.core.scheduler_output import SchedulerOutput
 from fastllm.distributed.parallel_state import ParallelRank
+from fastllm.kernels.reference import FP8
+from fastllm.layers import fp8
 from fastllm.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from fastllm.models.loader import load_model
 from fastllm.sampling_params import SamplingParams
@@ -36,10 +38,14 @@ class ModelRunner:
         self.device = device
         self.parallel = parallel
         self.block_size = config.cache.block_size
+        if config.cache.kv_cache_dtype == "fp8":
+            fp8.check_kv_cache_device(device)
         self.model = load_model(config.model, device, parallel)  # this rank's shard
         # A pipeline stage before the last hands its hidden states on and samples nothing.
         self.samples = self.model.computes_logits
         self.dtype = self.model.dtype
+        # The target's KV cache: e4m3 (kv_cache_dtype="fp8") or the model's dtype. A draft model's stays 16-bit.
+        self.kv_dtype = FP8 if config.cache.kv_cache_dtype == "fp8" else self.dtype
         self.args = self.model.args
         self.attention_layers = self.model.attention_layers()  # the forward context's, every step
         self.eos_token_id = config.model.hf_config.get("eos_token_id")
@@ -68,14 +74,18 @@ class ModelRunner:
     # setup
 
     def kv_bytes_per_block(self) -> int:
-        target = CacheEngine.bytes_per_block(*self.model.kv_cache_shape(), self.block_size, self.dtype)
+        target = CacheEngine.bytes_per_block(*self.model.kv_cache_shape(), self.block_size, self.kv_dtype)
         return target + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
-        self.cache = CacheEngine(*self.model.kv_cache_shape(), self.block_size, self.dtype, self.device,
+        self.cache = CacheEngine(*self.model.kv_cache_shape(), self.block_size, self.kv_dtype, self.device,
                                  num_blocks, num_cpu_blocks)
         for layer, kv in zip(self.attention_layers, self.cache.layer_caches()):
-            layer.kv_cache = kv
+            layer.bind_kv_cache(kv)
+        if self.kv_dtype == FP8:
+            logger.info("KV cache: float8 e4m3, per-tensor scales per layer (%s)",
+                        "from the checkpoint" if any(l.checkpoint_kv_scales for l in self.attention_layers)
+                        else "1.0: the checkpoint has none")
         self.caches = [self.cache]
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, num_cpu_blocks)
