@@ -53,6 +53,9 @@ class _EngineCollector:
         for name, doc, value in (
             ("fastllm_engine_steps", "Engine steps that computed something", s.num_steps),
             ("fastllm_engine_step_seconds", "Wall time of those steps", s.step_seconds),
+            ("fastllm_engine_step_wait_seconds", "Of it, waiting for the GPU's tokens", s.step_wait_seconds),
+            ("fastllm_engine_step_cpu_seconds", "CPU time of the stepping thread in those steps (the rest of "
+             "the wall time it was off the CPU)", s.step_cpu_seconds),
             ("fastllm_engine_scheduled_requests", "Requests in those steps, summed (/ steps: mean batch)",
              s.num_scheduled_requests),
             ("fastllm_num_preemptions", "Requests preempted", s.num_preemptions),

@@ -42,8 +42,8 @@ DISPLAY["serving"] = {
     "req_s": ("req/s", 1), "delivered_req_s": ("deliv_req/s", 1), "output_tok_s": ("out_tok/s", 1),
     "vs_offline": ("%offline", 100), "ttft_ms_mean": ("ttft_ms", 1), "ttft_ms_p99": ("ttft_p99", 1),
     "tpot_ms_mean": ("tpot_ms", 1), "itl_ms_p99": ("itl_p99", 1), "itl_p99_over_tpot": ("itl99/tpot", 1),
-    "engine_mean_batch": ("batch", 1), "engine_step_ms": ("step_ms", 1),
-    "offline_step_ms": ("off_step_ms", 1),
+    "engine_mean_batch": ("batch", 1), "engine_step_ms": ("step_ms", 1), "engine_host_ms": ("host_ms", 1),
+    "engine_cpu_ms": ("cpu_ms", 1), "offline_step_ms": ("off_step_ms", 1),
     "tpot_vs_offline_step": ("tpot/off_step", 1), "merged_chunk_frac": ("%merged", 100),
 }
 STAMP = ("device", "torch", "triton", "commit")
@@ -118,7 +118,8 @@ def row_line(benchmark: str, row: dict) -> str:
                 f"{f('req_s')} req/s ({f('delivered_req_s')} first to last completion), "
                 f"{f('output_tok_s', '.1f')} out tok/s, ttft {f('ttft_ms_mean')} ms (p99 {f('ttft_ms_p99')}), "
                 f"tpot {f('tpot_ms_mean')} ms (p99 {f('tpot_ms_p99')}), itl p99 {f('itl_ms_p99')} ms, "
-                f"engine batch {f('engine_mean_batch', '.1f')} step {f('engine_step_ms')} ms")
+                f"engine batch {f('engine_mean_batch', '.1f')} step {f('engine_step_ms')} ms (host "
+                f"{f('engine_host_ms')}, cpu {f('engine_cpu_ms')})")
     return (f"[{row['num_prompts']} prompts] {f('total_s')} s, {f('requests_s')} req/s, "
             f"{f('output_tok_s', '.1f')} out tok/s, ttft {f('ttft_ms_mean')} ms, hit rate {f('prefix_hit_rate', '.1f', 100)}%"
             + jit)

@@ -171,3 +171,21 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
 
 def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
+
+
+def step_columns(steps: float, scheduled: float, seconds: float, wait_seconds: float, cpu_seconds: float,
+                 prefix: str = "engine") -> dict:
+    """Per engine step: the mean batch, wall ms, host ms (wall less the wait for the GPU's tokens) and the
+    stepping thread's CPU ms. Where host ms exceeds CPU ms, the thread was descheduled while it had work."""
+    per_step = (lambda x: x / steps * 1e3) if steps else (lambda x: None)
+    return {f"{prefix}_steps": int(steps), f"{prefix}_mean_batch": scheduled / steps if steps else None,
+            f"{prefix}_step_ms": per_step(seconds), f"{prefix}_host_ms": per_step(seconds - wait_seconds),
+            f"{prefix}_cpu_ms": per_step(cpu_seconds)}
+
+
+def stats_columns(before, after, prefix: str) -> dict:
+    """step_columns of an in-process engine's SchedulerStats, taken before and after a run."""
+    def delta(name):
+        return getattr(after, name) - getattr(before, name)
+    return step_columns(delta("num_steps"), delta("num_scheduled_requests"), delta("step_seconds"),
+                        delta("step_wait_seconds"), delta("step_cpu_seconds"), prefix)

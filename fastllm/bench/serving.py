@@ -248,13 +248,14 @@ def engine_counters(url: str) -> dict[str, float]:
 
 
 def engine_columns(before: dict[str, float], after: dict[str, float]) -> dict:
-    """Mean batch and step time of the engine steps between two scrapes."""
+    """Mean batch and step time of the engine steps between two scrapes (runner.step_columns)."""
     def delta(name):
         return after.get(name, 0.0) - before.get(name, 0.0)
-    steps = delta("fastllm_engine_steps_total")
-    return {"engine_steps": int(steps),
-            "engine_mean_batch": delta("fastllm_engine_scheduled_requests_total") / steps if steps else None,
-            "engine_step_ms": delta("fastllm_engine_step_seconds_total") / steps * 1e3 if steps else None}
+    from fastllm.bench.runner import step_columns
+
+    return step_columns(delta("fastllm_engine_steps_total"), delta("fastllm_engine_scheduled_requests_total"),
+                        delta("fastllm_engine_step_seconds_total"), delta("fastllm_engine_step_wait_seconds_total"),
+                        delta("fastllm_engine_step_cpu_seconds_total"))
 
 
 class ServerProcess:
@@ -332,13 +333,15 @@ def offline_reference(config, prompts: list[list[int]], output_len: int, batch_s
                              warmup_len=min(len(prompts[0]), 512))
         dtype = str(engine.worker.runner.dtype).replace("torch.", "")
         shape = ModelShape.from_hf_config(config.model.hf_config, dtype)
-        steps = {}
+        step_ms = {}
         for b in sorted(set(batch_sizes)):
             rows = run_latency(engine, [b], len(prompts[0]), min(output_len, 64), None, shape, progress=False)
-            steps[b] = rows[0]["tpot_ms_mean"]
+            step_ms[b] = rows[0]["tpot_ms_mean"]
     finally:
         engine.shutdown()  # the workers of tensor/pipeline parallelism
-    return {"output_tok_s": row["output_tok_s"], "requests_s": row["requests_s"], "step_ms_at_batch": steps}
+    steps = {key.replace("engine_", "run_"): value for key, value in row.items() if key.startswith("engine_")}
+    return {"output_tok_s": row["output_tok_s"], "requests_s": row["requests_s"], "step_ms_at_batch": step_ms,
+            **steps}
 
 
 def compare_with_offline(row: dict, offline: dict) -> dict:

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
-from fastllm.bench.runner import RunRecord, percentile, random_prompts, run_requests
+from fastllm.bench.runner import RunRecord, percentile, random_prompts, run_requests, stats_columns
 from fastllm.engine.llm_engine import LLMEngine
 
 
@@ -106,10 +107,12 @@ def run_throughput(engine: LLMEngine, prompts: list, output_len: int, shared_pre
         run_requests(engine, group, warm_output, "warmup-shared", progress=False)
     cascade = engine.worker.runner.cascade
     cascaded = cascade.num_planned
+    before = msgspec.structs.replace(engine.stats)  # (a copy: the engine updates its own)
     run = run_requests(engine, prompts, output_len, "req", progress=progress, desc="requests")
     row = throughput_row(run, shared_prefix_len, engine.config.cache.enable_prefix_caching)
     row["cascade_attention"] = {None: "auto", True: "on", False: "off"}[cascade.mode]
     row["cascade_steps"] = cascade.num_planned - cascaded
+    row.update(stats_columns(before, engine.stats, "engine"))  # the step's host and CPU time
     return row
 
 

@@ -122,7 +122,7 @@ class EngineCore:
         scheduling: its tokens were copied back while this one was being prepared) or of this
         one (async_scheduling=False, and speculative steps, which end before they return: the
         next step is scheduled from their proposals)."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         self.last_step_wait_s = 0.0
         outputs = []
         while self._in_flight and (self._in_flight[0][1].done  # a speculative step
@@ -158,7 +158,7 @@ class EngineCore:
         if decode_step is not None and self.scheduler.spec_policy is not None:
             speculative, batch_size, eager = decode_step
             self.scheduler.spec_policy.observe(speculative, batch_size, time.perf_counter() - start, eager)
-        self._record(scheduler_output, time.perf_counter() - start)
+        self._record(scheduler_output, time.perf_counter() - start, time.thread_time() - cpu_start)
         return outputs
 
     def _finish(self, scheduler_output: SchedulerOutput,
@@ -223,12 +223,14 @@ class EngineCore:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def _record(self, scheduler_output: SchedulerOutput, seconds: float) -> None:
+    def _record(self, scheduler_output: SchedulerOutput, seconds: float, cpu_seconds: float) -> None:
         s, sched = self.stats, self.scheduler
         if not scheduler_output.is_empty:
             s.num_steps += 1
             s.num_scheduled_requests += len(scheduler_output.num_scheduled_tokens)
             s.step_seconds += seconds
+            s.step_wait_seconds += self.last_step_wait_s
+            s.step_cpu_seconds += cpu_seconds
         s.num_running, s.num_waiting = len(sched.running), len(sched.waiting)
         s.num_swapped = len(sched.swapped)
         s.kv_usage = sched.kv.usage

@@ -90,6 +90,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Of step_seconds: the wait for the GPU's tokens, and the stepping thread's CPU time (a spinning wait
+    # counts as CPU): step_seconds - step_cpu_seconds is time the thread was off the CPU (descheduled).
+    step_wait_seconds: float = 0.0
+    step_cpu_seconds: float = 0.0
 
 
 class BeamSearchResult(msgspec.Struct, array_like=True, omit_defaults=True):

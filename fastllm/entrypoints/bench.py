@@ -392,7 +392,9 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
         meta["offline"] = reference
         result["rows"] = [serving.compare_with_offline(r, reference) for r in result["rows"]]
         print(f"offline engine, same workload: {reference['output_tok_s']:.1f} out tok/s, "
-              f"{reference['requests_s']:.2f} req/s", flush=True)
+              f"{reference['requests_s']:.2f} req/s; {reference['run_steps']} steps, batch "
+              f"{reference['run_mean_batch']:.1f}, step {reference['run_step_ms']:.2f} ms (host "
+              f"{reference['run_host_ms']:.2f}, cpu {reference['run_cpu_ms']:.2f})", flush=True)
     print(report.table(result), flush=True)
     save()
     if args.output_csv:

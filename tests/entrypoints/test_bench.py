@@ -29,7 +29,7 @@ THROUGHPUT_COLUMNS = [
     "input_tok_s", "output_tok_s", "total_tok_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "prefix_hit_rate",
     "steps", "prefill_steps", "prefill_steps_s", "decode_steps_s", "decode_step_ms_mean", "host_s", "peak_mem_gib",
     "preemptions", "jit_compiles", "spec_acceptance_rate", "spec_mean_accepted_len", "cascade_attention",
-    "cascade_steps",
+    "cascade_steps", "engine_steps", "engine_mean_batch", "engine_step_ms", "engine_host_ms", "engine_cpu_ms",
 ]
 STARTUP_KEYS = ["load_s", "compile_s", "cuda_graph_s", "kv_profile_s", "kv_alloc_s", "total_s", "other_s"]
 
@@ -92,6 +92,8 @@ def test_throughput_and_startup(tmp_path, capsys):
     [row] = result["rows"]
     assert list(row) == THROUGHPUT_COLUMNS
     assert row["num_prompts"] == 4 and row["input_len_mean"] == 8 and row["steps"] >= 4
+    assert 1 <= row["engine_steps"] <= row["steps"] and 0 < row["engine_host_ms"] <= row["engine_step_ms"]
+    assert row["engine_step_ms"] * row["engine_steps"] <= row["total_s"] * 1e3 and row["engine_cpu_ms"] > 0
     assert row["output_tok_s"] == pytest.approx(16 / row["total_s"])
     assert 1 <= row["prefill_steps"] < row["steps"]
     assert 0 < row["host_s"] <= row["prefill_steps_s"] + row["decode_steps_s"] <= row["total_s"]
@@ -163,11 +165,14 @@ def test_serving_against_a_started_server(tmp_path, capsys):
     assert [row["request_rate"] for row in result["rows"]] == [40.0, "inf"]
     offline = result["meta"]["offline"]
     assert offline["output_tok_s"] > 0
+    assert offline["run_steps"] >= 6 and 0 < offline["run_host_ms"] <= offline["run_step_ms"]
+    assert 0 < offline["run_cpu_ms"] and 1 <= offline["run_mean_batch"] <= 6
     for row in result["rows"]:
         assert row["completed"] == 6 and row["failed"] == 0, row["first_error"]
         assert row["output_tok_s"] == pytest.approx(6 * 6 / row["wall_s"])
         assert 0 < row["ttft_ms_p50"] <= row["e2e_ms_p99"] and row["tpot_ms_mean"] > 0
         assert row["engine_steps"] >= 6 and 1 <= row["engine_mean_batch"] <= 6 and row["engine_step_ms"] > 0
+        assert 0 < row["engine_host_ms"] <= row["engine_step_ms"] and 0 < row["engine_cpu_ms"]
         assert row["vs_offline"] == pytest.approx(row["output_tok_s"] / offline["output_tok_s"])
     finite = result["rows"][0]
     assert finite["offline_step_ms"] == offline["step_ms_at_batch"][str(round(finite["engine_mean_batch"]))]
