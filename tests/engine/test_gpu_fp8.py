@@ -1,7 +1,7 @@
 """FP8 weights on a GPU (sm_89+): the engine with quantization="fp8", eager and compiled with CUDA graphs,
-against the CPU's dequantizing reference (float32: logprobs within 0.05, tokens equal up to near-ties;
-bf16: the same story for a while, as for bf16 without FP8), and a dummy Llama-3.1-8B in FP8, compiled
-against eager, with its KV pool sized by the profiling run. Marked `gpu`: skipped without CUDA.
+against the CPU's dequantizing reference (float32: 90% of logprobs within 1e-4, all within 0.5, tokens
+equal up to near-ties; bf16: the same story for a while, as for bf16 without FP8), and a dummy Llama-3.1-8B
+in FP8, compiled against eager, with its KV pool sized by the profiling run. Marked `gpu`: skipped without CUDA.
 
 llama2xs-279K is the tiny model here: every projection's K and N are multiples of 16, so prompts of more
 than 32 tokens run torch._scaled_mm (stories260K's 172-wide MLP would take the reference there); decode
@@ -30,28 +30,42 @@ def fp8_layers(llm):
     return [m for m in model.modules() if getattr(m, "fp8", None) is not None]
 
 
-def compare_greedy(want, got, atol: float, what: str) -> int:
-    """Greedy outputs with logprobs: the logprobs both report agree within `atol`, and the tokens are equal
-    until a near-tie, where the reference's top-2 margin is within 2 * atol (each side's logprobs may move
-    by atol, so only there may the argmax swap; later steps see different inputs). Returns the tokens
-    compared before any parting."""
-    compared, parted, max_err = 0, 0, 0.0
+# An e4m3 activation now and then sits next to a rounding boundary: the smallest change in the GEMM's own
+# rounding (the GPU's order of sums) flips it, and that moves the step's logprobs by up to a few tenths on
+# llama2xs while nearly every other position stays exact. Two float32 CPU runs of the reference that differ
+# only in where the GEMM applies the scales measure it (test_fp8_rounding.py): at most 0.30, 90% of the
+# logprobs within 3e-6. A wrong scale or rounding moves every position, so the 90th percentile is the
+# sharp check and the maximum the coarse one.
+MAX_LOGPROB_ERR = 0.5
+P90_LOGPROB_ERR = 1e-4
+
+
+def compare_greedy(want, got, max_err: float, what: str, p90_err: float | None = None) -> int:
+    """Greedy outputs with logprobs: the logprobs both report agree within `max_err` (and, given p90_err,
+    90% of them within it), and the tokens are equal until a near-tie, where the reference's top-2 margin is
+    within 2 * max_err (each side's logprobs may move by max_err, so only there may the argmax swap; later
+    steps see different inputs). Returns the tokens compared before any parting."""
+    compared, parted, errors = 0, 0, []
     for w, g in zip(want, got):
         for i, (tw, tg) in enumerate(zip(w.outputs[0].token_ids, g.outputs[0].token_ids)):
             lw, lg = w.outputs[0].logprobs[i], g.outputs[0].logprobs[i]
             for tid in set(lw) & set(lg):
                 err = abs(lw[tid].logprob - lg[tid].logprob)
-                max_err = max(max_err, err)
-                assert err <= atol, f"{what}: logprob of token {tid} at step {i} off by {err:.3g} > {atol}"
+                errors.append(err)
+                assert err <= max_err, f"{what}: logprob of token {tid} at step {i} off by {err:.3g} > {max_err}"
             if tw != tg:
                 top = sorted(lw.values(), key=lambda x: -x.logprob)
                 margin = top[0].logprob - top[1].logprob
-                assert margin <= 2 * atol, f"{what}: tokens differ at {i} with a clear margin {margin:.3g}"
+                assert margin <= 2 * max_err, f"{what}: tokens differ at {i} with a clear margin {margin:.3g}"
                 parted += 1
                 break
             compared += 1
+    p90 = float(torch.tensor(errors).quantile(0.9))
     print(f"\n{what}: {compared} tokens equal before any near-tie, {parted} sequences parted at one; "
-          f"max logprob error {max_err:.3g} (tolerance {atol})")
+          f"logprob error max {max(errors):.3g} (tolerance {max_err}), 90th percentile {p90:.3g} "
+          f"(tolerance {p90_err})")
+    if p90_err is not None:
+        assert p90 <= p90_err, f"{what}: 90th percentile logprob error {p90:.3g} > {p90_err}"
     return compared
 
 
@@ -76,8 +90,9 @@ def test_fp8_float32_matches_the_cpu_reference(cpu_reference, eager):
     assert len(layers) == 4 * 5 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
     assert all(_scaled_mm_fits(m.weight) for m in layers)  # long prompts' projections on _scaled_mm
     assert (llm.engine.worker.runner.graphs is None) == eager
-    compared = compare_greedy(cpu_reference, llm.generate(PROMPTS, LOGPROBS, use_tqdm=False), 0.05,
-                              f"fp8 float32 GPU ({'eager' if eager else 'graphs'}) vs CPU reference")
+    compared = compare_greedy(cpu_reference, llm.generate(PROMPTS, LOGPROBS, use_tqdm=False), MAX_LOGPROB_ERR,
+                              f"fp8 float32 GPU ({'eager' if eager else 'graphs'}) vs CPU reference",
+                              P90_LOGPROB_ERR)
     assert compared >= 8 * 24
 
 
