@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from fastllm import SamplingParams
 from fastllm.kernels.reference import FP8
 from fastllm.worker.executor import end_parked_workers
-from tests.conftest import PROMPTS, STORIES, cached_llm
+from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm
 from tests.distributed.conftest import shutdown_parallel_llm, start_parallel_llm
 from tests.layers.test_fp8 import write_fp8_checkpoint
 from tests.models.test_fp8_perplexity import TEXT, perplexity
@@ -42,8 +42,8 @@ def end_ranks():
     end_parked_workers()
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=2)
+def greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, **kw)
 
 
 def compare(got, want) -> tuple[int, float]:
@@ -63,21 +63,19 @@ def compare(got, want) -> tuple[int, float]:
     return compared, worst
 
 
-def run_both(model):
-    ref = cached_llm(model, **SETTINGS)
-    llm = start_parallel_llm(model, tensor_parallel_size=2, reuse_workers=True, **SETTINGS)
-    try:
-        assert llm.engine.worker.runner.cache.gpu.dtype == FP8
-        compared, worst = 0, 0.0
-        for prompts in (FIRST, SECOND):
-            got, want = (e.generate(prompts, greedy(), use_tqdm=False) for e in (llm, ref))
-            n, err = compare(got, want)
-            compared, worst = compared + n, max(worst, err)
-        assert llm.engine.scheduler.kv.pool.stats.hits > 0 and llm.engine.scheduler.num_preemptions > 0
-        print(f"\nTP=2 against one rank: {compared} tokens equal, logprobs within {worst:.2g}")
-        assert compared >= 0.9 * (len(FIRST) + len(SECOND)) * MAX_TOKENS
-    finally:
-        shutdown_parallel_llm(llm)
+def split_and_one_rank(model, **kwargs):
+    """Engines of two ranks and of one with the same settings, each fresh: they take the same steps (a
+    prefix hit or a preemption elsewhere computes rows in batches of other sizes, whose sums may round an
+    e4m3 value the other way)."""
+    settings = {**SETTINGS, **kwargs}
+    ref = cached_llm(model, **settings)
+    llm = start_parallel_llm(model, tensor_parallel_size=2, reuse_workers=True, **settings)
+    assert llm.engine.worker.runner.cache.gpu.dtype == FP8
+    return llm, ref
+
+
+def check_preempted_and_hit(llm):
+    assert llm.engine.scheduler.kv.pool.stats.hits > 0 and llm.engine.scheduler.num_preemptions > 0
 
 
 def test_dynamic_activation_scales(fp8_ranks_on_cpu):
@@ -99,16 +97,50 @@ def test_dynamic_activation_scales(fp8_ranks_on_cpu):
         shutdown_parallel_llm(llm)
 
 
-def test_fp8_checkpoint_with_static_scales_and_kv_scales(fp8_ranks_on_cpu, tmp_path):
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
     """A compressed-tensors checkpoint: per-channel weight scales, static input scales, k/v cache scales.
     The KV scales are powers of two: dividing by one is exact, so the two splits' K and V, which differ in
     the last bits (the order of the row-parallel sums), round to the same e4m3 values unless one sits on a
     rounding boundary; other scales put some there (an e4m3 step apart: logprobs up to 0.14 apart on this
     model), which is the rounding test_fp8_rounding.py measures, not the split."""
-    path = write_fp8_checkpoint(tmp_path / "ckpt", "compressed-tensors", per_tensor=False, static_input=True)
+    path = write_fp8_checkpoint(tmp_path_factory.mktemp("fp8") / "ckpt", "compressed-tensors", per_tensor=False,
+                                static_input=True)
     tensors = load_file(str(path / "model.safetensors"))
     for i in range(5):
         tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(2.0 ** -(5 + i % 2))
         tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(2.0 ** -(6 + i % 3))
     save_file(tensors, str(path / "model.safetensors"))
-    run_both(str(path))
+    return str(path)
+
+
+def test_fp8_checkpoint_with_static_scales_and_kv_scales(fp8_ranks_on_cpu, fp8_checkpoint):
+    llm, ref = split_and_one_rank(fp8_checkpoint)
+    try:
+        compared, worst = 0, 0.0
+        for prompts in (FIRST, SECOND):
+            got, want = (e.generate(prompts, greedy(logprobs=2), use_tqdm=False) for e in (llm, ref))
+            n, err = compare(got, want)
+            compared, worst = compared + n, max(worst, err)
+        check_preempted_and_hit(llm)
+        print(f"\nTP=2 against one rank: {compared} tokens equal, logprobs within {worst:.2g}")
+        assert compared >= 0.9 * (len(FIRST) + len(SECOND)) * MAX_TOKENS
+    finally:
+        shutdown_parallel_llm(llm)
+
+
+def test_speculative_decoding(fp8_ranks_on_cpu, fp8_checkpoint):
+    """Every rank runs the whole 16/32-bit draft and verifies against its shard's FP8 cache (one rank's
+    speculative tokens are its plain greedy tokens: tests/engine/test_fp8_combinations.py). No logprobs:
+    requests that ask for them do not speculate."""
+    llm, ref = split_and_one_rank(fp8_checkpoint, speculative_model=DRAFT, num_speculative_tokens=3,
+                                  num_gpu_blocks=17)
+    try:
+        for prompts in (FIRST, SECOND):
+            got, want = ([o.outputs[0].token_ids for o in e.generate(prompts, greedy(), use_tqdm=False)]
+                         for e in (llm, ref))
+            assert got == want
+        check_preempted_and_hit(llm)
+        assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    finally:
+        shutdown_parallel_llm(llm)

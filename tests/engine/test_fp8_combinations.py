@@ -4,9 +4,16 @@ engine's refusal there). Each feature is held to its own oracle with FP8 on both
 the misses' tokens, swapped requests the unpreempted ones', speculative decoding the target's own greedy
 tokens, n > 1 siblings and beam search (copy-on-write of e4m3 blocks) what the model scores from scratch,
 cascade attention the plain path's tokens; a sliding-window model (Mistral) and Qwen3's q/k norms decode
-past their window / through the fused norms alike chunked and unchunked. The KV pool is whole after each."""
+past their window / through the fused norms alike chunked and unchunked. The KV pool is whole after each.
+
+Equality is exact here, as for 16/32-bit weights, with one caveat FP8 adds: a row computed in a batch of
+another size (a decode step's one row against a recomputed prefill's many) sums in another order, and where
+that moves an activation or a K/V value across an e4m3 rounding boundary the logprobs part by up to a few
+tenths (test_fp8_rounding.py measures it). These workloads cross none on the CPU's float32 GEMMs."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -53,14 +60,45 @@ def test_prefix_hits_give_the_misses_tokens():
     assert first == second == off
 
 
+@contextlib.contextmanager
+def swaps_checked(cache):
+    """Within the block, every block the cache swaps in must hold the bytes it held when swapped out."""
+    held, counts = {}, [0, 0]
+    swap_out, swap_in = cache.swap_out, cache.swap_in
+    raw = lambda pool, b: pool[:, :, b].view(torch.uint8).clone()  # noqa: E731
+
+    def checked_out(pairs):
+        swap_out(pairs)
+        held.update({cpu: raw(cache.gpu, gpu) for gpu, cpu in pairs})
+        counts[0] += len(pairs)
+
+    def checked_in(pairs):
+        swap_in(pairs)
+        for cpu, gpu in pairs:
+            assert torch.equal(raw(cache.gpu, gpu), held.pop(cpu)), f"block {cpu} came back changed"
+        counts[1] += len(pairs)
+
+    cache.swap_out, cache.swap_in = checked_out, checked_in
+    try:
+        yield counts
+    finally:
+        del cache.swap_out, cache.swap_in
+
+
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_preempted_requests_give_the_unpreempted_tokens(mode):
+@pytest.mark.parametrize("spec", [{}, dict(speculative_model=DRAFT, num_speculative_tokens=3)],
+                         ids=["plain", "draft"])
+def test_preempted_requests_give_the_unpreempted_tokens(mode, spec):
+    """Swapped e4m3 blocks come back byte for byte (with a draft, its 16/32-bit cache swaps beside them)."""
     want = tokens(fp8_llm(block_size=4).generate(SHARED, greedy(24), use_tqdm=False))
     llm = fp8_llm(block_size=4, num_gpu_blocks=40, preemption_mode=mode,
-                  num_cpu_blocks=64 if mode == "swap" else None, enable_prefix_caching=False)
+                  num_cpu_blocks=64 if mode == "swap" else None, enable_prefix_caching=False, **spec)
     before = llm.engine.scheduler.num_preemptions
-    got = tokens(llm.generate(SHARED, greedy(24), use_tqdm=False))
+    with contextlib.ExitStack() as stack:
+        counts = [stack.enter_context(swaps_checked(c)) for c in llm.engine.worker.runner.caches]
+        got = tokens(llm.generate(SHARED, greedy(24), use_tqdm=False))
     assert llm.engine.scheduler.num_preemptions > before, "the pool was meant to be too small"
+    assert all((c[0] > 0 and c[1] == c[0]) if mode == "swap" else c == [0, 0] for c in counts), counts
     assert got == want
 
 
