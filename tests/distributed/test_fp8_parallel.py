@@ -144,3 +144,26 @@ def test_speculative_decoding(fp8_ranks_on_cpu, fp8_checkpoint):
         assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
     finally:
         shutdown_parallel_llm(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_gpu_split_engine_with_graphs_agrees_with_one_gpu(fp8_checkpoint):
+    """Over NCCL, compiled with CUDA graphs, against one GPU's eager engine; the GEMMs of a rank's half
+    sum in another order, so tokens agree up to near-ties of the FP8 rounding bound (test_fp8_combinations)."""
+    from fastllm import LLM
+    from tests.engine.test_fp8_combinations import agree_until_near_ties
+
+    gpu = dict(device="cuda", dtype="float32", num_gpu_blocks=256, max_model_len=128, kv_cache_dtype="fp8")
+    one = LLM(fp8_checkpoint, enforce_eager=True, **gpu)
+    want = one.generate(FIRST, greedy(logprobs=2), use_tqdm=False)
+    del one
+    llm = LLM(fp8_checkpoint, tensor_parallel_size=2, **gpu)
+    try:
+        assert llm.engine.worker.runner.graphs is not None
+        got = [o.outputs[0].token_ids for o in llm.generate(FIRST, greedy(logprobs=2), use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    compared = agree_until_near_ties(want, got)
+    print(f"\nTP=2 on GPUs: {compared} tokens equal before a near-tie")
+    assert compared >= 0.5 * len(FIRST) * MAX_TOKENS

@@ -184,3 +184,89 @@ def test_sliding_window_and_qk_norm_models_chunked_and_whole(arch, tmp_path_fact
     llm = fp8_llm(model, block_size=4, max_num_batched_tokens=8)
     for _ in range(2):  # the second round hits the prefix cache
         assert tokens(llm.generate(prompts, greedy(24), use_tqdm=False)) == whole
+
+
+# GPU (sm_89+): the compiled engine with CUDA graphs (decode, mixed, speculative and cascade graphs) against
+# the eager engine, FP8 weights and cache on both sides, llama2xs-279K as the target (its projections run
+# torch._scaled_mm, stories260K's 172-wide MLP would take the reference). The two sides run the same
+# kernels in batches of other sizes (graphs pad them), so an e4m3 rounding may go the other way now and
+# then: tokens are held equal until the eager run's top-2 margin is within the rounding bound of
+# test_gpu_fp8.py (2 x 0.5), and most tokens must be compared.
+GPU_MARGIN = 2 * 0.5
+GPU_FEATURES = {
+    "cascade": dict(cascade_attention=True, block_size=4),
+    "draft": dict(speculative_model=STORIES, num_speculative_tokens=3),
+    "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    "swap": dict(num_gpu_blocks=48, block_size=4, preemption_mode="swap", num_cpu_blocks=64),
+    "beam": dict(block_size=4),
+}
+
+
+def agree_until_near_ties(want, got: list[list[int]]) -> int:
+    """Tokens of `got` equal to the reference outputs `want` (with logprobs) until the reference's top-2
+    margin is within GPU_MARGIN; returns how many were compared."""
+    compared = 0
+    for w, g in zip(want, got):
+        w = w.outputs[0]
+        for i, token in enumerate(w.token_ids):
+            assert g[i] == token, f"token {i}: {g} against {w.token_ids}"
+            compared += 1
+            top = sorted((lp.logprob for lp in w.logprobs[i].values()), reverse=True)
+            if top[0] - top[1] <= GPU_MARGIN:
+                break
+    return compared
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("feature", list(GPU_FEATURES))
+def test_gpu_graphs_equal_eager(feature):
+    kw = dict(device="cuda", dtype="float32", max_model_len=128, **FP8_BOTH)
+    kw.setdefault("num_gpu_blocks", 2048)
+    extra = GPU_FEATURES[feature]
+    plain = {k: v for k, v in extra.items() if "specul" not in k}
+    eager = cached_llm(DRAFT, enforce_eager=True, **{**kw, **plain})
+    llm = cached_llm(DRAFT, **{**kw, **extra})
+    runner = llm.engine.worker.runner
+    assert runner.graphs is not None and runner.cache.gpu.dtype == FP8
+    if feature == "beam":
+        params = BeamSearchParams(3, max_tokens=12, ignore_eos=True)
+        want, got = (e.beam_search(SHARED, params) for e in (eager, llm))
+        for w, g in zip(want, got):  # the best beam, unless the eager run's best two are a near-tie
+            if g.sequences[0].tokens != w.sequences[0].tokens:
+                assert w.sequences[0].score - w.sequences[1].score <= GPU_MARGIN
+            assert g.sequences[0].score == pytest.approx(w.sequences[0].score, abs=GPU_MARGIN)
+        return
+    want = eager.generate(SHARED, greedy(16, logprobs=2), use_tqdm=False)
+    # Requests with logprobs do not speculate: the speculative engines' tokens only.
+    params = greedy(16) if "specul" in str(extra) else greedy(16, logprobs=2)
+    llm.generate(SHARED, params, use_tqdm=False)  # the second round hits the prefix cache (cascade groups)
+    got = [o.outputs[0].token_ids for o in llm.generate(SHARED, params, use_tqdm=False)]
+    compared = agree_until_near_ties(want, got)
+    print(f"\n{feature}: {compared} tokens equal before a near-tie")
+    assert compared >= 0.5 * len(SHARED) * 16
+    if feature in ("draft", "ngram"):
+        assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+    if feature == "swap":
+        assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_what_fp8_settings_leave_alone_is_said(caplog, tmp_path):
+    """The draft model keeps 16/32-bit weights and cache under an FP8 target, and a checkpoint's KV scales
+    do nothing with a 16/32-bit cache: both said in the log, not silent."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from fastllm import LLM
+
+    shutil.copytree(STORIES, tmp_path / "ckpt")
+    tensors = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    tensors["model.layers.0.self_attn.kv_scale"] = torch.tensor(0.5)
+    save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"))
+    small = dict(device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks=40)
+    with caplog.at_level("INFO", logger="fastllm"):
+        LLM(str(tmp_path / "ckpt"), **small)
+        assert "FP8 KV-cache scales apply with kv_cache_dtype='fp8' only" in caplog.text
+        LLM(STORIES, speculative_model=DRAFT, num_speculative_tokens=2, **FP8_BOTH, **small)
+        assert "apply to the target only; the draft's KV cache is torch.float32" in caplog.text
