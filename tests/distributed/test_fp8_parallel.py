@@ -97,25 +97,34 @@ def test_dynamic_activation_scales(fp8_ranks_on_cpu):
         shutdown_parallel_llm(llm)
 
 
-@pytest.fixture(scope="module")
-def fp8_checkpoint(tmp_path_factory):
-    """A compressed-tensors checkpoint: per-channel weight scales, static input scales, k/v cache scales.
+def write_checkpoint(path, layout: str) -> str:
+    """stories260K as an FP8 checkpoint with static input scales and KV-cache scales: compressed-tensors
+    with per-channel weight scales and k_scale / v_scale, or "fp8" with per-tensor ones and one kv_scale.
     The KV scales are powers of two: dividing by one is exact, so the two splits' K and V, which differ in
     the last bits (the order of the row-parallel sums), round to the same e4m3 values unless one sits on a
     rounding boundary; other scales put some there (an e4m3 step apart: logprobs up to 0.14 apart on this
     model), which is the rounding test_fp8_rounding.py measures, not the split."""
-    path = write_fp8_checkpoint(tmp_path_factory.mktemp("fp8") / "ckpt", "compressed-tensors", per_tensor=False,
-                                static_input=True)
+    path = write_fp8_checkpoint(path, layout, per_tensor=layout == "fp8", static_input=True)
     tensors = load_file(str(path / "model.safetensors"))
     for i in range(5):
-        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(2.0 ** -(5 + i % 2))
-        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(2.0 ** -(6 + i % 3))
+        if layout == "fp8":
+            tensors[f"model.layers.{i}.self_attn.kv_scale"] = torch.tensor(2.0 ** -(5 + i % 3))
+        else:
+            tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(2.0 ** -(5 + i % 2))
+            tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(2.0 ** -(6 + i % 3))
     save_file(tensors, str(path / "model.safetensors"))
     return str(path)
 
 
-def test_fp8_checkpoint_with_static_scales_and_kv_scales(fp8_ranks_on_cpu, fp8_checkpoint):
-    llm, ref = split_and_one_rank(fp8_checkpoint)
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("fp8") / "ckpt", "compressed-tensors")
+
+
+@pytest.mark.parametrize("layout", ["compressed-tensors", "fp8"])
+def test_fp8_checkpoint_with_static_scales_and_kv_scales(fp8_ranks_on_cpu, fp8_checkpoint, layout, tmp_path):
+    llm, ref = split_and_one_rank(fp8_checkpoint if layout == "compressed-tensors" else
+                                  write_checkpoint(tmp_path / "ckpt", layout))
     try:
         compared, worst = 0, 0.0
         for prompts in (FIRST, SECOND):
