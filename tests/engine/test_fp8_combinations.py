@@ -20,7 +20,7 @@ import torch
 
 from fastllm import BeamSearchParams, SamplingParams
 from fastllm.kernels.reference import FP8
-from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm
+from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm, tokenize
 from tests.models.test_llama_vs_hf import make_tiny_model
 
 FP8_BOTH = dict(quantization="fp8", kv_cache_dtype="fp8")
@@ -199,6 +199,8 @@ GPU_FEATURES = {
     "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
     "swap": dict(num_gpu_blocks=48, block_size=4, preemption_mode="swap", num_cpu_blocks=64),
     "beam": dict(block_size=4),
+    "qwen3": dict(block_size=4, max_num_batched_tokens=16),  # q/k norms in the rotary kernels; chunked
+    "mistral-window": dict(block_size=4, max_num_batched_tokens=16),  # decoded past its window of 16
 }
 
 
@@ -220,32 +222,34 @@ def agree_until_near_ties(want, got: list[list[int]]) -> int:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("feature", list(GPU_FEATURES))
-def test_gpu_graphs_equal_eager(feature):
-    kw = dict(device="cuda", dtype="float32", max_model_len=128, **FP8_BOTH)
-    kw.setdefault("num_gpu_blocks", 2048)
+def test_gpu_graphs_equal_eager(feature, tmp_path_factory):
+    model = make_tiny_model(tmp_path_factory, feature) if feature in ("qwen3", "mistral-window") else DRAFT
+    prompts = [{"prompt_token_ids": ids} for ids in tokenize(SHARED)]
+    kw = dict(device="cuda", dtype="float32", max_model_len=128, num_gpu_blocks=2048, **FP8_BOTH)
     extra = GPU_FEATURES[feature]
-    plain = {k: v for k, v in extra.items() if "specul" not in k}
-    eager = cached_llm(DRAFT, enforce_eager=True, **{**kw, **plain})
-    llm = cached_llm(DRAFT, **{**kw, **extra})
+    speculates = any(k.startswith("speculative") for k in extra)
+    plain = {k: v for k, v in extra.items() if not k.startswith("speculative")}
+    eager = cached_llm(model, enforce_eager=True, **{**kw, **plain})
+    llm = cached_llm(model, **{**kw, **extra})
     runner = llm.engine.worker.runner
     assert runner.graphs is not None and runner.cache.gpu.dtype == FP8
     if feature == "beam":
         params = BeamSearchParams(3, max_tokens=12, ignore_eos=True)
-        want, got = (e.beam_search(SHARED, params) for e in (eager, llm))
+        want, got = (e.beam_search(prompts, params) for e in (eager, llm))
         for w, g in zip(want, got):  # the best beam, unless the eager run's best two are a near-tie
             if g.sequences[0].tokens != w.sequences[0].tokens:
                 assert w.sequences[0].score - w.sequences[1].score <= GPU_MARGIN
             assert g.sequences[0].score == pytest.approx(w.sequences[0].score, abs=GPU_MARGIN)
         return
-    want = eager.generate(SHARED, greedy(16, logprobs=2), use_tqdm=False)
+    want = eager.generate(prompts, greedy(16, logprobs=2), use_tqdm=False)
     # Requests with logprobs do not speculate: the speculative engines' tokens only.
-    params = greedy(16) if "specul" in str(extra) else greedy(16, logprobs=2)
-    llm.generate(SHARED, params, use_tqdm=False)  # the second round hits the prefix cache (cascade groups)
-    got = [o.outputs[0].token_ids for o in llm.generate(SHARED, params, use_tqdm=False)]
+    params = greedy(16) if speculates else greedy(16, logprobs=2)
+    llm.generate(prompts, params, use_tqdm=False)  # the second round hits the prefix cache (cascade groups)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     compared = agree_until_near_ties(want, got)
     print(f"\n{feature}: {compared} tokens equal before a near-tie")
     assert compared >= 0.5 * len(SHARED) * 16
-    if feature in ("draft", "ngram"):
+    if speculates:
         assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
     if feature == "swap":
         assert llm.engine.scheduler.num_preemptions > 0
