@@ -155,6 +155,15 @@ def test_speculative_decoding(fp8_ranks_on_cpu, fp8_checkpoint):
         shutdown_parallel_llm(llm)
 
 
+@pytest.mark.parametrize("field,value", [("kv_cache_dtype", "fp8"), ("quantization", "fp8")])
+def test_split_engines_refuse_fp8_on_the_cpu(field, value):
+    """Without the tests' lift, every rank refuses: a ValueError naming the field, not a 16-bit run."""
+    from fastllm import LLM
+
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        LLM(STORIES, device="cpu", dtype="float32", tensor_parallel_size=2, num_gpu_blocks=40, **{field: value})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_gpu_split_engine_with_graphs_agrees_with_one_gpu(fp8_checkpoint):
