@@ -65,6 +65,10 @@ class DraftModel:
             raise ValueError(f"speculative_config.model: the draft's vocabulary ({vocab_size} tokens) differs from "
                              f"the target's ({target_vocab_size}); speculative decoding needs the same tokenizer")
         self.model = load_model(self.model_config, device)
+        if config.model.quantization is not None or config.cache.kv_cache_dtype == "fp8":
+            # (a draft checkpoint that is FP8 itself loads as one: its weights, not this argument, say so)
+            logger.info("draft model: quantization=%r and kv_cache_dtype=%r apply to the target only; the draft's "
+                        "KV cache is %s", config.model.quantization, config.cache.kv_cache_dtype, target_dtype)
         self.args = self.model.args
         self.dtype = target_dtype
         self.attention_layers = self.model.attention_layers()

@@ -82,10 +82,13 @@ class ModelRunner:
                                  num_blocks, num_cpu_blocks)
         for layer, kv in zip(self.attention_layers, self.cache.layer_caches()):
             layer.bind_kv_cache(kv)
+        has_scales = any(l.checkpoint_kv_scales for l in self.attention_layers)
         if self.kv_dtype == FP8:
             logger.info("KV cache: float8 e4m3, per-tensor scales per layer (%s)",
-                        "from the checkpoint" if any(l.checkpoint_kv_scales for l in self.attention_layers)
-                        else "1.0: the checkpoint has none")
+                        "from the checkpoint" if has_scales else "1.0: the checkpoint has none")
+        elif has_scales:
+            logger.info("KV cache: %s; the checkpoint's FP8 KV-cache scales apply with kv_cache_dtype='fp8' only",
+                        self.kv_dtype)
         self.caches = [self.cache]
         if self.drafter is not None:
             self.drafter.init_kv_cache(num_blocks, num_cpu_blocks)

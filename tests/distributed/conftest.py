@@ -63,3 +63,22 @@ def parallel_llm():
     for llm in built:
         shutdown_parallel_llm(llm)
 
+
+
+def spawned_main_with_fp8_on_cpu(*args) -> None:
+    """A spawned rank that runs FP8 weights and caches through the references on the CPU, as the test
+    process does with conftest's allow_fp8_* fixtures (whose patches do not reach a fresh interpreter)."""
+    from fastllm.layers import fp8
+    from fastllm.worker import worker_process
+
+    fp8.check_device = lambda device, scheme: None
+    fp8.check_kv_cache_device = lambda device: None
+    worker_process.spawned_main(*args)
+
+
+@pytest.fixture
+def fp8_ranks_on_cpu(monkeypatch, allow_fp8_on_cpu, allow_fp8_kv_cache_on_cpu):
+    """FP8 on the CPU in this process and in the ranks engines spawn meanwhile."""
+    from fastllm.worker import worker_process
+
+    monkeypatch.setattr(worker_process, "spawned_main", spawned_main_with_fp8_on_cpu)

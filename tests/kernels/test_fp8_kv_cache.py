@@ -129,9 +129,11 @@ def test_paged_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, num
 
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES[:2])
 @pytest.mark.parametrize("num_splits", [1, 2])
-def test_rotary_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, num_splits):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, num_splits, qk_norm):
     """The new token's k/v stored as e4m3 and attended as stored: the output equals the reference's
-    attention over the cache the kernel wrote (and its bytes the reference's); a padding row writes none."""
+    attention over the cache the kernel wrote (and its bytes the reference's); a padding row writes none.
+    qk_norm: Qwen3's per-head q/k RMSNorm before the rotation, in the same kernel."""
     from fastllm.kernels.paged_decode_attention import NewTokens, paged_decode_attention_splits
 
     kv = _fp8_kv(seq_lens, hkv, d, page, gen, device)
@@ -142,17 +144,19 @@ def test_rotary_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, nu
     slots[0] = -1  # a padding row
     cos_sin = _cos_sin_cache(max(seq_lens) + 1, d, device)
     ref_k, ref_v = kv.key_cache.clone(), kv.value_cache.clone()
-    append = NewTokens(positions, key, value, cos_sin, True, slots)
+    norm = dict(zip(("q_norm_weight", "k_norm_weight"), qk_norm_weights(d, torch.float32, device, gen)),
+                norm_eps=NORM_EPS) if qk_norm else {}
+    append = NewTokens(positions, key, value, cos_sin, True, slots, **norm)
     out = paged_decode_attention_splits(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
                                         max(seq_lens), d ** -0.5, num_splits, append=append, **_kw())
     ref = R.rotary_decode_attention(positions, query, key, value, cos_sin, True, ref_k, ref_v, slots,
-                                    kv.block_tables, kv.seq_lens, max(seq_lens), d ** -0.5, **_kw())
+                                    kv.block_tables, kv.seq_lens, max(seq_lens), d ** -0.5, **norm, **_kw())
     written = slots >= 0
     for cache, ref_cache in ((kv.key_cache, ref_k), (kv.value_cache, ref_v)):
         flat, ref_flat = cache.view(-1, hkv, d), ref_cache.view(-1, hkv, d)
         assert_e4m3_equal(flat[slots[written]], ref_flat[slots[written]], "the new token's cache row")
     q_rot = R.rotary_kv_cache_write(positions, query, key, value, cos_sin, True, ref_k.clone(), ref_v.clone(),
-                                    torch.full_like(slots, -1), False)[0]
+                                    torch.full_like(slots, -1), False, **norm)[0]
     over_written = R.paged_decode_attention(q_rot[1:], kv.key_cache, kv.value_cache, kv.block_tables[1:],
                                             kv.seq_lens[1:], max(seq_lens), d ** -0.5, **_kw())
     assert_close(out[1:], over_written, *TOL[torch.float32], "decode over the kernel's cache")
