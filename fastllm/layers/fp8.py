@@ -111,25 +111,23 @@ def _compressed_tensors_static_input(config: dict) -> bool:
 def check_device(device: torch.device, scheme: Fp8Scheme) -> None:
     """FP8 weights run on GPUs of sm_89 or newer only: anything else is a ValueError naming `quantization`
     (no silent 16-bit run)."""
-    what = "the checkpoint's FP8 weights" if scheme.checkpoint else "FP8 weights"
-    if device.type != "cuda":
-        raise ValueError(f"quantization: {what} need a CUDA GPU of compute capability 8.9 or newer (FP8 "
-                         f"matmuls); the engine runs on {device.type}")
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 9):
-        raise ValueError(f"quantization: {what} need a GPU of compute capability 8.9 or newer (FP8 matmuls); "
-                         f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}")
+    what = "the checkpoint's FP8 weights need" if scheme.checkpoint else "FP8 weights need"
+    _require_fp8_gpu(device, "quantization", what, "FP8 matmuls")
 
 
 def check_kv_cache_device(device: torch.device) -> None:
     """An FP8 KV cache (kv_cache_dtype="fp8") runs on GPUs of sm_89 or newer only: anything else is a
     ValueError naming `kv_cache_dtype` (no silent 16-bit cache)."""
+    _require_fp8_gpu(device, "kv_cache_dtype", "an FP8 KV cache needs", "e4m3 conversions")
+
+
+def _require_fp8_gpu(device: torch.device, field: str, what_needs: str, why: str) -> None:
     if device.type != "cuda":
-        raise ValueError("kv_cache_dtype: an FP8 KV cache needs a CUDA GPU of compute capability 8.9 or newer "
-                         f"(e4m3 conversions); the engine runs on {device.type}")
+        raise ValueError(f"{field}: {what_needs} a CUDA GPU of compute capability 8.9 or newer ({why}); "
+                         f"the engine runs on {device.type}")
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
-        raise ValueError("kv_cache_dtype: an FP8 KV cache needs a GPU of compute capability 8.9 or newer; "
+        raise ValueError(f"{field}: {what_needs} a GPU of compute capability 8.9 or newer ({why}); "
                          f"{torch.cuda.get_device_name(device)} is sm_{capability[0]}{capability[1]}")
 
 
@@ -163,7 +161,6 @@ def check_loaded(model: nn.Module) -> None:
               if name.endswith(("weight_scale", "input_scale")) and torch.isnan(buf).any()]
     if absent:
         raise ValueError(f"checkpoint is missing {len(absent)} FP8 scales, e.g. {absent[:3]}")
-
 
 
 # A checkpoint's FP8 KV-cache scales (compressed-tensors, AutoFP8, vLLM's names): suffix of the attention
