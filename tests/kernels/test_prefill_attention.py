@@ -277,12 +277,19 @@ def test_prefill_gpu_default_kernel(device):
     qkv = torch.zeros(TMA_MIN_TOKENS, 48, 128, device=device, dtype=torch.bfloat16)
     q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:48]
     cache = torch.zeros(8, 16, 8, 128, device=device, dtype=torch.bfloat16)
-    assert _use_hopper_kernel(q, k, v, cache, cache) == HOPPER
-    assert not _use_hopper_kernel(q[:-1], k[:-1], v[:-1], cache, cache)  # a small step: descriptors cost more
-    assert not _use_hopper_kernel(q.float(), k.float(), v.float(), cache.float(), cache.float())  # fp32
+    def use(q, k, v, key_cache, value_cache, masks_keys=False, tile_map=False):
+        return _use_hopper_kernel(q, k, v, key_cache, value_cache, masks_keys, tile_map)
+
+    assert use(q, k, v, cache, cache) == HOPPER
+    assert not use(q[:-1], k[:-1], v[:-1], cache, cache)  # a small step: descriptors cost more
+    assert not use(q.float(), k.float(), v.float(), cache.float(), cache.float())  # fp32
+    assert not use(q, k, v, cache, cache, masks_keys=True)  # window, key start or LSE: Triton
+    assert not use(q, k, v, cache, cache, tile_map=True)  # a mixed step's CUDA graph: Triton
+    fp8_cache = cache.to(torch.float8_e4m3fn)
+    assert not use(q, k, v, fp8_cache, fp8_cache)  # an FP8 KV cache: Triton
     d96 = torch.zeros(TMA_MIN_TOKENS, 12, 96, device=device, dtype=torch.bfloat16)
     cache96 = torch.zeros(8, 16, 2, 96, device=device, dtype=torch.bfloat16)
-    assert not _use_hopper_kernel(d96[:, :8], d96[:, 8:10], d96[:, 10:], cache96, cache96)  # head_dim 96
+    assert not use(d96[:, :8], d96[:, 8:10], d96[:, 10:], cache96, cache96)  # head_dim 96
 
 
 @gpu
