@@ -26,6 +26,12 @@ from fastllm.kernels.skinny_linear import Config
 from tests.kernels.kernel_testing import gpu, rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
+# cuBLASLt's FP8 products on Hopper (torch._scaled_mm, rows > SKINNY_MAX_ROWS): the tensor cores' FP8 MMA
+# keeps ~14 bits of its fp32 accumulator between promotions (DeepSeek-V3 report, 3.3.2), so a float32 output
+# is good to ~2^-13, not to the reference's rounding. Measured on an H200, Llama-3.1-8B and 1024-wide
+# projections, 2..512 rows: 1.09e-4..1.35e-4 (scratch table in the commit message); fp16/bf16 outputs round
+# coarser than that. The one-row kernel sums in fp32 FMAs and keeps 1e-5.
+SCALED_MM_FLOAT32_TOL = 2e-4
 
 
 def exact_rows(rows: int, k_in: int, device, dtype=torch.float32, power: float | None = None) -> torch.Tensor:
@@ -141,8 +147,10 @@ def test_reference_is_close_to_the_unquantized_product():
                                         (1024, 1024)])
 def test_fp8_linear_gpu(dtype, rows, n_out, k_in):
     torch.manual_seed(rows + n_out)
-    # token magnitudes spread over 2^-6..2^6, so a transposed scale_a would show
-    magnitude = 2.0 ** torch.randint(-6, 7, (rows, 1), device="cuda")
+    # token magnitudes spread over 2^-6..2^6 (2^2 in fp16, whose range ends at 65504), so a transposed
+    # scale_a would show
+    top = 3 if dtype == torch.float16 else 7
+    magnitude = 2.0 ** torch.randint(-6, top, (rows, 1), device="cuda")
     x = (torch.randn(rows, k_in, device="cuda") * magnitude).to(dtype)
     weight, scale = random_weight(n_out, k_in, "cuda")
     q, x_scale = K.quantize_fp8_per_token(x)
@@ -150,8 +158,9 @@ def test_fp8_linear_gpu(dtype, rows, n_out, k_in):
     assert torch.equal(x_scale, ref_scale) and torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
     out = K.fp8_linear(x, weight, scale, None)
     ref = reference.fp8_linear(x, weight, scale, None)
-    assert out.dtype == dtype and torch.isfinite(out).all()
-    assert rel_err(out, ref) <= TOL[dtype], rel_err(out, ref)
+    assert out.dtype == dtype and torch.isfinite(ref).all() and torch.isfinite(out).all()
+    tol = SCALED_MM_FLOAT32_TOL if dtype == torch.float32 and rows > K.SKINNY_MAX_ROWS else TOL[dtype]
+    assert rel_err(out, ref) <= tol, rel_err(out, ref)
 
 
 @gpu
