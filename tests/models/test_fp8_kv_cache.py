@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fastllm.kernels.dispatch as dispatch
 from fastllm import LLM, SamplingParams
 from fastllm.kernels.reference import FP8
 from fastllm.worker.cache_engine import CacheEngine
-from tests.conftest import STORIES, cached_llm
+from tests.conftest import PROMPTS, STORIES, cached_llm
 from tests.models.test_fp8_perplexity import TEXT, perplexity
 
 
@@ -85,19 +86,30 @@ def test_copies_move_fp8_bytes():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_engine_with_cuda_graphs(dtype):
-    """The compiled engine (CUDA graphs for decode and mixed steps) with an FP8 cache: perplexity within 2%
-    of its own 16/32-bit cache's, greedy text that starts as the 16/32-bit cache's, the pool whole after."""
+def test_gpu_engine_with_cuda_graphs(dtype, monkeypatch):
+    """The compiled engine (CUDA graphs for decode and mixed steps, the Triton kernels) with an FP8 cache:
+    perplexity within 2% of its own 16/32-bit cache's; greedy tokens equal to the reference kernels' over the
+    same FP8 cache (float32; bf16 rounds differently, so most prompts agree); the pool whole after.
+    (Against the 16/32-bit cache's tokens there is no such equality: e4m3 flips near-ties, e.g. the third
+    token of "Lily had a cat", the same on the CPU's references.)"""
     kw = dict(dtype=dtype, device="cuda", num_gpu_blocks=2048)
     base_llm = cached_llm(STORIES, **kw)
     llm = cached_llm(STORIES, kv_cache_dtype="fp8", **kw)
     assert llm.engine.worker.runner.graphs is not None and llm.engine.worker.runner.cache.gpu.dtype == FP8
     base, fp8_kv = perplexity(base_llm, TEXT), perplexity(llm, TEXT)
     print(f"\nGPU {dtype}: perplexity {base:.4f}, fp8 KV {fp8_kv:.4f} ({fp8_kv / base - 1:+.2%})")
-    assert abs(fp8_kv / base - 1) <= 0.02
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    prompts = ["Once upon a time", "Tim and the dog walked to the park. They", "Lily had a cat"]
-    for out, ref in zip(llm.generate(prompts, params, use_tqdm=False), base_llm.generate(prompts, params,
-                                                                                          use_tqdm=False)):
-        assert out.outputs[0].token_ids[:4] == ref.outputs[0].token_ids[:4]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     llm.engine.check_kv_pool_whole()
+    monkeypatch.setattr(dispatch, "_MODE", "reference")
+    monkeypatch.setattr(dispatch, "_chosen", {})
+    ref_llm = LLM(STORIES, kv_cache_dtype="fp8", enforce_eager=True, **kw)
+    ref = [o.outputs[0].token_ids for o in ref_llm.generate(PROMPTS, params, use_tqdm=False)]
+    ref_llm.engine.check_kv_pool_whole()
+    if dtype == "float32":
+        assert got == ref
+    else:
+        agree = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(g)) for g, r in zip(got, ref)]
+        print(f"bf16, FP8 cache, Triton vs reference kernels: leading tokens agreeing {agree}")
+        assert sum(a == 32 for a in agree) >= 6, agree
+    assert abs(fp8_kv / base - 1) <= 0.02
