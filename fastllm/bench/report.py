@@ -45,6 +45,7 @@ DISPLAY["serving"] = {
     "engine_mean_batch": ("batch", 1), "engine_step_ms": ("step_ms", 1), "engine_host_ms": ("host_ms", 1),
     "engine_cpu_ms": ("cpu_ms", 1), "offline_step_ms": ("off_step_ms", 1),
     "tpot_vs_offline_step": ("tpot/off_step", 1), "merged_chunk_frac": ("%merged", 100),
+    "slow_steps": ("slow_steps", 1), "jit_compiles": ("compiles", 1),
 }
 STAMP = ("device", "torch", "triton", "commit")
 
@@ -119,7 +120,8 @@ def row_line(benchmark: str, row: dict) -> str:
                 f"{f('output_tok_s', '.1f')} out tok/s, ttft {f('ttft_ms_mean')} ms (p99 {f('ttft_ms_p99')}), "
                 f"tpot {f('tpot_ms_mean')} ms (p99 {f('tpot_ms_p99')}), itl p99 {f('itl_ms_p99')} ms, "
                 f"engine batch {f('engine_mean_batch', '.1f')} step {f('engine_step_ms')} ms (host "
-                f"{f('engine_host_ms')}, cpu {f('engine_cpu_ms')})")
+                f"{f('engine_host_ms')}, cpu {f('engine_cpu_ms')}), {row.get('slow_steps', 0)} steps over 1 s"
+                + jit.replace("Triton compiles", "compiles"))
     return (f"[{row['num_prompts']} prompts] {f('total_s')} s, {f('requests_s')} req/s, "
             f"{f('output_tok_s', '.1f')} out tok/s, ttft {f('ttft_ms_mean')} ms, hit rate {f('prefix_hit_rate', '.1f', 100)}%"
             + jit)

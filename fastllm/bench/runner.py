@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fastllm.bench.jit_watch import TritonCompileWatch
+from fastllm.compile.jit_watch import TritonCompileWatch
 from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.sampling_params import RequestOutputKind, SamplingParams

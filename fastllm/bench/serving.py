@@ -253,9 +253,13 @@ def engine_columns(before: dict[str, float], after: dict[str, float]) -> dict:
         return after.get(name, 0.0) - before.get(name, 0.0)
     from fastllm.bench.runner import step_columns
 
-    return step_columns(delta("fastllm_engine_steps_total"), delta("fastllm_engine_scheduled_requests_total"),
-                        delta("fastllm_engine_step_seconds_total"), delta("fastllm_engine_step_wait_seconds_total"),
-                        delta("fastllm_engine_step_cpu_seconds_total"))
+    columns = step_columns(delta("fastllm_engine_steps_total"), delta("fastllm_engine_scheduled_requests_total"),
+                           delta("fastllm_engine_step_seconds_total"),
+                           delta("fastllm_engine_step_wait_seconds_total"),
+                           delta("fastllm_engine_step_cpu_seconds_total"))
+    # compiles inside the timed window (the server's log names them) and the steps over a second
+    return {**columns, "jit_compiles": int(delta("fastllm_engine_compiles_total")),
+            "slow_steps": int(delta("fastllm_engine_slow_steps_total"))}
 
 
 class ServerProcess:

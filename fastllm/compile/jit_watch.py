@@ -1,11 +1,12 @@
-"""Triton kernels compiled inside a benchmark's measured window.
+"""Kernels and graphs compiled inside a measured window: a benchmark's, or a serving engine's steps.
 
 A kernel variant first met mid-run costs a JIT compile (~1.5 s for the prefill kernel on a cold
 cache) that lands in the timed window and looks like a slow step. The benchmarks record these, so
 a run that paid for compiles says so instead of just being slow (a `jit` column, and a note on
 the row's line). Triton calls knobs.runtime.jit_post_compile_hook after compiling a variant it did
 not have in memory (also when the binary came from its disk cache); a hook already set is called
-in turn. A Triton without that hook counts nothing, and the log says so once.
+in turn. A Triton without that hook counts nothing, and the log says so once. torch.compile's compiles
+are read from dynamo's counters (dynamo_graphs).
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class TritonCompileWatch:
             return self._previous(*args, **kwargs)
         return None
 
+    def start(self) -> "TritonCompileWatch":
+        """Watch from now on, for good (the engine's steps)."""
+        return self.__enter__()
+
     def __enter__(self) -> "TritonCompileWatch":
         self._start = time.perf_counter()
         if self._knobs is None:
@@ -56,3 +61,10 @@ class TritonCompileWatch:
     def __exit__(self, *exc) -> None:
         if self._knobs is not None:
             self._knobs.runtime.jit_post_compile_hook = self._previous
+
+
+def dynamo_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (a recompile mid-run adds one)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]

@@ -19,6 +19,7 @@ from collections import deque
 
 import torch
 
+from fastllm.compile.jit_watch import TritonCompileWatch, dynamo_graphs
 from fastllm.config import EngineConfig
 from fastllm.core.beam_search import BeamSearch
 from fastllm.core.scheduler import Scheduler
@@ -32,6 +33,8 @@ from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.executor import WorkerFailed
 
 logger = logging.getLogger(__name__)
+
+SLOW_STEP_SECONDS = 1.0  # a step longer than this is logged: a stall every request in flight feels
 
 
 class EngineCore:
@@ -54,6 +57,8 @@ class EngineCore:
         self._live: dict[str, tuple[str, Request]] = {}  # sample id -> (request id, the sample)
         self.last_step_wait_s = 0.0  # the last step()'s wait for the GPU (bench: host = step - wait)
         self.stats = SchedulerStats()
+        self._kernel_compiles = TritonCompileWatch().start()  # kernels first met by a step (a JIT stall)
+        self._compiles_seen = self._compiles_now()
 
     # requests
 
@@ -223,8 +228,22 @@ class EngineCore:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    def _compiles_now(self) -> int:
+        return len(self._kernel_compiles.compiles) + dynamo_graphs()
+
     def _record(self, scheduler_output: SchedulerOutput, seconds: float, cpu_seconds: float) -> None:
         s, sched = self.stats, self.scheduler
+        compiles = self._compiles_now() - self._compiles_seen
+        if compiles:
+            self._compiles_seen += compiles
+            s.num_compiles += compiles
+            kernels = [name for name, _ in self._kernel_compiles.compiles[-compiles:]]
+            logger.info("a step compiled %d kernels or graphs (Triton: %s)", compiles, ", ".join(kernels) or "none")
+        if seconds > SLOW_STEP_SECONDS:
+            s.num_slow_steps += 1
+            logger.warning("a step took %.2f s: %d tokens of %d requests, %d compiles", seconds,
+                           scheduler_output.total_num_scheduled_tokens,
+                           len(scheduler_output.num_scheduled_tokens), compiles)
         if not scheduler_output.is_empty:
             s.num_steps += 1
             s.num_scheduled_requests += len(scheduler_output.num_scheduled_tokens)

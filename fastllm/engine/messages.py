@@ -94,6 +94,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # counts as CPU): step_seconds - step_cpu_seconds is time the thread was off the CPU (descheduled).
     step_wait_seconds: float = 0.0
     step_cpu_seconds: float = 0.0
+    # Steps that took over core.SLOW_STEP_SECONDS (each also logged), and the Triton kernels and
+    # torch.compile graphs compiled during steps: in a warmed-up server both stay 0.
+    num_slow_steps: int = 0
+    num_compiles: int = 0
 
 
 class BeamSearchResult(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -253,7 +253,7 @@ def test_triton_compile_watch_counts_and_restores_the_hook():
     knobs = getattr(pytest.importorskip("triton"), "knobs", None)
     if knobs is None or not hasattr(knobs.runtime, "jit_post_compile_hook"):
         pytest.skip("this Triton has no jit_post_compile_hook")
-    from fastllm.bench.jit_watch import TritonCompileWatch
+    from fastllm.compile.jit_watch import TritonCompileWatch
 
     class Fn:
         name = "_some_kernel"

@@ -1,0 +1,47 @@
+"""The engine's stall watch: steps over core.SLOW_STEP_SECONDS and compiles during steps are counted in
+SchedulerStats (the server's /metrics, `bench serving`'s columns) and logged."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fastllm import LLM, SamplingParams
+from fastllm.engine import core as core_module
+from tests.conftest import STORIES
+
+triton = pytest.importorskip("triton")
+
+
+def test_slow_steps_and_compiles_are_counted_and_logged(monkeypatch, caplog):
+    llm = LLM(STORIES, enforce_eager=True, cpu_kv_cache_gib=0.01)
+    core = llm.engine.core
+    params = SamplingParams(temperature=0, max_tokens=4)
+    llm.generate(["Once upon a time"], params, use_tqdm=False)  # warmed up: nothing new to compile
+    assert (core.stats.num_compiles, core.stats.num_slow_steps) == (0, 0)
+
+    execute = core.executor.execute_model
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    calls = []
+
+    def execute_and_compile(scheduler_output):
+        if not calls:  # the first step meets a new Triton kernel and a new torch.compile graph
+            triton.knobs.runtime.jit_post_compile_hook(fn=SimpleNamespace(name="_new_kernel"))
+            compiled(torch.ones(3))
+        calls.append(1)
+        return execute(scheduler_output)
+
+    monkeypatch.setattr(core.executor, "execute_model", execute_and_compile)
+    monkeypatch.setattr(core_module, "SLOW_STEP_SECONDS", 0.0)  # every step is slow
+    with caplog.at_level(logging.INFO, logger="fastllm.engine.core"):
+        out = llm.generate(["Once upon a time"], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    steps = core.stats.num_steps
+    assert core.stats.num_compiles == 2
+    assert 4 <= core.stats.num_slow_steps <= steps
+    assert any("_new_kernel" in r.getMessage() and "2 kernels or graphs" in r.getMessage() for r in caplog.records)
+    assert sum("a step took" in r.getMessage() for r in caplog.records) == core.stats.num_slow_steps
+    llm.engine.check_kv_pool_whole()
