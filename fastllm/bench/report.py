@@ -31,6 +31,7 @@ DISPLAY = {
     },
     "startup": {
         "load_s": ("load_s", 1), "compile_s": ("compile_s", 1), "cuda_graph_s": ("graphs_s", 1),
+        "warm_up_s": ("warm_up_s", 1),
         "kv_profile_s": ("kv_profile_s", 1), "kv_alloc_s": ("kv_alloc_s", 1), "other_s": ("other_s", 1),
         "total_s": ("total_s", 1), "kv_cache_gib": ("kv_GiB", 1), "cuda_graph_gib": ("graphs_GiB", 1),
     },
@@ -79,7 +80,7 @@ def header(result: dict) -> str:
             return "n/a" if s.get(key) is None else f"{s[key]:.2f} s"
         graph_mem = f" ({s['cuda_graph_gib']:.2f} GiB)" if s.get("cuda_graph_gib") is not None else ""
         lines.append(f"startup {fmt('total_s')}: load {fmt('load_s')}, compile {fmt('compile_s')}, "
-                     f"cuda graphs {fmt('cuda_graph_s')}{graph_mem}, KV profile {fmt('kv_profile_s')}, "
+                     f"cuda graphs {fmt('cuda_graph_s')}{graph_mem}, warm-up {fmt('warm_up_s')}, KV profile {fmt('kv_profile_s')}, "
                      f"KV alloc {fmt('kv_alloc_s')} ({s['kv_cache_gib']:.2f} GiB), other {fmt('other_s')}")
     return "\n".join(lines)
 

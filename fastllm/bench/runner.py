@@ -51,6 +51,7 @@ def startup_breakdown(engine: LLMEngine) -> dict:
         "load_s": phase("load"),
         "compile_s": phase("compile", zero_is_absent=True),
         "cuda_graph_s": phase("cuda_graphs", zero_is_absent=True),
+        "warm_up_s": phase("warm_up", zero_is_absent=True),
         "kv_profile_s": phase("profile"),
         "kv_alloc_s": phase("kv_alloc"),
         "total_s": float(engine.startup_seconds),

@@ -28,6 +28,7 @@ from fastllm.worker.cascade import CascadePlanner
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
 from fastllm.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fastllm.worker.staging import StepInputStager
+from fastllm.worker.step_warmup import warm_up_compiled_steps, warm_up_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ class ModelRunner:
         self.forward = self.model.forward  # replaced by the compiled forward in init_kv_cache
         self.graphs: CUDAGraphRunner | None = None
         self.mixed_graphs: MixedGraphRunner | None = None  # prefill and mixed steps' graphs, per token bucket
+        self.warmup_seconds = 0.0  # the compiled forward's runs past the graphs at startup (step_warmup.py)
         self.compile_seconds = 0.0
         self.compile_how = None  # "compiled, saved to ..." / "loaded ..." (see compile/aot_cache.py)
         self.cascade = CascadePlanner(config.cache.cascade_attention, self.block_size, self.args.sliding_windows)
@@ -138,6 +140,10 @@ class ModelRunner:
         self.graphs.capture()
         logger.info("execution: compiled; decode batches up to %d replay CUDA graphs", self.graphs.max_bs)
         self._capture_mixed_graphs(max_blocks)
+        graph_max = self.mixed_graphs.buckets[-1] if self.mixed_graphs is not None else 0
+        self.warmup_seconds = warm_up_compiled_steps(
+            self.forward, self.attention_layers, warm_up_sizes(graph_max, sched.max_num_batched_tokens),
+            model.max_model_len, sched.max_num_seqs, max_blocks, self.device)
         if self.spec is not None:
             self.spec.build_step(self.forward, draft_forward, sizes, capture=True)
 

@@ -89,7 +89,9 @@ class Worker:
         mixed = self.runner.mixed_graphs
         self.timings["cuda_graphs"] = (graphs.capture_seconds if graphs is not None else 0.0) \
             + (mixed.capture_seconds if mixed is not None else 0.0)
-        self.timings["kv_alloc"] = max(0.0, total - self.timings["compile"] - self.timings["cuda_graphs"])
+        self.timings["warm_up"] = self.runner.warmup_seconds
+        self.timings["kv_alloc"] = max(0.0, total - self.timings["compile"] - self.timings["cuda_graphs"]
+                                       - self.timings["warm_up"])
 
     def kv_cache_gib(self) -> float:
         return self.num_gpu_blocks * self.runner.kv_bytes_per_block() / GiB

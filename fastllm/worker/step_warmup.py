@@ -1,0 +1,67 @@
+"""Startup runs of the compiled forward on steps too large for the mixed-step CUDA graphs.
+
+Such steps (a burst of prompts, a long prompt's chunk) run the compiled forward, whose kernels are Triton
+JIT kernels specialized per variant: the Triton prefill kernel under prefill_attention.TMA_MIN_TOKENS
+tokens and Hopper's from there, and integer arguments that are or are not multiples of 16. Each variant
+first met inside a request's step compiles there (1.7-2 s seen on an H200 at 826 and 8192 tokens), and
+every request in flight waits. These runs meet them at startup instead: for each size, two requests whose
+prompts fill it, no KV written (slot -1).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS
+from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def warm_up_sizes(graph_max_tokens: int, max_tokens: int) -> list[int]:
+    """Token counts past the graphs' largest bucket, up to the step budget: the first counts past the
+    graphs (odd and a multiple of 16) and, where the budget reaches it, the same around TMA_MIN_TOKENS and
+    at the budget itself."""
+    sizes = set()
+    for low in (graph_max_tokens + 1, TMA_MIN_TOKENS + 1, max_tokens - 1):
+        sizes |= {low, -(-low // 16) * 16}
+    sizes.add(max_tokens)
+    return sorted(t for t in sizes if graph_max_tokens < t <= max_tokens)
+
+
+def synthetic_prefill(num_tokens: int, num_seqs: int, max_model_len: int, max_blocks: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """input_ids, positions and metadata of num_seqs whole prompts of num_tokens tokens together that write
+    nothing to the KV cache."""
+    base, extra = divmod(num_tokens, num_seqs)
+    lens = [base + (i < extra) for i in range(num_seqs)]
+    assert max(lens) <= max_model_len, (lens, max_model_len)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(device)
+    starts = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), query_start_loc=starts,
+        max_query_len=max(lens), max_seq_len=max(lens))
+    return torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, metadata
+
+
+@torch.inference_mode()
+def warm_up_compiled_steps(forward, attention_layers, sizes: list[int], max_model_len: int, max_num_seqs: int,
+                           max_blocks: int, device: torch.device) -> float:
+    """Run forward once per size (see the module's docstring); returns the seconds it took."""
+    start = time.perf_counter()
+    for tokens in sizes:
+        num_seqs = min(max_num_seqs, max(2, -(-tokens // max_model_len)))
+        input_ids, positions, metadata = synthetic_prefill(tokens, num_seqs, max_model_len, max_blocks, device)
+        with forward_context(metadata, attention_layers):
+            forward(input_ids, positions)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    if sizes:
+        logger.info("warmed up compiled steps of %s tokens in %.1f s", ", ".join(map(str, sizes)), seconds)
+    return seconds

@@ -1,0 +1,44 @@
+"""step_warmup: the sizes past the mixed-step graphs, and synthetic prefills that run and write no KV."""
+
+from __future__ import annotations
+
+import torch
+
+from fastllm import LLM
+from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS
+from fastllm.worker.step_warmup import synthetic_prefill, warm_up_compiled_steps, warm_up_sizes
+from tests.conftest import STORIES
+
+
+def test_sizes_cover_both_prefill_kernels_and_both_alignments():
+    sizes = warm_up_sizes(512, 8192)
+    assert sizes == [513, 528, TMA_MIN_TOKENS + 1, TMA_MIN_TOKENS + 16, 8191, 8192]
+    assert warm_up_sizes(512, 512) == []  # every step fits a graph
+    assert warm_up_sizes(0, 100) == [1, 16, 99, 100]  # no mixed graphs (mixed_cuda_graph_max_tokens=0)
+    assert warm_up_sizes(512, 1000) == [513, 528, 999, 1000]
+
+
+def test_synthetic_prefill_layout():
+    ids, positions, md = synthetic_prefill(11, 3, 8, 4, torch.device("cpu"))
+    assert ids.shape == positions.shape == md.slot_mapping.shape == (11,)
+    assert md.seq_lens.tolist() == [4, 4, 3] and md.query_start_loc.tolist() == [0, 4, 8, 11]
+    assert positions.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]
+    assert (md.slot_mapping == -1).all() and md.block_tables.shape == (3, 4)
+    assert (md.max_query_len, md.max_seq_len) == (4, 4)
+
+
+def test_warm_up_runs_the_forward_and_writes_no_kv():
+    llm = LLM(STORIES, enforce_eager=True, cpu_kv_cache_gib=0.01)
+    runner = llm.engine.worker.runner
+    before = runner.cache.gpu.clone()
+    calls = []
+
+    def forward(input_ids, positions):
+        calls.append(len(input_ids))
+        return runner.forward(input_ids, positions)
+
+    max_blocks = -(-llm.engine.config.model.max_model_len // runner.block_size)
+    warm_up_compiled_steps(forward, runner.attention_layers, [33, 300], llm.engine.config.model.max_model_len,
+                           4, max_blocks, torch.device("cpu"))
+    assert calls == [33, 300]
+    assert torch.equal(runner.cache.gpu, before)
