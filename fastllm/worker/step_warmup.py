@@ -3,9 +3,11 @@
 Such steps (a burst of prompts, a long prompt's chunk) run the compiled forward, whose kernels are Triton
 JIT kernels specialized per variant: the Triton prefill kernel under prefill_attention.TMA_MIN_TOKENS
 tokens and Hopper's from there, and integer arguments that are or are not multiples of 16. Each variant
-first met inside a request's step compiles there (1.7-2 s seen on an H200 at 826 and 8192 tokens), and
-every request in flight waits. These runs meet them at startup instead: for each size, two requests whose
-prompts fill it, no KV written (slot -1).
+first met inside a request's step compiles there (1.7-2.6 s seen on an H200 at 826, 7297 and 8192 tokens),
+and every request in flight waits. Hopper's kernel also takes 64- or 128-key tiles by the step's longest
+query (prefill_attention_hopper.LONG_QUERY). These runs meet them at startup instead: for each size, a
+step of two long prompts and one of short ones (SHORT_PROMPT tokens, as a burst of requests brings), no KV
+written (slot -1).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
+
+SHORT_PROMPT = 128  # tokens per request of the short-query warm-up steps (under LONG_QUERY)
 
 
 def warm_up_sizes(graph_max_tokens: int, max_tokens: int) -> list[int]:
@@ -55,10 +59,12 @@ def warm_up_compiled_steps(forward, attention_layers, sizes: list[int], max_mode
     """Run forward once per size (see the module's docstring); returns the seconds it took."""
     start = time.perf_counter()
     for tokens in sizes:
-        num_seqs = min(max_num_seqs, max(2, -(-tokens // max_model_len)))
-        input_ids, positions, metadata = synthetic_prefill(tokens, num_seqs, max_model_len, max_blocks, device)
-        with forward_context(metadata, attention_layers):
-            forward(input_ids, positions)
+        long, short = (min(max_num_seqs, max(2, -(-tokens // n))) for n in (max_model_len, SHORT_PROMPT))
+        for num_seqs in sorted({long, short}):
+            input_ids, positions, metadata = synthetic_prefill(tokens, num_seqs, max_model_len, max_blocks,
+                                                               device)
+            with forward_context(metadata, attention_layers):
+                forward(input_ids, positions)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start

@@ -6,7 +6,8 @@ import torch
 
 from fastllm import LLM
 from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS
-from fastllm.worker.step_warmup import synthetic_prefill, warm_up_compiled_steps, warm_up_sizes
+from fastllm.kernels.prefill_attention_hopper import LONG_QUERY
+from fastllm.worker.step_warmup import SHORT_PROMPT, synthetic_prefill, warm_up_compiled_steps, warm_up_sizes
 from tests.conftest import STORIES
 
 
@@ -40,5 +41,6 @@ def test_warm_up_runs_the_forward_and_writes_no_kv():
     max_blocks = -(-llm.engine.config.model.max_model_len // runner.block_size)
     warm_up_compiled_steps(forward, runner.attention_layers, [33, 300], llm.engine.config.model.max_model_len,
                            4, max_blocks, torch.device("cpu"))
-    assert calls == [33, 300]
+    assert calls == [33, 300, 300]  # 300 tokens: two long prompts and three short ones
+    assert LONG_QUERY > SHORT_PROMPT
     assert torch.equal(runner.cache.gpu, before)
