@@ -238,7 +238,9 @@ class EngineCore:
             self._compiles_seen += compiles
             s.num_compiles += compiles
             kernels = [name for name, _ in self._kernel_compiles.compiles[-compiles:]]
-            logger.info("a step compiled %d kernels or graphs (Triton: %s)", compiles, ", ".join(kernels) or "none")
+            # a warning: after startup's warm-up, every compile is a stall that requests in flight feel
+            logger.warning("a step compiled %d kernels or graphs (Triton: %s)", compiles,
+                           ", ".join(kernels) or "none")
         if seconds > SLOW_STEP_SECONDS:
             s.num_slow_steps += 1
             logger.warning("a step took %.2f s: %d tokens of %d requests, %d compiles", seconds,

@@ -36,7 +36,7 @@ def test_slow_steps_and_compiles_are_counted_and_logged(monkeypatch, caplog):
 
     monkeypatch.setattr(core.executor, "execute_model", execute_and_compile)
     monkeypatch.setattr(core_module, "SLOW_STEP_SECONDS", 0.0)  # every step is slow
-    with caplog.at_level(logging.INFO, logger="fastllm.engine.core"):
+    with caplog.at_level(logging.WARNING, logger="fastllm.engine.core"):
         out = llm.generate(["Once upon a time"], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     steps = core.stats.num_steps
