@@ -14,6 +14,12 @@ import torch
 # before anything imports triton (torch.compile's Inductor does), so it is set here, first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    try:
+        from tests import triton_interpreter_fp8
+    except ImportError:  # no triton: the references run alone
+        pass
+    else:
+        triton_interpreter_fp8.patch()
 
 from fastllm import LLM  # noqa: E402
 
