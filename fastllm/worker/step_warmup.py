@@ -2,7 +2,8 @@
 
 Such steps (a burst of prompts, a long prompt's chunk) run the compiled forward, whose kernels are Triton
 JIT kernels specialized per variant: the Triton prefill kernel under prefill_attention.TMA_MIN_TOKENS
-tokens and Hopper's from there, and integer arguments that are or are not multiples of 16. Each variant
+tokens and Hopper's from there, and integer arguments that are or are not multiples of 16 (token counts;
+block tables' widths are always, input_batch.aligned_tables). Each variant
 first met inside a request's step compiles there (1.7-2.6 s seen on an H200 at 826, 7297 and 8192 tokens),
 and every request in flight waits. Hopper's kernel also takes 64- or 128-key tiles by the step's longest
 query (prefill_attention_hopper.LONG_QUERY). These runs meet them at startup instead: for each size, a
@@ -19,6 +20,7 @@ import torch
 
 from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
+from fastllm.worker.input_batch import TABLE_WIDTH_ALIGN
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ def synthetic_prefill(num_tokens: int, num_seqs: int, max_model_len: int, max_bl
     starts = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
     metadata = AttentionMetadata(
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
-        block_tables=torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=device),
+        block_tables=torch.zeros(num_seqs, -(-max_blocks // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN,
+                                 dtype=torch.int32, device=device),  # a width as a step's (aligned_tables)
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), query_start_loc=starts,
         max_query_len=max(lens), max_seq_len=max(lens))
     return torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, metadata

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from fastllm import LLM
 from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS
 from fastllm.kernels.prefill_attention_hopper import LONG_QUERY
+from fastllm.worker.input_batch import TABLE_WIDTH_ALIGN, aligned_tables
 from fastllm.worker.step_warmup import SHORT_PROMPT, synthetic_prefill, warm_up_compiled_steps, warm_up_sizes
 from tests.conftest import STORIES
 
@@ -24,7 +26,7 @@ def test_synthetic_prefill_layout():
     assert ids.shape == positions.shape == md.slot_mapping.shape == (11,)
     assert md.seq_lens.tolist() == [4, 4, 3] and md.query_start_loc.tolist() == [0, 4, 8, 11]
     assert positions.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]
-    assert (md.slot_mapping == -1).all() and md.block_tables.shape == (3, 4)
+    assert (md.slot_mapping == -1).all() and md.block_tables.shape == (3, 16)  # aligned, as a step's
     assert (md.max_query_len, md.max_seq_len) == (4, 4)
 
 
@@ -44,3 +46,37 @@ def test_warm_up_runs_the_forward_and_writes_no_kv():
     assert calls == [33, 300, 300]  # 300 tokens: two long prompts and three short ones
     assert LONG_QUERY > SHORT_PROMPT
     assert torch.equal(runner.cache.gpu, before)
+
+
+def test_step_tables_are_padded_to_aligned_widths():
+    tables = np.arange(6, dtype=np.int32).reshape(2, 3)
+    padded = aligned_tables(tables)
+    assert padded.shape == (2, TABLE_WIDTH_ALIGN) and (padded[:, :3] == tables).all() and not padded[:, 3:].any()
+    wide = np.ones((1, 32), dtype=np.int32)
+    assert aligned_tables(wide) is wide
+    assert aligned_tables(np.ones((3, 17), dtype=np.int32)).shape == (3, 32)
+
+
+def test_compiled_steps_send_aligned_tables(monkeypatch):
+    """A prefill step outside the graphs (here: eager) gets a block table of an aligned width, and the
+    tokens are those of an engine whose tables are not padded."""
+    import fastllm.worker.input_batch as input_batch
+    from fastllm import SamplingParams
+
+    seen = []
+    forward_metadata = input_batch.AttentionMetadata
+
+    def record(*args, **kwargs):
+        seen.append(kwargs["block_tables"].shape[1])
+        return forward_metadata(*args, **kwargs)
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = ["Once upon a time", "The little dog ran to the park and saw a big red ball"]
+    llm = LLM(STORIES, enforce_eager=True, cpu_kv_cache_gib=0.01)
+    monkeypatch.setattr(input_batch, "AttentionMetadata", record)
+    padded = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert seen and all(w % TABLE_WIDTH_ALIGN == 0 for w in seen)
+    monkeypatch.setattr(input_batch, "aligned_tables", lambda tables: tables)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert padded == plain
+    llm.engine.check_kv_pool_whole()
