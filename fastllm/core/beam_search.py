@@ -73,12 +73,17 @@ class BeamSearch:
     def advance(self) -> list[Continuation]:
         """One position of every beam: update the finished hypotheses and return the beams that run on
         (best first; none once the search is done)."""
-        width, penalty = self.params.beam_width, self.params.length_penalty
-        length = self.num_generated + 1  # of every candidate
         candidates = sorted(
             ((cum + logprob, i, token) for i, (beam, cum) in enumerate(zip(self.beams, self.cum_logprobs))
              for token, logprob in self._reports.pop(beam.request_id)),
-            key=lambda c: -c[0])[:2 * width]
+            key=lambda c: -c[0])[:2 * self.params.beam_width]
+        return self.advance_ranked(candidates)
+
+    def advance_ranked(self, candidates: list[tuple[float, int, int]]) -> list[Continuation]:
+        """advance() from the ranked candidates: the best 2 * beam_width (cum logprob, beam index, token), best
+        first, ties in beam then rank order (a run-ahead step's device ranks them so, core/beam_run_ahead.py)."""
+        width, penalty = self.params.beam_width, self.params.length_penalty
+        length = self.num_generated + 1  # of every candidate
         ends = [token == self.eos_token_id or length >= self.max_tokens for _, _, token in candidates]
         if self._may_improve and not (self.params.early_stopping is True and len(self.finished) == width):
             new = [FinishedBeam(self.beams[i].output_token_ids + [token], cum, beam_score(cum, length, penalty),

@@ -13,6 +13,13 @@ leading run of the table (num_freed). Prefix-cache hits behind the window are no
 are registered in the prefix cache before they are freed, and registration walks over freed positions
 through the blocks lookup finds there, so the hash chain (each block registered under the one before it)
 stays whole; if one of those has been evicted, the request registers nothing more (unchained).
+
+Run-ahead beam searches (core/beam_run_ahead.py) hold their beams' tables as slots (slot_tables: a search's W
+tables, one per running beam) and the blocks of steps launched before their picks are known (ahead_blocks:
+one private block per slot and step, for the position it writes). Once a step's picks are known, regroup_slots
+makes each new slot its parent's table up to that position's block, then the slot's ahead block (which the
+device filled with a copy of the parent's partial block where the position is not a block's first). Slots
+register nothing in the prefix cache.
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class KVCacheManager:
         # prefix hit on one is safe (each layer writes K/V before attending), but a copy-on-write
         # copy runs before the forward, so a fork must not share one (see fork).
         self.filled_this_step: set[int] = set()
+        self.slot_tables: dict[str, list[list[KVCacheBlock]]] = {}  # run-ahead search id -> its slots' tables
+        self.ahead_blocks: dict[str, list[list[KVCacheBlock]]] = {}  # search id -> per launched step, a block a slot
 
     @property
     def num_free_blocks(self) -> int:
@@ -239,6 +248,62 @@ class KVCacheManager:
                 self.unchained.add(child.request_id)
         return True
 
+    # run-ahead beam slots
+
+    def allocate_ahead(self, search_id: str, num_slots: int) -> list[int] | None:
+        """One block for each of a run-ahead step's slots, held by the search until regroup_slots puts them in
+        its tables (or free_slots); None, changing nothing, when the pool is short."""
+        if num_slots > self.pool.num_free_blocks:
+            return None
+        blocks = self.pool.allocate(num_slots)
+        self.ahead_blocks.setdefault(search_id, []).append(blocks)
+        return [b.block_id for b in blocks]
+
+    def adopt_slots(self, search_id: str, request_ids: list[str]) -> None:
+        """The requests' tables become the search's slots (the requests hold nothing after)."""
+        assert search_id not in self.slot_tables, f"{search_id} holds slots already"
+        self.slot_tables[search_id] = [self.req_blocks.pop(r) for r in request_ids]
+        for r in request_ids:
+            self.num_registered.pop(r, None)
+            self.chain_tail.pop(r, None)
+            self.unchained.discard(r)
+            assert not self.num_freed.pop(r, 0), "slots of a request with freed blocks (a sliding window)"
+
+    def regroup_slots(self, search_id: str, parents: list[int], num_shared: int) -> None:
+        """The next step's slots: slot j is parent[j]'s first num_shared blocks, then the oldest ahead block of
+        slot j. The old tables' blocks no slot keeps go back to the pool."""
+        old, ahead = self.slot_tables[search_id], self.ahead_blocks[search_id].pop(0)
+        assert len(ahead) == len(parents), "a step's ahead blocks are one per slot"
+        new = []
+        for parent, block in zip(parents, ahead):
+            shared = old[parent][:num_shared]
+            assert len(shared) == num_shared, f"slot {parent} holds {len(old[parent])} blocks, {num_shared} shared"
+            self.pool.touch(shared)
+            new.append(shared + [block])
+        for table in old:
+            self.pool.free(reversed(table))
+        self.slot_tables[search_id] = new
+        if not self.ahead_blocks[search_id]:
+            del self.ahead_blocks[search_id]
+
+    def slots_to_requests(self, search_id: str, parents: list[int], request_ids: list[str]) -> None:
+        """Back to requests: request j shares all of slot parent[j]'s blocks (copy-on-write at its next write)."""
+        assert search_id not in self.ahead_blocks, "slots with steps in flight"
+        old = self.slot_tables.pop(search_id)
+        for parent, request_id in zip(parents, request_ids):
+            self.pool.touch(old[parent])
+            self.req_blocks[request_id] = list(old[parent])
+        for table in old:
+            self.pool.free(reversed(table))
+
+    def free_slots(self, search_id: str) -> None:
+        """A run-ahead search ended: its tables and ahead blocks go back (steps in flight write only ahead blocks
+        and read these, before any later step's writes, in the device's order)."""
+        for table in self.slot_tables.pop(search_id, []):
+            self.pool.free(reversed(table))
+        for blocks in self.ahead_blocks.pop(search_id, []):
+            self.pool.free(blocks)
+
     # swapping
 
     def can_swap_out(self, request: Request) -> bool:
@@ -306,6 +371,10 @@ class KVCacheManager:
             for b in blocks[freed:]:
                 assert b is not self.null_block, f"{req_id}: the null block past the freed run"
                 holders[b.block_id] += 1
+        for tables in (*self.slot_tables.values(), *self.ahead_blocks.values()):
+            for b in (b for t in tables for b in t):
+                assert b is not self.null_block, "a slot holds the null block"
+                holders[b.block_id] += 1
         for block in self.pool.blocks:
             if block.block_id == NULL_BLOCK_ID and self.pool.reserve_null_block:
                 assert block.ref_cnt == 1 and holders[NULL_BLOCK_ID] == 0, "null block was handed out"
@@ -327,6 +396,8 @@ class KVCacheManager:
         self.check_invariants()
         assert not self.req_blocks and not self.swapped_blocks, (
             f"blocks still held by {sorted(self.req_blocks) + sorted(self.swapped_blocks)}")
+        assert not self.slot_tables and not self.ahead_blocks, (
+            f"beam slots still held by {sorted(self.slot_tables) + sorted(self.ahead_blocks)}")
         assert not any(self.num_freed.values()), f"freed-block counts left for {sorted(self.num_freed)}"
         assert self.pool.num_free_blocks == self.pool.num_usable_blocks, (
             f"{self.pool.num_usable_blocks - self.pool.num_free_blocks} blocks leaked")
