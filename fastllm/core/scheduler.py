@@ -25,6 +25,8 @@ its copy) goes on in place, as a plain decode would; every other continuation is
 (all of its blocks shared, copy-on-write on the last partial one) with the chosen token appended, and
 parents that do not go on are freed at once, so pruned and finished beams hold nothing. A beam is not
 scheduled again while its position is in flight: its next token is not known yet.
+When nothing but beam searches runs, they run ahead instead (core/beam_run_ahead.py): as slots whose next step
+the device picks, launched before the host has read the last one.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fastllm.config import CacheConfig, SchedulerConfig
+from fastllm.core.beam_run_ahead import RunAheadSearch
 from fastllm.core.beam_search import BeamSearch
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.kv_cache_manager import KVCacheManager
 from fastllm.core.scheduler_output import (
+    BeamSlotStep,
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
@@ -81,7 +85,10 @@ class Scheduler:
         draft_writes_kv: bool = False,
         sliding_window: int | None = None,  # every layer's window: blocks behind it go back to the pool
         wait_for_sampled_tokens: bool = False,
+        beam_run_ahead_off: str | None = "the scheduler was built without it",
     ):
+        """beam_run_ahead_off: why beam searches never run ahead here (beam_run_ahead.run_ahead_off_reason), or
+        None: they do when nothing else runs (the runner must run BeamSlotSteps)."""
         if scheduler_config.max_num_seqs is None:
             raise ValueError("max_num_seqs is unset: build the scheduler from EngineConfig.for_device(...)")
         self.config = scheduler_config
@@ -114,6 +121,11 @@ class Scheduler:
         self._beam_of: dict[str, BeamSearch] = {}  # beam request id -> its search
         self._beam_sampled: dict[str, int] = {}  # beam request id -> its reported step's argmax
         self.finished_beam_searches: list[BeamSearch] = []  # until take_finished_beam_searches
+        self.beam_run_ahead_off = beam_run_ahead_off
+        self.run_ahead: dict[str, RunAheadSearch] = {}  # by search id: the searches running as slots
+        self._slot_steps: dict[int, list[RunAheadSearch]] = {}  # step id -> the searches it ran ahead
+        self._ended_slots: set[str] = set()  # searches whose slots' device state the runner drops
+        self._said: set[str] = set()  # beam search paths and fallbacks logged (once each)
 
     # requests in and out
 
@@ -136,9 +148,13 @@ class Scheduler:
         beam searches its beams belong to end too; the others are untouched. Returns every request the
         step scheduled, and the ids of the searches ended."""
         scheduled = self._scheduled_requests.pop(scheduler_output.step_id, {})
+        searches = []
+        for ra in self._slot_steps.pop(scheduler_output.step_id, ()):
+            if self.run_ahead.get(ra.search.request_id) is ra:
+                self.finish_beam_search(ra.search.request_id)
+                searches.append(ra.search.request_id)
         # Its prefix-cache blocks may hold no KV (a failure before or inside the forward): no hits on them.
         self.kv.uncache(self._step_filled.pop(scheduler_output.step_id, []))
-        searches = []
         for request in scheduled.values():
             search = self._beam_of.get(request.request_id)
             if search is not None:
@@ -164,17 +180,25 @@ class Scheduler:
             self.finished_req_ids.add(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self.run_ahead)
 
     def beams_wait_for_steps_in_flight(self) -> bool:
         """Whether a running beam waits for a step in flight: its position is being computed, or its search
         advances once that step reports. Finishing the step before scheduling lets the beams join the next
         one; otherwise, beside requests that do not wait, they would run every other step."""
+        if self.run_ahead and self._run_ahead_blocker() is not None:
+            for ra in self.run_ahead.values():  # (their slots become requests once their steps are applied)
+                ra.draining = True
+        if any(ra.draining and ra.in_flight for ra in self.run_ahead.values()):
+            return True
         return bool(self._beam_of) and any(self._beam_waits(r) for r in self.running)
 
     # one step
 
     def schedule(self) -> SchedulerOutput:
+        slot_steps = self._schedule_beam_slots() if self.beam_searches else []
+        if slot_steps:
+            return self._build_slot_output(slot_steps)
         num_proposals = self.spec_policy.num_to_propose(len(self.running)) if self.spec_policy else 0
         self.num_lookahead_tokens = num_proposals if self.draft_writes_kv else 0
         plan = _StepPlan(self.config.max_num_batched_tokens)
@@ -298,6 +322,7 @@ class Scheduler:
                 request.num_pending_tokens += 1  # caught up: this step samples its next token
 
         finished, self.finished_req_ids = self.finished_req_ids, set()
+        ended, self._ended_slots = self._ended_slots, set()
         self._step_id += 1
         self._scheduled_requests[self._step_id] = step_requests
         self._step_filled[self._step_id] = self.kv.filled_identities()
@@ -313,6 +338,7 @@ class Scheduler:
             step_id=self._step_id,
             scheduled_spec_tokens=plan.spec_tokens,
             num_spec_proposals=num_proposals,
+            ended_beam_slots=ended,
         )
 
     def _new_request_data(self, request: Request) -> NewRequestData:
@@ -405,6 +431,8 @@ class Scheduler:
         self._step_filled.pop(scheduler_output.step_id, None)
         if scheduled is None:
             raise ValueError(f"step {scheduler_output.step_id} was not scheduled here, or its output was already applied")
+        for ra in self._slot_steps.pop(scheduler_output.step_id, ()):
+            self._apply_slot_step(ra, scheduler_output.step_id, runner_output.beam_candidates)
         spec_scheduled = scheduler_output.scheduled_spec_tokens
         for req_id, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = scheduled.get(req_id)
@@ -439,6 +467,9 @@ class Scheduler:
 
     def add_beam_search(self, search: BeamSearch, first: Request) -> None:
         """Start a search whose first beam is `first` (the prompt)."""
+        self._say("path", "beam search: synchronous steps (%s)" % self.beam_run_ahead_off if self.beam_run_ahead_off
+                  else "beam search: run-ahead steps while only beam searches run (the device picks each step's "
+                       "beams; core/beam_run_ahead.py)")
         self.add_request(first)
         search.max_tokens = min(search.max_tokens, first.max_total_tokens - first.num_prompt_tokens)
         search.set_beams([first], [0.0])
@@ -448,6 +479,11 @@ class Scheduler:
     def finish_beam_search(self, request_id: str) -> None:
         """Abort a search: its beams' blocks are freed, it gives no output."""
         search = self.beam_searches.pop(request_id, None)
+        ra = self.run_ahead.pop(request_id, None)
+        if ra is not None:
+            self.kv.free_slots(request_id)
+            self._ended_slots.add(request_id)
+            return
         for beam in search.beams if search is not None else ():
             self._drop_beam(beam)
 
@@ -522,6 +558,101 @@ class Scheduler:
             self._queue_of(beam).remove(beam)
             beam.status = RequestStatus.FINISHED_STOPPED
             self._free(beam)
+
+    # beam search run ahead (core/beam_run_ahead.py)
+
+    def _say(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.info("%s (logged once)", message)
+
+    def _run_ahead_blocker(self) -> str | None:
+        """Why the beam searches cannot run ahead now: work beside them, or a search not ready to (None: all ready)."""
+        if self.waiting or self.swapped:
+            return "requests or beams wait beside the beams"
+        searches = {}
+        for request in self.running:
+            search = self._beam_of.get(request.request_id)
+            if search is None:
+                return "other (non-beam) requests run beside the beams"
+            searches[search.request_id] = search
+        if not all(RunAheadSearch.can_take_over(s, s.beams, self.kv) for s in searches.values()):
+            return "a search's beams are not all one token from their next step (its prompt)"
+        return None
+
+    def _schedule_beam_slots(self) -> list[BeamSlotStep]:
+        """The run-ahead searches' next steps (searches ready to run ahead join them); none while anything else
+        runs, which drains them back to requests."""
+        if self.beam_run_ahead_off is not None:
+            return []
+        blocker = self._run_ahead_blocker()
+        if blocker is not None:
+            self._say(blocker, f"beam search: synchronous steps while {blocker}")
+        else:
+            for search in {id(s): s for s in map(self._beam_of.get, (r.request_id for r in self.running))}.values():
+                if self.kv.num_free_blocks < sum(len(ra.search.beams) for ra in self.run_ahead.values()) \
+                        + len(search.beams):
+                    self._say("pool", "beam search: synchronous steps while the KV pool is too short to allocate "
+                                      "a run-ahead step's blocks ahead")
+                    break
+                self._take_over(search)
+        steps = []
+        for ra in list(self.run_ahead.values()):
+            ra.draining |= blocker is not None
+            step = ra.schedule_step(self.kv, self._step_id + 1) if ra.wants_step() else None
+            if step is not None:
+                steps.append(step)
+            elif ra.wants_step():
+                self._say("pool", "beam search: synchronous steps while the KV pool is too short to allocate "
+                                  "a run-ahead step's blocks ahead")
+                ra.draining = True
+            if ra.draining and not ra.in_flight:
+                self._leave_run_ahead(ra)
+        return steps
+
+    def _take_over(self, search: BeamSearch) -> None:
+        """The search's beams become its slots: the runner drops their states, the scheduler their requests."""
+        for beam in search.beams:
+            self.running.remove(beam)
+            del self.requests[beam.request_id]
+            del self._beam_of[beam.request_id]
+            if beam.request_id in self._runner_knows:
+                self._runner_knows.discard(beam.request_id)
+                self.finished_req_ids.add(beam.request_id)
+        self.run_ahead[search.request_id] = RunAheadSearch(search, search.beams, self.kv)
+
+    def _leave_run_ahead(self, ra: RunAheadSearch) -> None:
+        """A drained search's slots become running requests again."""
+        search = ra.search
+        del self.run_ahead[search.request_id]
+        self._ended_slots.add(search.request_id)
+        for request in ra.to_requests(self.kv, lambda: self.new_beam_id(search)):
+            self.requests[request.request_id] = request
+            self._beam_of[request.request_id] = search
+            self.running.append(request)
+
+    def _apply_slot_step(self, ra: RunAheadSearch, step_id: int, candidates: dict) -> None:
+        search_id = ra.search.request_id
+        if self.run_ahead.get(search_id) is not ra:
+            return  # ended (or drained) while the step was in flight: its output is not the search's
+        ra.apply(step_id, candidates[search_id], self.kv)
+        if ra.search.done:
+            self.kv.free_slots(search_id)
+            del self.run_ahead[search_id], self.beam_searches[search_id]
+            self._ended_slots.add(search_id)
+            self.finished_beam_searches.append(ra.search)
+        elif ra.draining and not ra.in_flight:
+            self._leave_run_ahead(ra)
+
+    def _build_slot_output(self, steps: list[BeamSlotStep]) -> SchedulerOutput:
+        self._step_id += 1
+        self._scheduled_requests[self._step_id] = {}
+        self._step_filled[self._step_id] = []
+        self._slot_steps[self._step_id] = [self.run_ahead[step.search_id] for step in steps]
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        ended, self._ended_slots = self._ended_slots, set()
+        return SchedulerOutput([], [], {}, 0, finished, blocks_to_copy=self.kv.take_copies(), step_id=self._step_id,
+                               beam_slot_steps=steps, ended_beam_slots=ended)
 
     def _waits_for_pending_token(self, request: Request) -> bool:
         """Whether the request has nothing to compute until its newest token is known: a beam that

@@ -34,6 +34,23 @@ class CachedRequestData:
 
 
 @dataclass
+class BeamSlotStep:
+    """One run-ahead beam search's step (core/beam_run_ahead.py): a row per slot, each computing `position`.
+    The runner takes the slots' tokens, parents and tables from the search's previous step on the device
+    (worker/beam_slots.py), except at the search's first such step, which carries them (entry_*)."""
+
+    search_id: str
+    position: int  # every slot's input position
+    ahead_block_ids: list[int]  # [slots] the block each slot writes `position` into (its table's last entry)
+    copy_tail: bool  # position is not a block's first: each ahead block starts as a copy of its parent's block
+    beam_width: int  # the slots of the next step (this step's rows: len(ahead_block_ids))
+    eos_token_id: int | None  # the token that ends a beam (None: ignore_eos)
+    entry_tables: list[list[int]] | None = None  # [slots] block ids up to `position` (its block included if any)
+    entry_tokens: list[int] | None = None  # [slots] input tokens
+    entry_cum_logprobs: list[float] | None = None  # [slots]
+
+
+@dataclass
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -48,10 +65,13 @@ class SchedulerOutput:
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # tokens the proposer drafts after this step for each request that samples and may speculate (0: none)
     num_spec_proposals: int = 0
+    # Run-ahead beam searches' steps (then the step's only work), and the searches whose device state goes
+    beam_slot_steps: list[BeamSlotStep] = field(default_factory=list)
+    ended_beam_slots: set[str] = field(default_factory=set)
 
     @property
     def is_empty(self) -> bool:
-        return self.total_num_scheduled_tokens == 0
+        return self.total_num_scheduled_tokens == 0 and not self.beam_slot_steps
 
 
 @dataclass
@@ -67,3 +87,5 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req id -> (position of the first scored prompt token, its entries like logprobs'): prompt_logprobs
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+    # run-ahead search id -> its step's best 2 * beam_width candidates (cum logprob, slot, token), best first
+    beam_candidates: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from fastllm.config import EngineConfig
+from fastllm.core.beam_run_ahead import run_ahead_off_reason
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
 from fastllm.engine.core import EngineCore
@@ -82,7 +83,8 @@ class LLMEngine:
         pipeline = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
                                    num_blocks, num_cpu_blocks, hash_fn, policy, spec.uses_draft_model,
-                                   config.model.kv_sliding_window, wait_for_sampled_tokens=pipeline > 1)
+                                   config.model.kv_sliding_window, wait_for_sampled_tokens=pipeline > 1,
+                                   beam_run_ahead_off=run_ahead_off_reason(config))
         self.eos_token_id = self.worker.runner.eos_token_id
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_id = self.tokenizer.eos_token_id
