@@ -111,7 +111,7 @@ def nth_step_fails(worker, n: int):
     execute, calls = worker.execute_model, []
 
     def execute_model(sched):
-        if sched.num_scheduled_tokens:
+        if not sched.is_empty:  # (a run-ahead beam step schedules slots, no request tokens)
             calls.append(sched)
             if len(calls) == n:
                 raise RuntimeError("planted step failure")

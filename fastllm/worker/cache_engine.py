@@ -62,3 +62,10 @@ class CacheEngine:
         else:
             src, dst = torch.tensor(pairs, dtype=torch.int64).T.to(pool.device, non_blocking=True)
             pool.index_copy_(2, dst, pool.index_select(2, src))
+
+    def copy_indexed(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Device block dst[i] = block src[i] (int64 index tensors on the device, so nothing waits for the host:
+        run-ahead beam steps pick the source on the device). Every layer's K and V, as the bytes they are
+        (an FP8 cache's per-layer scales apply to both blocks alike)."""
+        pool = self._bytes(self.gpu)
+        pool.index_copy_(2, dst, pool.index_select(2, src))

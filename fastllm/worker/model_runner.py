@@ -23,6 +23,7 @@ from fastllm.spec_decode.spec_runner import SpecDecodeRunner
 from fastllm.tracing import nvtx_range
 from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.attn_metadata import forward_context
+from fastllm.worker.beam_slots import BeamSlotRunner
 from fastllm.worker.cache_engine import CacheEngine
 from fastllm.worker.cascade import CascadePlanner
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
@@ -59,6 +60,7 @@ class ModelRunner:
         self.cache: CacheEngine | None = None
         self.caches: list[CacheEngine] = []  # the target's, then the draft's: swaps and copies apply to both
         self.requests: dict[str, CachedRequestState] = {}
+        self.beam_slots = BeamSlotRunner(self)  # run-ahead beam searches' device state
         self.forward = self.model.forward  # replaced by the compiled forward in init_kv_cache
         self.graphs: CUDAGraphRunner | None = None
         self.mixed_graphs: MixedGraphRunner | None = None  # prefill and mixed steps' graphs, per token bucket
@@ -199,6 +201,9 @@ class ModelRunner:
             cache.copy(sched.blocks_to_copy)
         req_ids = list(sched.num_scheduled_tokens)
         self.last_decode_step = None
+        self.beam_slots.drop(sched.ended_beam_slots)
+        if sched.beam_slot_steps:
+            return self.beam_slots.execute(sched)
         if sched.is_empty:
             return AsyncRunnerOutput(req_ids, [])
         if self.spec is not None and (sched.scheduled_spec_tokens or sched.num_spec_proposals):
