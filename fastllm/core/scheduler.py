@@ -126,6 +126,7 @@ class Scheduler:
         self._slot_steps: dict[int, list[RunAheadSearch]] = {}  # step id -> the searches it ran ahead
         self._ended_slots: set[str] = set()  # searches whose slots' device state the runner drops
         self._said: set[str] = set()  # beam search paths and fallbacks logged (once each)
+        self.num_run_ahead_steps = 0  # steps of run-ahead beam slots scheduled
 
     # requests in and out
 
@@ -646,6 +647,7 @@ class Scheduler:
 
     def _build_slot_output(self, steps: list[BeamSlotStep]) -> SchedulerOutput:
         self._step_id += 1
+        self.num_run_ahead_steps += 1
         self._scheduled_requests[self._step_id] = {}
         self._step_filled[self._step_id] = []
         self._slot_steps[self._step_id] = [self.run_ahead[step.search_id] for step in steps]

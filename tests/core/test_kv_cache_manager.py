@@ -507,3 +507,69 @@ def test_assert_empty_catches_a_leak():
     kv.pool.allocate(1)  # taken from the pool and never given to a request
     with pytest.raises(AssertionError):
         kv.assert_empty()
+
+
+# run-ahead beam slots (core/beam_run_ahead.py)
+
+def slot_ids(kv: KVCacheManager, search_id: str) -> list[list[int]]:
+    return [[b.block_id for b in t] for t in kv.slot_tables[search_id]]
+
+
+def test_beam_slots_share_full_blocks_hold_their_own_last_and_give_back_the_rest():
+    """Two beams at position 6 (blocks of 4: one full block, one partial) become slots; a step at position 6
+    gives each new slot its parent's full block and its own ahead block, and the step after (position 7, the
+    same block) each slot's parent's full block again and a new ahead block; the old ones go back."""
+    kv = KVCacheManager(num_gpu_blocks=16, block_size=BS, enable_caching=False)
+    a = req("a", 6, hash_fn=None)
+    admit(kv, a)  # 6 tokens computed, 7 held
+    b = a.copy_as("b")
+    assert kv.fork(a, b, a.num_computed_tokens)
+    shared = kv.block_ids("a")
+    kv.adopt_slots("s", ["a", "b"])
+    assert not kv.req_blocks and slot_ids(kv, "s") == [shared, shared]
+    ahead = kv.allocate_ahead("s", 2)
+    kv.regroup_slots("s", [0, 1], 6 // BS)  # the entry step: each slot is its own parent
+    assert slot_ids(kv, "s") == [[shared[0], ahead[0]], [shared[0], ahead[1]]]
+    kv.check_invariants()
+    ahead2 = kv.allocate_ahead("s", 2)
+    kv.check_invariants()
+    kv.regroup_slots("s", [1, 1], 7 // BS)  # both next slots continue slot 1
+    assert slot_ids(kv, "s") == [[shared[0], ahead2[0]], [shared[0], ahead2[1]]]
+    assert kv.pool.blocks[shared[0]].ref_cnt == 2 and kv.pool.blocks[ahead[0]].ref_cnt == 0
+    assert kv.pool.blocks[shared[1]].ref_cnt == 0  # the entry's shared partial block, copied by the device
+    kv.check_invariants()
+    ahead3 = kv.allocate_ahead("s", 2)  # position 8: a new block, each next slot sharing its parent's full one
+    kv.regroup_slots("s", [0, 0], 8 // BS)
+    assert slot_ids(kv, "s") == [[shared[0], ahead2[0], ahead3[0]], [shared[0], ahead2[0], ahead3[1]]]
+    kv.slots_to_requests("s", [1, 0], ["c", "d"])
+    assert kv.block_ids("c") == [shared[0], ahead2[0], ahead3[1]]
+    assert kv.block_ids("d") == [shared[0], ahead2[0], ahead3[0]]
+    assert kv.pool.blocks[ahead2[0]].ref_cnt == 2
+    kv.check_invariants()
+    for r in ("c", "d"):
+        kv.free(req(r, 1, hash_fn=None))
+    kv.assert_empty()
+
+
+def test_free_slots_returns_ahead_blocks_and_a_short_pool_allocates_nothing():
+    kv = KVCacheManager(num_gpu_blocks=6, block_size=BS, enable_caching=False)
+    a = req("a", 5, hash_fn=None)
+    admit(kv, a)
+    kv.adopt_slots("s", ["a"])
+    assert kv.allocate_ahead("s", 2) is not None and kv.allocate_ahead("s", 2) is None  # 5 usable, 4 held
+    assert kv.num_free_blocks == 1
+    with pytest.raises(AssertionError, match="beam slots still held"):
+        kv.assert_empty()
+    kv.free_slots("s")
+    kv.assert_empty()
+
+
+def test_the_invariant_check_sees_a_slot_block_freed_twice():
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=BS, enable_caching=False)
+    a = req("a", 5, hash_fn=None)
+    admit(kv, a)
+    kv.adopt_slots("s", ["a"])
+    kv.allocate_ahead("s", 1)
+    kv.pool.free([kv.slot_tables["s"][0][0]])  # a planted bug: a slot's block dropped behind its back
+    with pytest.raises(AssertionError, match="ref_cnt 0 but 1 holders"):
+        kv.check_invariants()

@@ -172,6 +172,28 @@ def test_beam_search_scores_what_the_model_scores_from_scratch():
             assert s.cum_logprob == pytest.approx(scored_from_scratch(llm, prompt_ids, generated), abs=1e-4)
 
 
+@pytest.mark.parametrize("eos", [None, 426])
+def test_run_ahead_beam_steps_equal_the_synchronous_path(eos, monkeypatch):
+    """Run-ahead beam steps (worker/beam_slots.py) copy each slot's partial e4m3 block from its parent on the device
+    (CacheEngine.copy_indexed): the beams and scores of the synchronous path (async_scheduling=False), to the bit,
+    and a lost copy is caught."""
+    from fastllm.worker.cache_engine import CacheEngine
+
+    params = BeamSearchParams(3, max_tokens=10, ignore_eos=eos is None)
+    results = []
+    for llm in (fp8_llm(block_size=4), fp8_llm(block_size=4, async_scheduling=False)):
+        monkeypatch.setattr(llm.engine.core, "eos_token_id", eos)
+        steps = llm.engine.scheduler.num_run_ahead_steps
+        results.append([[(s.tokens, s.score) for s in o.sequences] for o in llm.beam_search(SHARED[3], params)])
+        llm.engine.check_kv_pool_whole()
+        assert (llm.engine.scheduler.num_run_ahead_steps > steps) == llm.engine.config.scheduler.async_scheduling
+    assert results[0] == results[1]
+    monkeypatch.setattr(CacheEngine, "copy_indexed", lambda self, src, dst: None)
+    lost = fp8_llm(block_size=4).beam_search(SHARED[3], params)
+    assert [[(s.tokens, s.score) for s in o.sequences] for o in lost] != results[0]
+    fp8_llm(block_size=4).engine.check_kv_pool_whole()
+
+
 @pytest.mark.parametrize("arch", ["mistral-window", "qwen3"])
 def test_sliding_window_and_qk_norm_models_chunked_and_whole(arch, tmp_path_factory):
     """Mistral's window (decoded past it) and Qwen3's q/k norms with FP8 weights and cache: chunked prefill
