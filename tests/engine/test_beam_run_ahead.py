@@ -237,3 +237,23 @@ def test_the_synchronous_path_is_logged_once_with_its_reason(caplog):
     said = [r.getMessage() for r in caplog.records if "beam search: synchronous steps" in r.getMessage()]
     assert said == ["beam search: synchronous steps (async_scheduling=False) (logged once)"] or \
         not said  # (logged by an earlier test of this session's engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, kv_cache_dtype", [("bfloat16", "auto"), ("float32", "auto"), ("bfloat16", "fp8")])
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_run_ahead_on_the_gpu_equals_the_synchronous_path(dtype, kv_cache_dtype, enforce_eager):
+    """On CUDA the run-ahead steps replay the decode graphs (or run eagerly), their picks made on the device: the
+    beams and scores of the synchronous path, to the bit, for widths 1-8 and with EOS."""
+    from tests.conftest import release_cached_engines
+
+    release_cached_engines()
+    kw = dict(device="cuda", dtype=dtype, kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager, block_size=4)
+    assert (ahead_llm(**kw).engine.worker.runner.graphs is None) == enforce_eager
+    for width in (1, 2, 4, 8):
+        params = BeamSearchParams(width, max_tokens=24, length_penalty=0.5 if width == 2 else 1.0)
+        for eos in (PERIOD, THE):
+            assert_run_ahead_equals_sync(PROMPTS[:2], params, eos=eos, **kw)
+    params = BeamSearchParams(4, max_tokens=16, ignore_eos=True)
+    got, steps = beams(ahead_llm(**kw), PROMPTS[:4], params)
+    assert steps > 0 and got == beams(sync_llm(**kw), PROMPTS[:4], params)[0]
