@@ -267,7 +267,8 @@ class KVCacheManager:
             self.num_registered.pop(r, None)
             self.chain_tail.pop(r, None)
             self.unchained.discard(r)
-            assert not self.num_freed.pop(r, 0), "slots of a request with freed blocks (a sliding window)"
+            freed = self.num_freed.pop(r, 0)  # (not inside the assert: python -O drops it)
+            assert not freed, "slots of a request with freed blocks (a sliding window)"
 
     def regroup_slots(self, search_id: str, parents: list[int], num_shared: int) -> None:
         """The next step's slots: slot j is parent[j]'s first num_shared blocks, then the oldest ahead block of
