@@ -16,7 +16,7 @@ This runs both on the embedded tiny model with the forward replaced by a lookup 
   output's readback, the search's update (advance, forks, frees), scheduling, the runner's state update and
   the step's inputs (block copies, staging).
 
---synchronous runs the beams' synchronous steps (the scheduler's beam_run_ahead_off set), the before.
+--synchronous runs the beams' synchronous steps (beam_run_ahead=False), the before.
 --graph-path stages the inputs as a CUDA graph's decode step does (the graph runner's no-replay mode),
 which is the path a GPU takes. The numbers are this machine's; a GPU host's differ by a factor, and
 its CUDA calls add to them (see README's host times).
@@ -139,10 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--synchronous", action="store_true", help="no run-ahead beam steps (the synchronous path)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    engine = LLMEngine.from_kwargs(None, dtype="float32", device="cpu", cpu_kv_cache_gib=0.03)
+    engine = LLMEngine.from_kwargs(None, dtype="float32", device="cpu", cpu_kv_cache_gib=0.03,
+                                   beam_run_ahead=not args.synchronous)
     runner, trace = engine.worker.runner, Trace()
-    if args.synchronous:
-        engine.scheduler.beam_run_ahead_off = "bench_beam_host.py --synchronous"
     hidden = torch.randn(4096, runner.args.hidden_size, generator=torch.Generator().manual_seed(0))
 
     def forward(input_ids, positions):  # fixed hidden states at once: the logits still differ by row and step

@@ -100,13 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=int, default=160, help="generated tokens of the long runs")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--beam-run-ahead", action="store_true", help="beam_run_ahead=True (off by default)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after the timings, record a few beam steps with the torch profiler into DIR")
     args = p.parse_args(argv)
     width = args.beam_width
     engine = LLMEngine.from_kwargs(args.model, load_format=args.load_format, dtype=args.dtype,
-                                   max_model_len=args.max_model_len, cuda_graph_sizes=[1, 2, 4, 8, 16])
+                                   max_model_len=args.max_model_len, cuda_graph_sizes=[1, 2, 4, 8, 16],
+                                   beam_run_ahead=args.beam_run_ahead)
     prepare_gc_for_serving()  # the garbage collector as `fastllm bench` and the server set it
     vocab = engine.vocab_size
     prompt = random_prompts(np.random.default_rng(0), 1, args.input_len, vocab)[0]

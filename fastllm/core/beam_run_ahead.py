@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 def run_ahead_off_reason(config: "EngineConfig") -> str | None:
     """Why this engine's beam searches never run ahead (None: they may)."""
+    if not config.scheduler.beam_run_ahead:
+        return "beam_run_ahead=False"
     if not config.scheduler.async_scheduling:
         return "async_scheduling=False"
     if config.speculative.enabled:

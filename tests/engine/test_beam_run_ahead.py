@@ -1,5 +1,5 @@
 """Run-ahead beam steps (core/beam_run_ahead.py, worker/beam_slots.py) against the synchronous path
-(async_scheduling=False runs it) on stories260K in float32: the same beams, token for token, with the same
+(async_scheduling=False runs it) with beam_run_ahead=True on stories260K in float32: the same beams, token for token, with the same
 scores, whether a search runs ahead throughout or drains back to requests and returns (a request beside it, a
 pool too short, an abort, a failed step); the KV pool whole after every run."""
 
@@ -36,14 +36,14 @@ def ahead_llm(**kw):
     # (no prefix cache unless asked: a prompt another test computed in another batch would be a hit on one path
     # and a miss on the other, which rounds differently)
     kw.setdefault("enable_prefix_caching", False)
-    llm = cached_llm(**kw)
+    llm = cached_llm(beam_run_ahead=True, **kw)
     assert llm.engine.scheduler.beam_run_ahead_off is None
     return llm
 
 
 def sync_llm(**kw):
     kw.setdefault("enable_prefix_caching", False)
-    llm = cached_llm(async_scheduling=False, **kw)
+    llm = cached_llm(async_scheduling=False, beam_run_ahead=True, **kw)
     assert llm.engine.scheduler.beam_run_ahead_off == "async_scheduling=False"
     return llm
 
@@ -232,6 +232,14 @@ def test_a_lost_partial_block_copy_is_caught(monkeypatch):
     monkeypatch.setattr(CacheEngine, "copy_indexed", lambda self, src, dst: None)
     got, _ = beams(ahead_llm(block_size=4), PROMPTS[:1], BeamSearchParams(3, max_tokens=10, ignore_eos=True))
     assert got != want
+
+
+def test_off_by_default_until_its_gpu_tests_run():
+    llm = cached_llm(enable_prefix_caching=False)
+    assert llm.engine.config.scheduler.beam_run_ahead is False
+    assert llm.engine.scheduler.beam_run_ahead_off == "beam_run_ahead=False"
+    got, steps = beams(llm, PROMPTS[:1], BeamSearchParams(2, max_tokens=4))
+    assert steps == 0 and got == beams(sync_llm(), PROMPTS[:1], BeamSearchParams(2, max_tokens=4))[0]
 
 
 def test_the_synchronous_path_is_logged_once_with_its_reason(caplog):

@@ -182,8 +182,8 @@ def test_run_ahead_beam_steps_equal_the_synchronous_path(eos, monkeypatch):
     params = BeamSearchParams(3, max_tokens=10, ignore_eos=eos is None)
     results = []
     # (no prefix cache: a prompt an earlier test computed would be a hit on one engine only, rounded otherwise)
-    for llm in (fp8_llm(block_size=4, enable_prefix_caching=False),
-                fp8_llm(block_size=4, enable_prefix_caching=False, async_scheduling=False)):
+    for llm in (fp8_llm(block_size=4, enable_prefix_caching=False, beam_run_ahead=True),
+                fp8_llm(block_size=4, enable_prefix_caching=False, beam_run_ahead=True, async_scheduling=False)):
         monkeypatch.setattr(llm.engine.core, "eos_token_id", eos)
         steps = llm.engine.scheduler.num_run_ahead_steps
         results.append([[(s.tokens, s.score) for s in o.sequences] for o in llm.beam_search(SHARED[3], params)])
@@ -191,9 +191,9 @@ def test_run_ahead_beam_steps_equal_the_synchronous_path(eos, monkeypatch):
         assert (llm.engine.scheduler.num_run_ahead_steps > steps) == llm.engine.config.scheduler.async_scheduling
     assert results[0] == results[1]
     monkeypatch.setattr(CacheEngine, "copy_indexed", lambda self, src, dst: None)
-    lost = fp8_llm(block_size=4, enable_prefix_caching=False).beam_search(SHARED[3], params)
+    lost = fp8_llm(block_size=4, enable_prefix_caching=False, beam_run_ahead=True).beam_search(SHARED[3], params)
     assert [[(s.tokens, s.score) for s in o.sequences] for o in lost] != results[0]
-    fp8_llm(block_size=4, enable_prefix_caching=False).engine.check_kv_pool_whole()
+    fp8_llm(block_size=4, enable_prefix_caching=False, beam_run_ahead=True).engine.check_kv_pool_whole()
 
 
 @pytest.mark.parametrize("arch", ["mistral-window", "qwen3"])
