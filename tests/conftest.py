@@ -41,13 +41,45 @@ PROMPTS = [
 _live_engines: list = []
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run the K-th of N shards of the tests (1-based, by test file): a GPU suite split "
+                          "into runs that each fit a time limit")
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselect: shards balance the tests that run
 def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--shard")
+    if shard is not None:
+        kept = shard_items(items, shard)
+        keep = set(kept)
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def shard_items(items: list, shard: str) -> list:
+    """The items of shard K of N: whole test files, dealt in order of their collected items' count so the
+    shards hold about as many tests (files keep their engines warm within a shard)."""
+    try:
+        k, n = (int(part) for part in shard.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard must be K/N with 1 <= K <= N, got {shard!r}") from None
+    if not 1 <= k <= n:
+        raise pytest.UsageError(f"--shard must be K/N with 1 <= K <= N, got {shard!r}")
+    files: dict[str, int] = {}
+    for item in items:
+        files[item.nodeid.split("::")[0]] = files.get(item.nodeid.split("::")[0], 0) + 1
+    loads, owner = [0] * n, {}
+    for path, count in sorted(files.items(), key=lambda kv: (-kv[1], kv[0])):
+        owner[path] = min(range(n), key=lambda i: (loads[i], i))
+        loads[owner[path]] += count
+    return [item for item in items if owner[item.nodeid.split("::")[0]] == k - 1]
 
 
 @pytest.fixture(autouse=True)
