@@ -173,6 +173,7 @@ def test_serving_against_a_started_server(tmp_path, capsys):
         assert 0 < row["ttft_ms_p50"] <= row["e2e_ms_p99"] and row["tpot_ms_mean"] > 0
         assert row["engine_steps"] >= 6 and 1 <= row["engine_mean_batch"] <= 6 and row["engine_step_ms"] > 0
         assert 0 < row["engine_host_ms"] <= row["engine_step_ms"] and 0 < row["engine_cpu_ms"]
+        assert (row["slow_steps"], row["jit_compiles"]) == (0, 0)  # (the CPU server is eager: nothing compiles)
         assert row["vs_offline"] == pytest.approx(row["output_tok_s"] / offline["output_tok_s"])
     finite = result["rows"][0]
     assert finite["offline_step_ms"] == offline["step_ms_at_batch"][str(round(finite["engine_mean_batch"]))]

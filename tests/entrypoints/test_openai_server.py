@@ -303,7 +303,8 @@ def test_metrics(server, client):
     client.completions.create(model=MODEL, prompt="Once", max_tokens=4)
     text = httpx.get(server[0] + "/metrics").text
     for name in ("fastllm_requests_total", "fastllm_generation_tokens_total", "fastllm_e2e_request_latency_seconds",
-                 "fastllm_kv_cache_usage_perc", "fastllm_num_requests_running"):
+                 "fastllm_kv_cache_usage_perc", "fastllm_num_requests_running", "fastllm_engine_slow_steps_total",
+                 "fastllm_engine_compiles_total"):
         assert name in text, name
 
 
