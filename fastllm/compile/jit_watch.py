@@ -63,6 +63,18 @@ class TritonCompileWatch:
             self._knobs.runtime.jit_post_compile_hook = self._previous
 
 
+_process_watch: TritonCompileWatch | None = None
+
+
+def process_watch() -> TritonCompileWatch:
+    """One watch for the whole process, started on first use: every engine reads it (a hook per engine
+    would chain one call per engine ever built into each compile)."""
+    global _process_watch
+    if _process_watch is None:
+        _process_watch = TritonCompileWatch().start()
+    return _process_watch
+
+
 def dynamo_graphs() -> int:
     """Graphs torch.compile has compiled in this process so far (a recompile mid-run adds one)."""
     from torch._dynamo.utils import counters

@@ -19,7 +19,7 @@ from collections import deque
 
 import torch
 
-from fastllm.compile.jit_watch import TritonCompileWatch, dynamo_graphs
+from fastllm.compile.jit_watch import dynamo_graphs, process_watch
 from fastllm.config import EngineConfig
 from fastllm.core.beam_search import BeamSearch
 from fastllm.core.scheduler import Scheduler
@@ -57,7 +57,7 @@ class EngineCore:
         self._live: dict[str, tuple[str, Request]] = {}  # sample id -> (request id, the sample)
         self.last_step_wait_s = 0.0  # the last step()'s wait for the GPU (bench: host = step - wait)
         self.stats = SchedulerStats()
-        self._kernel_compiles = TritonCompileWatch().start()  # kernels first met by a step (a JIT stall)
+        self._kernel_compiles = process_watch()  # kernels first met by a step (a JIT stall)
         self._compiles_seen = self._compiles_now()
 
     # requests

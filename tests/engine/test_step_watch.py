@@ -45,3 +45,12 @@ def test_slow_steps_and_compiles_are_counted_and_logged(monkeypatch, caplog):
     assert any("_new_kernel" in r.getMessage() and "2 kernels or graphs" in r.getMessage() for r in caplog.records)
     assert sum("a step took" in r.getMessage() for r in caplog.records) == core.stats.num_slow_steps
     llm.engine.check_kv_pool_whole()
+
+
+def test_engines_share_one_compile_hook():
+    """Every engine reads the process's one watch: building engines does not chain hooks."""
+    LLM(STORIES, enforce_eager=True, cpu_kv_cache_gib=0.01)
+    hook = triton.knobs.runtime.jit_post_compile_hook
+    second = LLM(STORIES, enforce_eager=True, cpu_kv_cache_gib=0.01)
+    assert triton.knobs.runtime.jit_post_compile_hook is hook
+    assert second.engine.core._kernel_compiles is core_module.process_watch()
