@@ -26,11 +26,9 @@ from fastllm.kernels.fp8_quantize import quantize_fp8_per_token
 
 logger = logging.getLogger("fastllm.kernels")
 
-# Batches up to this many rows take the weight-streaming kernel (at most its MAX_ROWS). Only one row for now:
-# in the H100 engine run (bench_fp8.py) its one-row FMA path made batch 1 1.38x faster than bf16, but its
-# tl.dot path made batch 32 0.43x, when every program read all of x twice (for the scales and the tiles); that
-# path now reads x quantized once (fp8_quantize.py), not yet timed. benchmarks/kernels/bench_fp8_linear.py
-# (triton_fp8_skinny against scaled_mm) is to find the crossover.
+# Batches up to this many rows take the weight-streaming kernel (at most its MAX_ROWS). One row until
+# benchmarks/kernels/bench_fp8_linear.py (its tl.dot path over x quantized once, against scaled_mm) finds the
+# crossover: the path once read all of x twice per program and lost to bf16 at 32 rows (README's FP8 table).
 SKINNY_MAX_ROWS = 1
 _logged: set[str] = set()
 

@@ -172,7 +172,7 @@ def aligned_tables(tables: np.ndarray) -> np.ndarray:
     """Block tables padded with null blocks to a width that is a multiple of TABLE_WIDTH_ALIGN. The width is
     the attention kernels' row stride, and Triton specializes integer arguments on divisibility by 16 and
     on 1: unpadded, a step's longest request would pick one of three compiled variants, the others then
-    compiling in the middle of serving (seen on an H200: 1.7-2.6 s steps)."""
+    compiling in the middle of serving."""
     width = tables.shape[1]
     padded = -(-width // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN
     return tables if padded == width else np.pad(tables, ((0, 0), (0, padded - width)))

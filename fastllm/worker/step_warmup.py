@@ -4,8 +4,8 @@ Such steps (a burst of prompts, a long prompt's chunk) run the compiled forward,
 JIT kernels specialized per variant: the Triton prefill kernel under prefill_attention.TMA_MIN_TOKENS
 tokens and Hopper's from there, and integer arguments that are or are not multiples of 16 (token counts;
 block tables' widths are always, input_batch.aligned_tables). Each variant
-first met inside a request's step compiles there (1.7-2.6 s seen on an H200 at 826, 7297 and 8192 tokens),
-and every request in flight waits. Hopper's kernel also takes 64- or 128-key tiles by the step's longest
+first met inside a request's step compiles there (seconds, README's serving section), and every request
+in flight waits. Hopper's kernel also takes 64- or 128-key tiles by the step's longest
 query (prefill_attention_hopper.LONG_QUERY). These runs meet them at startup instead: for each size, a
 step of two long prompts and one of short ones (SHORT_PROMPT tokens, as a burst of requests brings), no KV
 written (slot -1).
