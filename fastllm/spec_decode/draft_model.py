@@ -24,7 +24,7 @@ from fastllm.layers.sampler import SamplingMetadata, SamplingRow, exponential_no
 from fastllm.models.loader import load_model
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 from fastllm.worker.cache_engine import CacheEngine
-from fastllm.worker.input_batch import flat_positions
+from fastllm.worker.input_batch import aligned_tables, flat_positions
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,8 @@ class DraftModel:
         query_start_loc, positions, slots = flat_positions(starts, counts, tables, self.block_size)
         device = self.device
         metadata = AttentionMetadata(
-            slot_mapping=torch.as_tensor(slots, device=device), block_tables=torch.as_tensor(tables, device=device),
+            slot_mapping=torch.as_tensor(slots, device=device),
+            block_tables=torch.as_tensor(aligned_tables(tables), device=device),  # (one kernel variant)
             seq_lens=torch.as_tensor(seq_lens, device=device),
             query_start_loc=torch.as_tensor(query_start_loc, device=device),
             max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
