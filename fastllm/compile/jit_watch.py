@@ -75,8 +75,16 @@ def process_watch() -> TritonCompileWatch:
     return _process_watch
 
 
-def dynamo_graphs() -> int:
-    """Graphs torch.compile has compiled in this process so far (a recompile mid-run adds one)."""
-    from torch._dynamo.utils import counters
+_dynamo_counters = None
 
-    return counters["stats"]["unique_graphs"]
+
+def dynamo_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (a recompile mid-run adds one). Read at every
+    engine step, so dynamo's counters are imported once (their dict, which torch._dynamo.reset clears in
+    place)."""
+    global _dynamo_counters
+    if _dynamo_counters is None:
+        from torch._dynamo.utils import counters
+
+        _dynamo_counters = counters
+    return _dynamo_counters["stats"]["unique_graphs"]

@@ -58,7 +58,7 @@ class EngineCore:
         self.last_step_wait_s = 0.0  # the last step()'s wait for the GPU (bench: host = step - wait)
         self.stats = SchedulerStats()
         self._kernel_compiles = process_watch()  # kernels first met by a step (a JIT stall)
-        self._compiles_seen = self._compiles_now()
+        self._compiles_seen = self._compiles_now()  # (Triton kernels, torch.compile graphs) so far
 
     # requests
 
@@ -228,16 +228,17 @@ class EngineCore:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def _compiles_now(self) -> int:
-        return len(self._kernel_compiles.compiles) + dynamo_graphs()
+    def _compiles_now(self) -> tuple[int, int]:
+        return len(self._kernel_compiles.compiles), dynamo_graphs()
 
     def _record(self, scheduler_output: SchedulerOutput, seconds: float, cpu_seconds: float) -> None:
         s, sched = self.stats, self.scheduler
-        compiles = self._compiles_now() - self._compiles_seen
+        (kernels_seen, graphs_seen), now = self._compiles_seen, self._compiles_now()
+        compiles = now[0] - kernels_seen + max(0, now[1] - graphs_seen)  # (torch._dynamo.reset zeroes the latter)
         if compiles:
-            self._compiles_seen += compiles
+            self._compiles_seen = now
             s.num_compiles += compiles
-            kernels = [name for name, _ in self._kernel_compiles.compiles[-compiles:]]
+            kernels = [name for name, _ in self._kernel_compiles.compiles[kernels_seen:]]
             # a warning: after startup's warm-up, every compile is a stall that requests in flight feel
             logger.warning("a step compiled %d kernels or graphs (Triton: %s)", compiles,
                            ", ".join(kernels) or "none")
