@@ -60,8 +60,7 @@ class CacheEngine:
             for src, dst in pairs:
                 pool[:, :, dst].copy_(pool[:, :, src])
         else:
-            src, dst = torch.tensor(pairs, dtype=torch.int64).T.to(pool.device, non_blocking=True)
-            pool.index_copy_(2, dst, pool.index_select(2, src))
+            self.copy_indexed(*torch.tensor(pairs, dtype=torch.int64).T.to(pool.device, non_blocking=True))
 
     def copy_indexed(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Device block dst[i] = block src[i] (int64 index tensors on the device, so nothing waits for the host:
