@@ -173,9 +173,13 @@ def aligned_tables(tables: np.ndarray) -> np.ndarray:
     the attention kernels' row stride, and Triton specializes integer arguments on divisibility by 16 and
     on 1: unpadded, a step's longest request would pick one of three compiled variants, the others then
     compiling in the middle of serving."""
-    width = tables.shape[1]
-    padded = -(-width // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN
+    width, padded = tables.shape[1], aligned_width(tables.shape[1])
     return tables if padded == width else np.pad(tables, ((0, 0), (0, padded - width)))
+
+
+def aligned_width(width: int) -> int:
+    """A block-table width rounded up to a multiple of TABLE_WIDTH_ALIGN (aligned_tables)."""
+    return -(-width // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN
 
 
 @dataclass

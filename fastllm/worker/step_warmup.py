@@ -20,7 +20,7 @@ import torch
 
 from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
-from fastllm.worker.input_batch import TABLE_WIDTH_ALIGN
+from fastllm.worker.input_batch import aligned_width
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +49,7 @@ def synthetic_prefill(num_tokens: int, num_seqs: int, max_model_len: int, max_bl
     starts = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
     metadata = AttentionMetadata(
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
-        block_tables=torch.zeros(num_seqs, -(-max_blocks // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN,
-                                 dtype=torch.int32, device=device),  # a width as a step's (aligned_tables)
+        block_tables=torch.zeros(num_seqs, aligned_width(max_blocks), dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device), query_start_loc=starts,
         max_query_len=max(lens), max_seq_len=max(lens))
     return torch.zeros(num_tokens, dtype=torch.int64, device=device), positions, metadata
