@@ -122,7 +122,8 @@ def row_line(benchmark: str, row: dict) -> str:
                 f"tpot {f('tpot_ms_mean')} ms (p99 {f('tpot_ms_p99')}), itl p99 {f('itl_ms_p99')} ms, "
                 f"engine batch {f('engine_mean_batch', '.1f')} step {f('engine_step_ms')} ms (host "
                 f"{f('engine_host_ms')}, cpu {f('engine_cpu_ms')}), {row.get('slow_steps', 0)} steps over 1 s"
-                + jit.replace("Triton compiles", "compiles"))
+                + (f" [{row['jit_compiles']} kernels or graphs compiled in the timed window]"
+                   if row.get("jit_compiles") else ""))
     return (f"[{row['num_prompts']} prompts] {f('total_s')} s, {f('requests_s')} req/s, "
             f"{f('output_tok_s', '.1f')} out tok/s, ttft {f('ttft_ms_mean')} ms, hit rate {f('prefix_hit_rate', '.1f', 100)}%"
             + jit)
