@@ -551,11 +551,16 @@ def test_beam_slots_share_full_blocks_hold_their_own_last_and_give_back_the_rest
     kv.assert_empty()
 
 
-def test_free_slots_returns_ahead_blocks_and_a_short_pool_allocates_nothing():
-    kv = KVCacheManager(num_gpu_blocks=6, block_size=BS, enable_caching=False)
-    a = req("a", 5, hash_fn=None)
-    admit(kv, a)
+def one_slot_search(num_gpu_blocks: int) -> KVCacheManager:
+    """A manager whose search "s" holds one slot: request "a"'s 5 tokens' blocks."""
+    kv = KVCacheManager(num_gpu_blocks=num_gpu_blocks, block_size=BS, enable_caching=False)
+    admit(kv, req("a", 5, hash_fn=None))
     kv.adopt_slots("s", ["a"])
+    return kv
+
+
+def test_free_slots_returns_ahead_blocks_and_a_short_pool_allocates_nothing():
+    kv = one_slot_search(num_gpu_blocks=6)
     assert kv.allocate_ahead("s", 2) is not None and kv.allocate_ahead("s", 2) is None  # 5 usable, 4 held
     assert kv.num_free_blocks == 1
     with pytest.raises(AssertionError, match="beam slots still held"):
@@ -565,10 +570,7 @@ def test_free_slots_returns_ahead_blocks_and_a_short_pool_allocates_nothing():
 
 
 def test_the_invariant_check_sees_a_slot_block_freed_twice():
-    kv = KVCacheManager(num_gpu_blocks=8, block_size=BS, enable_caching=False)
-    a = req("a", 5, hash_fn=None)
-    admit(kv, a)
-    kv.adopt_slots("s", ["a"])
+    kv = one_slot_search(num_gpu_blocks=8)
     kv.allocate_ahead("s", 1)
     kv.pool.free([kv.slot_tables["s"][0][0]])  # a planted bug: a slot's block dropped behind its back
     with pytest.raises(AssertionError, match="ref_cnt 0 but 1 holders"):
