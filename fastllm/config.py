@@ -181,8 +181,7 @@ class SchedulerConfig:
     # Schedule and launch step N+1 before step N's tokens reach the host, so host work overlaps
     # the GPU. False runs each step to completion (the same tokens, one step less lag).
     async_scheduling: bool = arg(True, "schedule and launch step N+1 before step N's tokens reach the host")
-    # Off by default until its GPU tests (tests/engine/test_beam_run_ahead.py -m gpu) have run.
-    beam_run_ahead: bool = arg(False, "beam searches run ahead while only they run: the device picks each "
+    beam_run_ahead: bool = arg(True, "beam searches run ahead while only they run: the device picks each "
                                       "step's beams and the next step launches before the host reads them")
 
     def __post_init__(self):

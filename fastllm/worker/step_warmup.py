@@ -60,7 +60,7 @@ def warm_up_compiled_steps(forward, attention_layers, sizes: list[int], max_mode
                            max_blocks: int, device: torch.device) -> float:
     """Run forward once per size (see the module's docstring); returns the seconds it took."""
     start = time.perf_counter()
-    for tokens in sizes:
+    for tokens in [t for t in sizes if t <= max_num_seqs * max_model_len]:  # (no larger step can be scheduled)
         long, short = (min(max_num_seqs, max(2, -(-tokens // n))) for n in (max_model_len, SHORT_PROMPT))
         for num_seqs in sorted({long, short}):
             input_ids, positions, metadata = synthetic_prefill(tokens, num_seqs, max_model_len, max_blocks,

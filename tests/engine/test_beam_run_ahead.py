@@ -234,9 +234,9 @@ def test_a_lost_partial_block_copy_is_caught(monkeypatch):
     assert got != want
 
 
-def test_off_by_default_until_its_gpu_tests_run():
-    llm = cached_llm(enable_prefix_caching=False)
-    assert llm.engine.config.scheduler.beam_run_ahead is False
+def test_on_by_default_and_off_by_its_argument():
+    assert cached_llm(enable_prefix_caching=False).engine.scheduler.beam_run_ahead_off is None
+    llm = cached_llm(enable_prefix_caching=False, beam_run_ahead=False)
     assert llm.engine.scheduler.beam_run_ahead_off == "beam_run_ahead=False"
     got, steps = beams(llm, PROMPTS[:1], BeamSearchParams(2, max_tokens=4))
     assert steps == 0 and got == beams(sync_llm(), PROMPTS[:1], BeamSearchParams(2, max_tokens=4))[0]
