@@ -169,9 +169,18 @@ def default_max_num_seqs(device) -> int:
     return DEFAULT_MAX_NUM_SEQS
 
 
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# The defaults `fastllm serve` (and `bench serving`, which measures it) use instead of the library's. A step's
+# prompt tokens beside the decodes set every stream's inter-token latency, which a server is judged by; offline
+# runs want the larger steps' throughput (README's serving section has both).
+SERVING_DEFAULTS: dict[str, Any] = {"max_num_batched_tokens": 2048}
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = arg(8192, "token budget of one step")
+    max_num_batched_tokens: int = arg(DEFAULT_MAX_NUM_BATCHED_TOKENS, "token budget of one step (default: "
+                                      f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}; serve and bench serving: "
+                                      f"{SERVING_DEFAULTS['max_num_batched_tokens']}, for inter-token latency)")
     # None: default_max_num_seqs of the device (EngineConfig.for_device)
     max_num_seqs: int | None = arg(None, f"most requests in one step (default: {LARGE_GPU_MAX_NUM_SEQS} on "
                                          f"GPUs of {LARGE_GPU_GIB} GiB or more, else {DEFAULT_MAX_NUM_SEQS})")
@@ -240,7 +249,7 @@ class CompileConfig:
                                                    "(default: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs)")
     # torch.compile is GPU-only by default (a CPU compile takes ~15 s a graph)
     compile_on_cpu: bool = arg(False, "torch.compile on the CPU too (slow to compile)")
-    mixed_cuda_graph_max_tokens: int = arg(512, "prefill and mixed steps of up to this many tokens replay "
+    mixed_cuda_graph_max_tokens: int = arg(2048, "prefill and mixed steps of up to this many tokens replay "
                                            "CUDA graphs captured per token bucket (0: they run compiled, "
                                            "without)")
 

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+from fastllm.config import SERVING_DEFAULTS
 from fastllm.entrypoints.cli import SPECULATIVE_FLAGS, add_engine_args, engine_fields, engine_kwargs
 
 logger = logging.getLogger(__name__)
@@ -93,8 +94,8 @@ def add_bench_parser(subparsers) -> None:
     t.add_argument("--profile-steps", type=int, default=5, help="decode steps in the trace (default: 5)")
     t.add_argument("--nvtx", action="store_true", help="NVTX ranges on (engine phases) for Nsight Systems")
     t.add_argument("--nvtx-layers", action="store_true", help="NVTX ranges per decoder layer too (implies --nvtx)")
-    add_engine_args(p)
-    p.set_defaults(func=cmd_bench)
+    add_engine_args(p, dict.fromkeys(SERVING_DEFAULTS))  # (None: the mode's, fill_engine_defaults)
+    p.set_defaults(func=cmd_bench, fill_defaults=fill_engine_defaults)
 
     def one_line_error(message: str):
         print(f"fastllm bench: error: {message}", file=sys.stderr)
@@ -124,8 +125,18 @@ def execution(engine) -> str:
     return "eager"
 
 
+def fill_engine_defaults(args: argparse.Namespace) -> None:
+    """The engine arguments left unset (SERVING_DEFAULTS'): serve's in serving mode, which measures `fastllm
+    serve`, else the library's."""
+    library = {f.name: f.default for f in engine_fields()}
+    for name, serving in SERVING_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, serving if args.mode == "serving" else library[name])
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Fill the mode's defaults and reject bad values (ValueError: one line, exit code 2)."""
+    fill_engine_defaults(args)
     input_len, output_len, prefix_len = DEFAULTS[args.mode]
     args.input_len = input_len if args.input_len is None else args.input_len
     args.output_len = output_len if args.output_len is None else args.output_len
@@ -228,7 +239,7 @@ def new_result(args: argparse.Namespace, engine, device, ceilings: dict | None):
         "engine_args": engine_kwargs(args), "max_model_len": config.model.max_model_len,
         "execution": execution(engine),
         "nvtx": args.nvtx or args.nvtx_layers,
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "args": {k: v for k, v in vars(args).items() if not callable(v)},
     }
     return {"benchmark": args.mode, "meta": meta, "ceilings": ceilings, "startup": startup_breakdown(engine),
             "model": shape.summary(), "rows": []}, shape
@@ -314,12 +325,12 @@ def parse_rates(text: str) -> list[float]:
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:
-    """The `fastllm serve` flags that give the server this run's engine arguments (those not at their
+    """The `fastllm serve` flags that give the server this run's engine arguments (those not at serve's
     default), and no access log."""
     out = []
     for field in engine_fields():
         value, flag = getattr(args, field.name), "--" + field.name.replace("_", "-")
-        if value == field.default:
+        if value == SERVING_DEFAULTS.get(field.name, field.default):
             continue
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])

@@ -19,6 +19,7 @@ from fastllm.config import (
     CompileConfig,
     EngineConfig,
     ModelConfig,
+    SERVING_DEFAULTS,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -83,18 +84,20 @@ def _help(text: str, default) -> str:
     return text if "(default" in text else f"{text} (default: {default})"
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per engine argument, with its default shown in --help."""
+def add_engine_args(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """One flag per engine argument, with its default shown in --help; defaults: the command's own, by name
+    (config.SERVING_DEFAULTS; their help text names them)."""
     group = parser.add_argument_group("engine arguments (keywords of LLM(...))")
     for config in ENGINE_CONFIGS:
         for field in (f for f in dataclasses.fields(config) if f.metadata.get("help")):
             flag, kind = "--" + field.name.replace("_", "-"), _field_type(config, field)
-            help_text = _help(field.metadata["help"], field.default)
+            default = (defaults or {}).get(field.name, field.default)
+            help_text = _help(field.metadata["help"], default)
             if kind is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default, help=help_text)
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
             else:
                 parse = int_list if typing.get_origin(kind) is tuple else kind
-                group.add_argument(flag, type=parse, default=field.default, help=help_text,
+                group.add_argument(flag, type=parse, default=default, help=help_text,
                                    choices=field.metadata.get("choices"))
     for name, (kind, help_text) in SPECULATIVE_FLAGS.items():
         help_text = help_text.format(keys=", ".join(speculative_keys()))
@@ -244,7 +247,7 @@ def add_serve_parser(sub) -> None:
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
     serve.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
-    add_engine_args(serve)
+    add_engine_args(serve, SERVING_DEFAULTS)
     serve.set_defaults(func=cmd_serve)
 
 
@@ -265,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     bytecode_prefix = keep_bytecode()  # before anything imports torch
     parser = build_parser()
     args = parser.parse_args(argv)
+    if hasattr(args, "fill_defaults"):  # a command whose defaults depend on its other flags (bench's mode)
+        args.fill_defaults(args)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if bytecode_prefix:

@@ -118,7 +118,7 @@ def test_mixed_cuda_graph_max_tokens_is_checked():
     for bad in (-1, 8, 15, 2.5):
         with pytest.raises(ValueError, match="mixed_cuda_graph_max_tokens"):
             EngineConfig.from_kwargs(mixed_cuda_graph_max_tokens=bad)
-    assert EngineConfig.from_kwargs().compile.mixed_cuda_graph_max_tokens == 512
+    assert EngineConfig.from_kwargs().compile.mixed_cuda_graph_max_tokens == 2048
     assert EngineConfig.from_kwargs(mixed_cuda_graph_max_tokens=0).compile.mixed_cuda_graph_max_tokens == 0
 
 

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from fastllm import LLM
-from fastllm.config import EngineConfig
+from fastllm.config import SERVING_DEFAULTS, EngineConfig
 from fastllm.entrypoints.cli import ENGINE_CONFIGS, build_parser, engine_fields, engine_kwargs, main
 from tests.conftest import STORIES
 
@@ -25,6 +25,16 @@ def subparser(command: str):
     return parser, action.choices[command]
 
 
+def parse(command: str, *argv: str) -> argparse.Namespace:
+    """A command's flags as it reads them (bench fills its mode's defaults first, as cmd_bench does)."""
+    from fastllm.entrypoints.bench import check_args
+
+    args = build_parser().parse_args([command, *argv])
+    if command == "bench":
+        check_args(args)
+    return args
+
+
 def test_every_config_field_is_an_engine_argument():
     """A new config field without help text (so without a flag) fails here."""
     names = {f.name for c in ENGINE_CONFIGS for f in dataclasses.fields(c)}
@@ -33,28 +43,50 @@ def test_every_config_field_is_an_engine_argument():
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_engine_argument_is_a_flag_with_its_default(command):
-    parser, sub = subparser(command)
-    args = parser.parse_args([command])
+    """The library's default, but serve's (config.SERVING_DEFAULTS, which their help names) for `serve`."""
+    _, sub = subparser(command)
+    args = parse(command)
+    own = SERVING_DEFAULTS if command == "serve" else {}
     page = sub.format_help()
     flags = {s: a for a in sub._actions for s in a.option_strings}
     for field in engine_fields():
         flag = "--" + field.name.replace("_", "-")
-        assert getattr(args, field.name) == field.default, field.name
+        assert getattr(args, field.name) == own.get(field.name, field.default), field.name
         assert flag in flags and f"\n  {flag}" in page, flag
         shown = argparse.HelpFormatter("fastllm")._expand_help(flags[flag])
         assert "(default:" in shown, f"{flag} shows no default"
         if field.default is not None and "(default:" not in field.metadata["help"]:
             assert shown.endswith(f"(default: {field.default})"), flag
+    for name, value in SERVING_DEFAULTS.items():
+        assert f"serve and bench serving: {value}" in field_help(name)
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
-    assert config == EngineConfig.from_kwargs(None)  # the flags' defaults are the library's
+    assert config == EngineConfig.from_kwargs(None, **own)  # the flags' defaults are the library's (or serve's)
+
+
+def field_help(name: str) -> str:
+    return next(f.metadata["help"] for f in engine_fields() if f.name == name)
+
+
+@pytest.mark.parametrize("mode", ["latency", "throughput", "prefix", "startup", "serving"])
+def test_bench_takes_serve_defaults_in_serving_mode_only(mode):
+    from fastllm.entrypoints.bench import serve_args
+
+    library = {f.name: f.default for f in engine_fields()}
+    args = parse("bench", mode)
+    for name, value in SERVING_DEFAULTS.items():
+        assert getattr(args, name) == (value if mode == "serving" else library[name])
+        given = parse("bench", mode, "--" + name.replace("_", "-"), str(library[name]))
+        assert getattr(given, name) == library[name]  # given: kept, and passed on to the server
+        if mode == "serving":
+            assert "--" + name.replace("_", "-") not in serve_args(args)
+            assert serve_args(given)[serve_args(given).index("--" + name.replace("_", "-")) + 1] == str(library[name])
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_flag_values_reach_the_engine_config(command):
-    parser, _ = subparser(command)
-    args = parser.parse_args([command, "--block-size", "8", "--no-enable-prefix-caching", "--cuda-graph-sizes", "1,2,4",
-                              "--preemption-mode", "swap", "--no-async-scheduling", "--enforce-eager",
-                              "--max-num-seqs", "7", "--dtype", "float32", "--gpu-memory-utilization", "0.5"])
+    args = parse(command, "--block-size", "8", "--no-enable-prefix-caching", "--cuda-graph-sizes", "1,2,4",
+                 "--preemption-mode", "swap", "--no-async-scheduling", "--enforce-eager",
+                 "--max-num-seqs", "7", "--dtype", "float32", "--gpu-memory-utilization", "0.5")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     assert config.cache.block_size == 8 and not config.cache.enable_prefix_caching
     assert config.compile.cuda_graph_sizes == (1, 2, 4) and config.compile.enforce_eager
@@ -134,16 +166,16 @@ def test_speculative_decoding_flags(command):
     from fastllm.config import SpeculativeConfig
     from fastllm.entrypoints.cli import SPECULATIVE_FLAGS
 
-    parser, sub = subparser(command)
-    args = parser.parse_args([command])
+    _, sub = subparser(command)
+    args = parse(command)
     assert all(getattr(args, name) is None for name in SPECULATIVE_FLAGS)
     flags = {s: a for a in sub._actions for s in a.option_strings}
     shown = argparse.HelpFormatter("fastllm")._expand_help(flags["--speculative-config"])
     keys = {f.name for f in dataclasses.fields(SpeculativeConfig)} - {"synthetic_acceptance_rate"}
     assert all(key in shown for key in keys) and shown.endswith("(default: none)")
-    args = parser.parse_args([command, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    args = parse(command, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
     spec = EngineConfig.from_kwargs(args.model, **engine_kwargs(args)).speculative
     assert spec.method == "ngram" and spec.num_speculative_tokens == 3
-    args = parser.parse_args([command, "--speculative-model", "llama2xs-279K", "--num-speculative-tokens", "2"])
+    args = parse(command, "--speculative-model", "llama2xs-279K", "--num-speculative-tokens", "2")
     spec = EngineConfig.from_kwargs(args.model, **engine_kwargs(args)).speculative
     assert spec.method == "draft_model" and spec.num_speculative_tokens == 2
