@@ -60,9 +60,13 @@ def warm_up_compiled_steps(forward, attention_layers, sizes: list[int], max_mode
                            max_blocks: int, device: torch.device) -> float:
     """Run forward once per size (see the module's docstring); returns the seconds it took."""
     start = time.perf_counter()
-    for tokens in [t for t in sizes if t <= max_num_seqs * max_model_len]:  # (no larger step can be scheduled)
-        long, short = (min(max_num_seqs, max(2, -(-tokens // n))) for n in (max_model_len, SHORT_PROMPT))
-        for num_seqs in sorted({long, short}):
+    for tokens in sizes:
+        layouts = set()
+        for prompt_len in (max_model_len, min(SHORT_PROMPT, max_model_len)):
+            num_seqs = min(max_num_seqs, tokens, max(2, -(-tokens // prompt_len)))
+            if -(-tokens // num_seqs) <= max_model_len:  # (else no schedule holds a step of `tokens`)
+                layouts.add(num_seqs)
+        for num_seqs in sorted(layouts):
             input_ids, positions, metadata = synthetic_prefill(tokens, num_seqs, max_model_len, max_blocks,
                                                                device)
             with forward_context(metadata, attention_layers):

@@ -45,8 +45,10 @@ def test_warm_up_runs_the_forward_and_writes_no_kv():
                            4, max_blocks, torch.device("cpu"))
     assert calls == [33, 300, 300]  # 300 tokens: two long prompts and three short ones
     calls.clear()
-    warm_up_compiled_steps(forward, runner.attention_layers, [33, 300], 64, 4, max_blocks, torch.device("cpu"))
-    assert calls == [33]  # four prompts of at most 64 tokens: no step of 300
+    warm_up_compiled_steps(forward, runner.attention_layers, [1, 33, 300], 64, 4, max_blocks, torch.device("cpu"))
+    # one prompt of 1 token; two of 16-17 (both layouts alike when prompts are short); no step of 300 tokens
+    # holds in four prompts of at most 64
+    assert calls == [1, 33]
     assert LONG_QUERY > SHORT_PROMPT
     assert torch.equal(runner.cache.gpu, before)
 
