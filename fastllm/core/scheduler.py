@@ -183,6 +183,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self.run_ahead)
 
+    @property
+    def num_slots(self) -> int:
+        """Beams running ahead as slots (core/beam_run_ahead.py): running, though neither in `running` nor
+        in `requests`."""
+        return sum(len(ra.search.beams) for ra in self.run_ahead.values())
+
     def beams_wait_for_steps_in_flight(self) -> bool:
         """Whether a running beam waits for a step in flight: its position is being computed, or its search
         advances once that step reports. Finishing the step before scheduling lets the beams join the next

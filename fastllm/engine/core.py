@@ -253,7 +253,7 @@ class EngineCore:
             s.step_seconds += seconds
             s.step_wait_seconds += self.last_step_wait_s
             s.step_cpu_seconds += cpu_seconds
-        s.num_running, s.num_waiting = len(sched.running), len(sched.waiting)
+        s.num_running, s.num_waiting = len(sched.running) + sched.num_slots, len(sched.waiting)
         s.num_swapped = len(sched.swapped)
         s.kv_usage = sched.kv.usage
         s.num_preemptions = sched.num_preemptions

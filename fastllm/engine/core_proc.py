@@ -196,7 +196,7 @@ def _is_idle(core) -> bool:
 
 UTILITIES: dict[str, Callable] = {
     "is_idle": _is_idle,
-    "num_unfinished_requests": lambda core: len(core.scheduler.requests),
+    "num_unfinished_requests": lambda core: len(core.scheduler.requests) + core.scheduler.num_slots,
 }
 
 

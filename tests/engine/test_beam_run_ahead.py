@@ -234,6 +234,19 @@ def test_a_lost_partial_block_copy_is_caught(monkeypatch):
     assert got != want
 
 
+def test_slots_count_as_running_requests():
+    """The stats (`/metrics`' running gauge) count a run-ahead search's beams, which are slots, not requests."""
+    engine = ahead_llm().engine
+    engine.add_beam_search("s", PROMPTS[0], BeamSearchParams(3, max_tokens=12, ignore_eos=True))
+    seen = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        seen.append((engine.scheduler.num_slots, engine.stats.num_running))
+    assert any(slots == 3 for slots, _ in seen) and all(running >= slots for slots, running in seen)
+    assert max(running for _, running in seen) == 3
+    engine.check_kv_pool_whole()
+
+
 def test_on_by_default_and_off_by_its_argument():
     assert cached_llm(enable_prefix_caching=False).engine.scheduler.beam_run_ahead_off is None
     llm = cached_llm(enable_prefix_caching=False, beam_run_ahead=False)
