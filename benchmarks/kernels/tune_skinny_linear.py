@@ -2,12 +2,15 @@
 
     python benchmarks/kernels/tune_skinny_linear.py shapes [--rows 1,8]   # per projection, every config
     python benchmarks/kernels/tune_skinny_linear.py chain  [--rows 1,8]   # a decode step's projections
+    python benchmarks/kernels/tune_skinny_linear.py shapes --fp8          # fp8_skinny_linear's configs
 
 Results go to $OUT/skinny_<phase>.jsonl (or /tmp), one JSON line each, as they are measured.
 
 shapes: per shape (qkv, o, gate_up, down, lm_head) and row count, cuBLAS F.linear and every config of the
   kernel, timed as a CUDA-graph replay over enough weight copies (>= 400 MB) that no weight stays in L2,
   divided by the number of copies. fastllm/kernels/skinny_linear.py holds the results and the table.
+  --fp8: the e4m3 weight-streaming kernel (fp8_skinny_linear.py) over e4m3 weights, its configs with twice
+  the BLOCK_K (the same bytes a load as bf16's), against cuBLAS bf16 and torch._scaled_mm.
 chain: the 32 layers' projections of one decode step with their norms and SiLU (attention left out) and
   the final norm + lm_head, as one CUDA graph: our norm / SiLU kernels with cuBLAS against the same with
   skinny_linear (configs from --table, a shapes run's jsonl, else choose_config), with and without PDL
@@ -28,7 +31,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from fastllm.kernels import pdl  # noqa: E402
+from fastllm.kernels import fp8_skinny_linear, pdl  # noqa: E402
+from fastllm.kernels.fp8_quantize import quantize_fp8_per_token  # noqa: E402
 from fastllm.kernels import skinny_linear as S  # noqa: E402
 from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm  # noqa: E402
 from fastllm.kernels.silu_and_mul import silu_and_mul  # noqa: E402
@@ -63,10 +67,12 @@ def graph_us(fn, per_replay: int) -> float:
     return sorted(times)[3]
 
 
-def configs(rows: int) -> list[S.Config]:
-    dot = [S.Config(bn, bk, w, st, True) for bn, bk, w, st in
+def configs(rows: int, element_size: int = 2) -> list[S.Config]:
+    """The sweep, BLOCK_K in elements scaled to the same bytes a load as bf16's."""
+    widen = 2 // element_size
+    dot = [S.Config(bn, bk * widen, w, st, True) for bn, bk, w, st in
            itertools.product([16, 32, 64, 128], [128, 256, 512], [4, 8], [3, 4, 5]) if bn * bk <= 32768]
-    fma = [S.Config(bn, bk, w, st, False) for bn, bk, w, st in
+    fma = [S.Config(bn, bk * widen, w, st, False) for bn, bk, w, st in
            itertools.product([8, 16, 32], [512, 1024], [4, 8], [2, 3]) if bn * bk * rows <= 16384]
     return dot + (fma if rows <= 2 else [])
 
@@ -77,24 +83,39 @@ def emit(out, row: dict) -> None:
     out.flush()
 
 
-def run_shapes(rows_list: list[int], out) -> None:
+def run_shapes(rows_list: list[int], out, fp8: bool = False) -> None:
     for name, (n, k) in SHAPES.items():
-        copies = max(2, (400 << 20) // (n * k * 2))
+        nbytes = 1 if fp8 else 2
+        copies = max(2, (400 << 20) // (n * k * nbytes))
         weights = [torch.randn(n, k, device="cuda", dtype=DT) * k ** -0.5 for _ in range(copies)]
+        if fp8:  # e4m3 weights with per-channel scales; bf16 cuBLAS times its own copies
+            scales = [w.abs().amax(dim=1).float().clamp(min=1e-12) / 448 for w in weights]
+            quantized = [(w / s[:, None].to(DT)).to(torch.float8_e4m3fn) for w, s in zip(weights, scales)]
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=DT)
-            row = {"shape": name, "rows": rows, "cublas_us": graph_us(lambda: [F.linear(x, w) for w in weights], copies)}
+            row = {"shape": name, "rows": rows, "fp8": fp8,
+                   "cublas_us": graph_us(lambda: [F.linear(x, w) for w in weights], copies)}
+            if fp8:
+                def scaled_mm():
+                    q, x_scale = quantize_fp8_per_token(x)
+                    return [torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=s.view(1, -1), out_dtype=DT)
+                            for w, s in zip(quantized, scales)]
+                row["scaled_mm_us"] = graph_us(scaled_mm, copies)
             timed = []
-            for cfg in configs(rows):
+            for cfg in configs(rows, nbytes):
+                if fp8:
+                    run = lambda: [fp8_skinny_linear.launch(x, q, s, config=cfg) for q, s in zip(quantized, scales)]  # noqa: E731
+                else:
+                    run = lambda: [S.launch(x, w, config=cfg) for w in weights]  # noqa: E731
                 try:
-                    timed.append((graph_us(lambda: [S.launch(x, w, config=cfg) for w in weights], copies), cfg))
+                    timed.append((graph_us(run, copies), cfg))
                 except Exception as e:  # out of shared memory / registers: skip the config
                     print(f"skip {name} {rows} {cfg}: {type(e).__name__}", file=sys.stderr)
             timed.sort(key=lambda t: t[0])
             row["best_us"], row["best_cfg"] = timed[0][0], list(timed[0][1])
             row["top5"] = [(round(t, 2), list(c)) for t, c in timed[:5]]
             emit(out, row)
-        weights = None  # free before the next shape
+        weights = quantized = scales = None  # free before the next shape
         torch.cuda.empty_cache()
 
 
@@ -141,6 +162,7 @@ def main() -> None:
     parser.add_argument("phase", choices=["shapes", "chain"])
     parser.add_argument("--rows", default="1,8,16,32")
     parser.add_argument("--table", help="a shapes run's jsonl: the best config per (shape, rows) for chain")
+    parser.add_argument("--fp8", action="store_true", help="shapes: the e4m3 kernel (fp8_skinny_linear.py)")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     table = {}
@@ -148,10 +170,12 @@ def main() -> None:
         for line in open(args.table):
             r = json.loads(line)
             table[(r["shape"], r["rows"])] = S.Config(*r["best_cfg"])
-    path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}.jsonl"
+    if args.fp8 and args.phase != "shapes":
+        parser.error("--fp8 times shapes only")
+    path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}{'_fp8' if args.fp8 else ''}.jsonl"
     with open(path, "w") as out:
         if args.phase == "shapes":
-            run_shapes(rows_list, out)
+            run_shapes(rows_list, out, args.fp8)
         else:
             run_chain(rows_list, table, out)
 
