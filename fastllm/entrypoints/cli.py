@@ -15,11 +15,11 @@ import sys
 import typing
 
 from fastllm.config import (
+    SERVING_DEFAULTS,
     CacheConfig,
     CompileConfig,
     EngineConfig,
     ModelConfig,
-    SERVING_DEFAULTS,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
