@@ -9,8 +9,11 @@ a 5% margin keeps the choice from flapping.
   work with the GPU (async scheduling) while a speculative one cannot, so a small model whose plain
   steps are host-bound gains from drafts that its GPU time alone would reject. Until a size has been
   observed, the CUDA graphs' replay times measured at startup stand in.
-- a is measured as accepted / tried: a verification of n drafts that keeps m tried m + 1 of them
-  (m if m = n); the drafts after the first rejection were never tried.
+- a is measured as accepted / tried over the last WINDOW_DRAFT_TOKENS tried drafts, with PRIOR_DRAFTS more
+  counted as accepted: a verification of n drafts that keeps m tried m + 1 of them (m if m = n); the drafts
+  after the first rejection were never tried. The prior makes the first steps speculate and keeps a few
+  unlucky first verifications from turning speculation off; a prior worth a whole window would keep a
+  batch-1 request speculating for tens of steps at no acceptance.
 - While speculation is off nothing measures a, so a step proposes again after PROBE_INTERVAL plain
   steps; each probe that finds it still not paying doubles the interval (up to MAX_PROBE_INTERVAL).
   A probe costs more than its speculative step: the draft model first catches up on the tokens it
@@ -25,13 +28,15 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections import deque
 
 logger = logging.getLogger(__name__)
 
 MARGIN = 1.05
 PROBE_INTERVAL = 32
 MAX_PROBE_INTERVAL = 1024
-WINDOW_DRAFT_TOKENS = 64  # the acceptance estimate follows about this many recent tried drafts
+WINDOW_DRAFT_TOKENS = 64  # the acceptance estimate is over about this many recent tried drafts
+PRIOR_DRAFTS = 4  # pseudo-drafts, all accepted, in every estimate (speculate first, then judge)
 STEP_TIME_WEIGHT = 0.2  # of each observed step in its size's running average
 PROBE_BUDGET = 0.02  # of the decode time, at most, spent on probes beyond what plain steps would take
 
@@ -46,7 +51,8 @@ class SpecPolicy:
     def __init__(self, k: int, adaptive: bool):
         self.k = k
         self.adaptive = adaptive
-        self.acceptance_rate = 1.0  # a: optimistic until measured (speculate first, then judge)
+        self._verified: deque[tuple[int, int]] = deque()  # (accepted, tried) of recent verifications
+        self._accepted = self._tried = 0  # their sums
         self._sizes: list[int] = []  # the speculative graphs' batch sizes, sorted
         self._ms: dict[bool, dict[int, float]] = {True: {}, False: {}}  # speculative? -> size -> ms a step
         self._plain_steps = 0
@@ -72,12 +78,20 @@ class SpecPolicy:
             costs[size] += STEP_TIME_WEIGHT * (1e3 * seconds - costs[size])
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
-        """One request's verified drafts: update a (an exponential average over about
-        WINDOW_DRAFT_TOKENS tried drafts)."""
+        """One request's verified drafts (into the window of about WINDOW_DRAFT_TOKENS tried drafts)."""
         tried = num_accepted + (num_accepted < num_drafts)
-        if tried:
-            weight = min(1.0, tried / WINDOW_DRAFT_TOKENS)
-            self.acceptance_rate += weight * (num_accepted / tried - self.acceptance_rate)
+        if not tried:
+            return
+        self._verified.append((num_accepted, tried))
+        self._accepted, self._tried = self._accepted + num_accepted, self._tried + tried
+        while self._tried - self._verified[0][1] >= WINDOW_DRAFT_TOKENS:
+            accepted, tried = self._verified.popleft()
+            self._accepted, self._tried = self._accepted - accepted, self._tried - tried
+
+    @property
+    def acceptance_rate(self) -> float:
+        """a: accepted / tried over the window and the prior."""
+        return (self._accepted + PRIOR_DRAFTS) / (self._tried + PRIOR_DRAFTS)
 
     def num_to_propose(self, batch_size: int) -> int:
         if not self.adaptive or not self._sizes or batch_size == 0:

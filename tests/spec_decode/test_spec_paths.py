@@ -9,12 +9,13 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from fastllm import LLM, SamplingParams
 from fastllm.spec_decode import batched_step, spec_runner
-from fastllm.spec_decode.policy import PROBE_BUDGET, SpecPolicy
+from fastllm.spec_decode.policy import PRIOR_DRAFTS, PROBE_BUDGET, WINDOW_DRAFT_TOKENS, SpecPolicy
 from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm, tokenize
 from tests.models.test_llama_vs_hf import TINY, make_tiny_model
 from tests.spec_decode.test_spec_decode import assert_third_token_follows_target
@@ -130,11 +131,44 @@ def test_policy_decides_from_costs_and_acceptance():
     assert policy.num_to_propose(64) == 0  # past the largest speculative graph
     for _ in range(200):
         policy.record(4, 0)
-    assert policy.acceptance_rate < 0.05
+    assert policy.acceptance_rate == PRIOR_DRAFTS / (WINDOW_DRAFT_TOKENS + PRIOR_DRAFTS)  # none accepted
     decisions = [policy.num_to_propose(1) for _ in range(32 + 64 + 128)]
     probes = [i for i, k in enumerate(decisions) if k]
     # Off, but for probes ever further apart (the first comes 32 plain steps after the one at batch 64).
     assert probes == [30, 30 + 64, 30 + 64 + 128]
+
+
+def test_policy_judges_after_a_few_drafts_that_never_pay():
+    """At batch 1 (one tried draft a step when none is accepted) speculation stops after a few steps, as soon
+    as PRIOR_DRAFTS / (steps + PRIOR_DRAFTS) stops paying, not after the tens of steps (39 here) that a prior
+    worth a whole window kept it on."""
+    policy = SpecPolicy(4, adaptive=True)
+    policy.set_step_costs({1: 12.0}, {1: 6.0})
+    steps = 0
+    while policy.num_to_propose(1) and steps < 100:
+        policy.record(4, 0)
+        steps += 1
+    assert steps == PRIOR_DRAFTS  # a = 4 / 8 gives 1.94 tokens a 12 ms step against 1 a 6 ms one
+
+
+def test_acceptance_is_the_mean_over_the_last_tried_drafts():
+    policy = SpecPolicy(4, adaptive=True)
+    assert policy.acceptance_rate == 1.0  # the prior alone
+    policy.record(4, 0)
+    assert policy.acceptance_rate == PRIOR_DRAFTS / (1 + PRIOR_DRAFTS)
+    for _ in range(WINDOW_DRAFT_TOKENS // 4):
+        policy.record(4, 4)
+    for _ in range(8):
+        policy.record(4, 0)  # one tried draft each: the window drops its oldest full verifications
+    assert policy.acceptance_rate == (WINDOW_DRAFT_TOKENS - 8 + PRIOR_DRAFTS) / (WINDOW_DRAFT_TOKENS + PRIOR_DRAFTS)
+    rng, estimates = np.random.default_rng(0), []
+    for _ in range(2000):  # each draft accepted with probability 0.8 until the first rejection
+        accepted = next((i for i in range(4) if rng.random() >= 0.8), 4)
+        policy.record(4, accepted)
+        estimates.append(policy.acceptance_rate)
+    # the window's mean, pulled towards 1 by the prior's share; any one window's is noisier
+    want = (0.8 * WINDOW_DRAFT_TOKENS + PRIOR_DRAFTS) / (WINDOW_DRAFT_TOKENS + PRIOR_DRAFTS)
+    assert abs(np.mean(estimates[100:]) - want) < 0.02
 
 
 def test_policy_spaces_probes_by_their_cost():
