@@ -18,7 +18,6 @@ import time
 
 import torch
 
-from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 from fastllm.worker.input_batch import aligned_width
 
@@ -31,6 +30,8 @@ def warm_up_sizes(graph_max_tokens: int, max_tokens: int) -> list[int]:
     """Token counts past the graphs' largest bucket, up to the step budget: the first counts past the
     graphs (odd and a multiple of 16) and, where the budget reaches it, the same around TMA_MIN_TOKENS and
     at the budget itself."""
+    from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS  # (imports Triton and Gluon: GPU engines only)
+
     sizes = set()
     for low in (graph_max_tokens + 1, TMA_MIN_TOKENS + 1, max_tokens - 1):
         sizes |= {low, -(-low // 16) * 16}
