@@ -48,6 +48,7 @@ MAX_SAMPLED_GRAPH_ROWS = 64
 # The memory for the q of sampled requests' pending drafts (k x vocab float32 each); requests beyond it
 # decode without drafts.
 DRAFT_PROBS_BYTES = 256 << 20
+DRAFT_BEHIND = "the draft model catches up after plain steps"  # (an eager step's reason)
 
 
 class SpecDecodeRunner:
@@ -131,6 +132,14 @@ class SpecDecodeRunner:
             state.prob_slot = self._free_slots.pop()
         return state.prob_slot >= 0
 
+    def discard_drafts(self, req_ids: list[str]) -> None:
+        """A plain step drops the drafts last proposed for its requests: the draft's KV past each one's next
+        position held them, not the tokens the plain steps compute, so draft_len stops there (a later
+        speculative step runs the draft over what it missed)."""
+        for req_id in req_ids:
+            state = self.runner.requests[req_id]
+            state.draft_len = min(state.draft_len, state.num_computed_tokens + 1)
+
     # one step
 
     def execute(self, sched: SchedulerOutput, req_ids: list[str]) -> AsyncRunnerOutput:
@@ -143,10 +152,13 @@ class SpecDecodeRunner:
         states = [runner.requests[r] for r in req_ids]
         num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
         spec = [sched.scheduled_spec_tokens.get(r, []) for r in req_ids]
+        caught_up = self.drafter is not None and self._catch_up_draft(sched, states, num_scheduled, spec)
         sampled = self._fits_step(sched, states, num_scheduled, spec)
         if sampled is not None:
             with nvtx_range("spec_step"):
                 out = self._execute_step(sched, req_ids, states, spec, sampled)
+            if caught_up:  # (its time is a probe's cost, not a speculative step's: SpecPolicy.observe)
+                runner.last_decode_step = (True, len(states), True)
         else:
             out = self._execute_eager(sched, req_ids, states, num_scheduled, spec)
         return AsyncRunnerOutput.ready(out)
@@ -158,6 +170,22 @@ class SpecDecodeRunner:
         sampled = [self.runner.requests[r] for r, t in zip(out.req_ids, out.sampled_token_ids) if t]
         return AsyncRunnerOutput.ready(dataclasses.replace(
             out, spec_token_ids=self._ngram_proposals(sampled, sched.num_spec_proposals)))
+
+    def _catch_up_draft(self, sched, states, num_scheduled, spec) -> bool:
+        """A decode step after plain steps (a probe, or speculation back on) whose only reason to run eagerly
+        is the draft's missing KV: run the draft over the tokens it missed (one forward, nothing drafted).
+        Whether the step runs batched now."""
+        if self._eager_reason(sched, states, num_scheduled, spec) != DRAFT_BEHIND:
+            return False
+        behind = [(s, drafts) for s, drafts in zip(states, spec) if s.draft_len < s.num_computed_tokens + len(drafts)]
+        if any(drafts for _, drafts in behind):
+            return False  # (drafts to verify: the eager path writes their KV)
+        with nvtx_range("draft_catch_up"):
+            self.drafter.propose([DraftRequest(s.token_slice(s.draft_len, s.num_computed_tokens), s.draft_len,
+                                               s.block_table[:len(s.block_ids)], 0, None) for s, _ in behind])
+        for state, _ in behind:
+            state.draft_len = state.num_computed_tokens
+        return self._eager_reason(sched, states, num_scheduled, spec) is None
 
     def _fits_step(self, sched, states, num_scheduled, spec) -> bool | None:
         """None unless the batched step can run this step (said once per reason); else whether some
@@ -185,7 +213,7 @@ class SpecDecodeRunner:
             if self.drafter is not None and not self.proposes_for(state):
                 return "a request that does not speculate"
             if self.drafter is not None and state.draft_len < state.num_computed_tokens + len(drafts):
-                return "the draft model catches up after plain steps"
+                return DRAFT_BEHIND
             if not params.argmax_only:
                 if not params.samples_in_graph:
                     return "a request with a seed, penalties, min_tokens or logprobs"

@@ -208,6 +208,8 @@ class ModelRunner:
             return AsyncRunnerOutput(req_ids, [])
         if self.spec is not None and (sched.scheduled_spec_tokens or sched.num_spec_proposals):
             return self.spec.execute(sched, req_ids)
+        if self.drafter is not None:
+            self.spec.discard_drafts(req_ids)
         return self._execute_plain(sched, req_ids)
 
     def _execute_plain(self, sched: SchedulerOutput, req_ids: list[str]) -> AsyncRunnerOutput:

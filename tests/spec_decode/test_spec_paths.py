@@ -106,6 +106,37 @@ def test_switching_speculation_on_and_off_every_few_steps_keeps_the_targets_toke
     llm.engine.check_kv_pool_whole()
 
 
+def test_drafts_after_plain_steps_are_the_draft_models_own_continuation(monkeypatch):
+    """Plain steps drop the last proposals, whose KV the draft held past each request's next position: the
+    next speculative step runs the draft over what it missed (one forward, then the batched step, not an
+    eager one), and its drafts are what the draft model alone continues the text with, greedily."""
+    engine = dict(dtype="float32", device="cpu", num_gpu_blocks=256)
+    llm = LLM(STORIES, speculative_config={"model": DRAFT, "num_speculative_tokens": 3}, **engine)
+    llm.engine.scheduler.spec_policy = _Cycle(3)
+    runner = llm.engine.worker.runner.spec
+    seen, ran = [], []
+    execute, catch_up = runner.execute, runner._catch_up_draft
+
+    def record(sched, req_ids):
+        out = execute(sched, req_ids).result()
+        for req_id, drafts in (out.spec_token_ids or {}).items():
+            state = runner.runner.requests[req_id]
+            seen.append((state.prompt_token_ids + state.output_token_ids, drafts))
+        return spec_runner.AsyncRunnerOutput.ready(out)
+
+    monkeypatch.setattr(runner, "execute", record)
+    monkeypatch.setattr(runner, "_catch_up_draft", lambda *a: ran.append(catch_up(*a)) or ran[-1])
+    reference = cached_llm().generate(PROMPTS[:3], GREEDY.clone(max_tokens=48), use_tqdm=False)
+    outputs = llm.generate(PROMPTS[:3], GREEDY.clone(max_tokens=48), use_tqdm=False)
+    assert token_ids(outputs) == token_ids(reference)
+    assert any(ran)  # some steps after plain steps caught the draft up and ran batched
+    draft = cached_llm(model=DRAFT, **engine)
+    wanted = draft.generate([{"prompt_token_ids": tokens} for tokens, _ in seen],
+                            [GREEDY.clone(max_tokens=len(d), ignore_eos=True) for _, d in seen], use_tqdm=False)
+    assert [d for _, d in seen] == [list(o.outputs[0].token_ids) for o in wanted]
+    llm.engine.check_kv_pool_whole()
+
+
 def test_measured_costs_turn_speculation_off_and_probes_turn_it_back_on():
     """With step costs where drafts cannot pay (the speculative step 10x a plain one), the engine
     stops proposing after its first measurements and decodes plainly but for a probe every
