@@ -220,13 +220,6 @@ class SamplingParams:
         return self.seed is None and self.logprobs is None and self.min_tokens == 0 and not self.has_penalties \
             and not self.has_logits_filters
 
-    @property
-    def speculates(self) -> bool:
-        """Draft tokens may be verified for this request: every sampling field applies to each verify
-        row as if the drafts before it were output (seeds, penalties, min_tokens too); not with
-        logprobs, which are reported one per step."""
-        return self.logprobs is None
-
     def clone(self, **changes) -> "SamplingParams":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
         values.update(changes)

@@ -396,8 +396,8 @@ class Scheduler:
 
     def _lookahead(self, request: Request, num_new: int, num_cached: int = 0) -> int:
         """Slots past a step's tokens that the draft model writes: only for a request that drafts
-        after the step (it catches up with its tokens and its sampling allows drafts)."""
-        if not self.num_lookahead_tokens or not request.sampling_params.speculates:
+        after the step (it catches up with its tokens)."""
+        if not self.num_lookahead_tokens:
             return 0
         caught_up = request.num_computed_tokens + num_cached + num_new >= request.num_tokens_with_pending
         return self.num_lookahead_tokens if caught_up else 0
@@ -446,7 +446,7 @@ class Scheduler:
             if not tokens or request is None or request.is_finished:
                 continue  # finished while this step was in flight: its token is dropped
             if req_id in self._beam_of:
-                self._beam_reported(request, runner_output.logprobs[req_id][2], tokens[0])
+                self._beam_reported(request, runner_output.logprobs[req_id][0][2], tokens[0])
                 continue
             num_spec = len(spec_scheduled.get(req_id, ()))
             if num_spec:  # the KV of the rejected draft tokens is computed again

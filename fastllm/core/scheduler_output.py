@@ -81,8 +81,9 @@ class ModelRunnerOutput:
     # none for one that computed only part of its prompt (a chunk), and with speculative decoding
     # the accepted draft tokens followed by one the target sampled.
     sampled_token_ids: list[list[int]]
-    # For requests that asked for logprobs: (sampled token's logprob, its rank, [(token id, logprob) top-N]).
-    logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)
+    # For requests that asked for logprobs, one entry per new token: (the token's logprob, its rank,
+    # [(token id, logprob) top-N]).
+    logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
     # req id -> the draft's proposals for the step after this one
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req id -> (position of the first scored prompt token, its entries like logprobs'): prompt_logprobs

@@ -181,8 +181,8 @@ class EngineCore:
         for request, tokens in updated:
             req_id = request.request_id
             out = EngineCoreOutput(req_id, tokens)
-            if req_id in logprobs and tokens:  # only requests that sample one token a step ask for them
-                out.logprobs = [logprobs[req_id]] * len(tokens)
+            if req_id in logprobs and tokens:  # (a stop may have cut the step's tokens)
+                out.logprobs = logprobs[req_id][:len(tokens)]
             if req_id in prompt_logprobs:
                 out.prompt_logprobs = prompt_logprobs[req_id]
             if request.is_finished:

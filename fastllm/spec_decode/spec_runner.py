@@ -26,13 +26,13 @@ import numpy as np
 import torch
 
 from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from fastllm.layers.sampler import SamplingRow, filtered_probs, process_logits
+from fastllm.layers.sampler import SamplingRow, filtered_probs, gather_logprobs, process_logits
 from fastllm.spec_decode.batched_step import ModelFns, SpecDecodeStep
 from fastllm.spec_decode.draft_model import DraftModel, DraftRequest
 from fastllm.spec_decode.ngram import NgramProposer
 from fastllm.spec_decode.rejection_sampler import accept_drafts
 from fastllm.tracing import nvtx_range
-from fastllm.worker.async_output import AsyncRunnerOutput, collect_logprobs
+from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.attn_metadata import forward_context
 from fastllm.worker.input_batch import build_step_inputs, graph_sampling_params
 
@@ -108,7 +108,7 @@ class SpecDecodeRunner:
     def add_request(self, state) -> None:
         state.draft_len = state.num_computed_tokens  # prefix-cache hits and forks share the draft's KV too
         params = state.sampling_params
-        if self.drafter is not None and params.speculates and not params.greedy:
+        if self.drafter is not None and not params.greedy:
             if self._free_slots:
                 state.prob_slot = self._free_slots.pop()
             else:
@@ -124,8 +124,6 @@ class SpecDecodeRunner:
         """Whether drafts are proposed for this request; a sampled one (draft model) needs a probability
         slot and takes one that has come free since it arrived."""
         params = state.sampling_params
-        if not params.speculates:
-            return False
         if self.drafter is None or params.greedy:
             return True
         if state.prob_slot < 0 and self._free_slots:
@@ -283,8 +281,8 @@ class SpecDecodeRunner:
                                  prompt_logprobs)
 
     def _verify(self, hidden: torch.Tensor, inputs, spec_of: dict[str, list[int]]):
-        """Each sampling request's new tokens (appended to its state) and the logprobs of those that
-        asked (which verify no drafts: one row each)."""
+        """Each sampling request's new tokens (appended to its state) and, for those that asked, one logprobs
+        entry per new token."""
         runner = self.runner
         logits = runner._logits(hidden, inputs)
         metadata = inputs.sampling_metadata
@@ -295,13 +293,9 @@ class SpecDecodeRunner:
             tokens = self._accept(logits, metadata, out.sampled, states, drafts)
         else:
             tokens = [[t] for t in out.sampled.tolist()]
-        logprobs = {}
-        if out.logprobs is not None:
-            num_rows = inputs.num_verify_rows
-            first_rows = torch.as_tensor([0, *itertools.accumulate(num_rows)][:-1], device=runner.device) \
-                if num_rows is not None else None
-            per_state = out.logprobs if first_rows is None else tuple(t[first_rows] for t in out.logprobs)
-            logprobs = collect_logprobs(states, tuple(t.cpu() for t in per_state))
+        num_rows = inputs.num_verify_rows or [1] * len(states)
+        logprobs = token_logprobs(logits, states, [0, *itertools.accumulate(num_rows)][:-1], tokens) \
+            if metadata.max_num_logprobs is not None else {}
         for state, t in zip(states, tokens):
             state.output_token_ids.extend(t)
         return {s.req_id: t for s, t in zip(states, tokens)}, logprobs
@@ -387,3 +381,24 @@ class SpecDecodeRunner:
                     self.step.draft_probs[state.prob_slot, :len(t)] = p
         return proposals
 
+
+def token_logprobs(logits: torch.Tensor, states, first_rows: list[int], tokens: list[list[int]]) -> dict:
+    """req id -> one logprobs entry per new token, for the states that asked: the target's raw logprobs at
+    the verify row that gave the token (request i's j-th token comes from row first_rows[i] + j), as a
+    plain step's sampler reports them (collect_logprobs' entries)."""
+    asked = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None and tokens[i]]
+    if not asked:
+        return {}
+    device = logits.device
+    rows = torch.as_tensor([first_rows[i] + j for i in asked for j in range(len(tokens[i]))], device=device)
+    emitted = torch.as_tensor([t for i in asked for t in tokens[i]], device=device)
+    num = max(states[i].sampling_params.logprobs for i in asked)
+    raw = torch.log_softmax(logits[rows].float(), dim=-1)
+    token_logprob, rank, top_ids, top_vals = (t.tolist() for t in gather_logprobs(raw, emitted, num))
+    out, at = {}, 0
+    for i in asked:
+        n = states[i].sampling_params.logprobs
+        out[states[i].req_id] = [(token_logprob[r], rank[r], list(zip(top_ids[r][:n], top_vals[r][:n])))
+                                 for r in range(at, at + len(tokens[i]))]
+        at += len(tokens[i])
+    return out

@@ -70,7 +70,8 @@ class AsyncRunnerOutput:
                 state.num_pending -= 1
                 sampled[state.req_id] = token
             if self._logprobs_host is not None:
-                logprobs = collect_logprobs(self.sample_states, self._logprobs_host)
+                logprobs = {r: [entry] for r, entry in collect_logprobs(self.sample_states,
+                                                                        self._logprobs_host).items()}
         self._result = ModelRunnerOutput(self.req_ids, [[sampled[r]] if r in sampled else [] for r in self.req_ids],
                                          logprobs, prompt_logprobs=self.prompt_logprobs)
         return self._result

@@ -197,7 +197,7 @@ class FakeRunner:
             num = request.sampling_params.logprobs
             if caught_up and num is not None and self.logprobs_fn is not None:
                 top = sorted(self.logprobs_fn(request).items(), key=lambda kv: -kv[1])[:num]
-                logprobs[req_id] = (top[0][1], 1, top)
+                logprobs[req_id] = [(top[0][1], 1, top)]  # one entry per new token
         return ModelRunnerOutput(req_ids, tokens, logprobs)
 
     def _first_read(self, first_query: int) -> int:

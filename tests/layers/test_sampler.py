@@ -212,7 +212,8 @@ def test_beam_steps_give_the_general_paths_top_logprobs_and_argmax():
     # The runner's readback: each state's sampled token (its argmax, from the top ids) and its top pairs
     result = AsyncRunnerOutput([s.req_id for s in states], states, beam.sampled, beam.logprobs).result()
     assert result.sampled_token_ids == [[t] for t in logits.argmax(dim=-1).tolist()]
-    assert result.logprobs == got and [s.output_token_ids for s in states] == result.sampled_token_ids
+    assert result.logprobs == {r: [entry] for r, entry in got.items()}  # one entry per new token
+    assert [s.output_token_ids for s in states] == result.sampled_token_ids
 
 
 @pytest.mark.gpu

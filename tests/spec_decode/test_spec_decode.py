@@ -22,6 +22,7 @@ def token_ids(outputs):
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+REPEATING = "Once upon a time there was a cat. The cat sat on a mat. The cat sat on a"  # (n-gram lookups hit)
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
@@ -69,10 +70,42 @@ def test_prefix_cache_hits_keep_the_drafts_kv():
     assert token_ids(out) == token_ids(cached_llm().generate(prompts, GREEDY, use_tqdm=False))
 
 
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_requests_with_logprobs_speculate_and_report_the_targets_logprobs(method):
+    """Each new token's logprobs entry, accepted drafts' and bonus tokens' alike, is the target's at that
+    position: greedy requests report what the plain engine reports; a seeded sampled one's token logprobs
+    are the target's own over its text (teacher-forced through prompt_logprobs)."""
+    spec = {"method": method, "num_speculative_tokens": 3, **({"model": DRAFT} if method == "draft_model" else {})}
+    llm = cached_llm(speculative_config=spec)
+    stats = llm.engine.scheduler.spec_stats
+    accepted = stats.num_accepted_tokens
+    greedy = SamplingParams(temperature=0, logprobs=3, max_tokens=40, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=7, logprobs=2, max_tokens=40, ignore_eos=True)
+    prompts = PROMPTS[:3] + [REPEATING]
+    outputs = llm.generate(prompts + PROMPTS[:1], [greedy] * len(prompts) + [sampled], use_tqdm=False)
+    assert stats.num_accepted_tokens - accepted > 20  # every request asks for logprobs: they speculated
+    reference = cached_llm().generate(prompts, greedy, use_tqdm=False)
+    assert token_ids(outputs[:len(prompts)]) == token_ids(reference)
+    for got, want in zip(outputs, reference):
+        got_lp, want_lp = got.outputs[0].logprobs, want.outputs[0].logprobs
+        assert len(got_lp) == len(got.outputs[0].token_ids) == len(want_lp)
+        assert [sorted(s) for s in got_lp] == [sorted(s) for s in want_lp]
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 and a[t].rank == b[t].rank
+                   for a, b in zip(got_lp, want_lp) for t in a)
+    out = outputs[-1].outputs[0]
+    forced = cached_llm().generate({"prompt_token_ids": outputs[-1].prompt_token_ids + list(out.token_ids)},
+                                   SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    target = forced.prompt_logprobs[len(outputs[-1].prompt_token_ids):]
+    assert len(out.logprobs) == len(out.token_ids) == len(target)
+    assert all(abs(entry[t].logprob - want[t].logprob) < 1e-4
+               for entry, want, t in zip(out.logprobs, target, out.token_ids))
+    llm.engine.check_kv_pool_whole()
+
+
 def test_n_samples_and_a_mixed_batch_match_the_target_alone():
     """Greedy n=2 siblings (forked KV, copy-on-write), requests that speculate with penalties and a
-    min_tokens mask (each verify row sees the drafts before it as output), one with logprobs (which
-    does not speculate) and plain ones: each output is what the plain engine gives."""
+    min_tokens mask (each verify row sees the drafts before it as output), one with logprobs and plain
+    ones: each output is what the plain engine gives."""
     period = tokenize(["."])[0][-1]
     params = [
         SamplingParams(temperature=0, n=2, max_tokens=40),

@@ -71,11 +71,11 @@ def test_lookahead_only_for_a_step_after_which_the_request_drafts():
     assert len(sched.kv.req_blocks["chunked"]) == 2  # 5 of its 12 prompt tokens: no draft after this step
     sched.finish_requests(["chunked"], RequestStatus.FINISHED_ABORTED)
     sched = make_scheduler(block_size=4, num_speculative_tokens=4)
-    add(sched, "logprobs", 4, max_tokens=20, logprobs=1)  # logprobs: it decodes without drafts
+    add(sched, "logprobs", 4, max_tokens=20, logprobs=1)  # (logprobs speculate too)
     add(sched, "plain", 4, max_tokens=20)
     sched.schedule()
-    # Both prompts end this step; only the one that may draft holds slots for the draft's 4 writes.
-    assert len(sched.kv.req_blocks["logprobs"]) == 1 and len(sched.kv.req_blocks["plain"]) == 2
+    # Both prompts end this step: each holds slots for the draft's 4 writes after it.
+    assert len(sched.kv.req_blocks["logprobs"]) == 2 and len(sched.kv.req_blocks["plain"]) == 2
     sched.finish_requests(["logprobs", "plain"], RequestStatus.FINISHED_ABORTED)
     sched.kv.assert_empty()
 
