@@ -161,8 +161,8 @@ class EngineCore:
                 outputs += self._finish(*launched)
         decode_step = self.worker.runner.last_decode_step
         if decode_step is not None and self.scheduler.spec_policy is not None:
-            speculative, batch_size, eager = decode_step
-            self.scheduler.spec_policy.observe(speculative, batch_size, time.perf_counter() - start, eager)
+            speculative, batch_size, caught_up = decode_step
+            self.scheduler.spec_policy.observe(speculative, batch_size, time.perf_counter() - start, caught_up)
         self._record(scheduler_output, time.perf_counter() - start, time.thread_time() - cpu_start)
         return outputs
 

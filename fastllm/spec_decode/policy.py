@@ -17,7 +17,7 @@ a 5% margin keeps the choice from flapping.
 - While speculation is off nothing measures a, so a step proposes again after PROBE_INTERVAL plain
   steps; each probe that finds it still not paying doubles the interval (up to MAX_PROBE_INTERVAL).
   A probe costs more than its speculative step: the draft model first catches up on the tokens it
-  missed, in an eager step (no graphs). So the wait before the next probe is also at least what keeps
+  missed (one forward of the draft without graphs). So the wait before the next probe is also at least what keeps
   probes, at the last one's measured cost beyond plain steps, under PROBE_BUDGET of the decode time.
 
 Without step costs (no CUDA graphs: the CPU, enforce_eager) or with adaptive=False the policy always
@@ -65,15 +65,16 @@ class SpecPolicy:
         self._sizes = sorted(spec_ms)
         self._ms = {True: dict(spec_ms), False: {b: plain_ms.get(b, 0.0) for b in spec_ms}}
 
-    def observe(self, speculative: bool, batch_size: int, seconds: float, eager: bool = False) -> None:
-        """The wall time of one decode step (speculative or plain) of batch_size requests; an eager one
-        (a speculative step that could not run the graphs) counts only towards a probe's cost."""
+    def observe(self, speculative: bool, batch_size: int, seconds: float, caught_up: bool = False) -> None:
+        """The wall time of one decode step (speculative or plain) of batch_size requests. A step whose draft
+        first caught up on tokens it missed in plain steps counts only towards a probe's cost; a speculative
+        step that ran eagerly (seeds, penalties, logprobs) is what such batches cost, and counts."""
         size = self._size(batch_size)
         if size is None:
             return
         if speculative and self._on is False:  # a probe's step
             self._probe_ms += max(0.0, 1e3 * seconds - self._ms[False][size])
-        if not eager:
+        if not caught_up:
             costs = self._ms[speculative]
             costs[size] += STEP_TIME_WEIGHT * (1e3 * seconds - costs[size])
 

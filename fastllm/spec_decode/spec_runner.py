@@ -155,7 +155,7 @@ class SpecDecodeRunner:
         if sampled is not None:
             with nvtx_range("spec_step"):
                 out = self._execute_step(sched, req_ids, states, spec, sampled)
-            if caught_up:  # (its time is a probe's cost, not a speculative step's: SpecPolicy.observe)
+            if caught_up:  # (its time is a probe's, not a speculative step's: SpecPolicy.observe)
                 runner.last_decode_step = (True, len(states), True)
         else:
             out = self._execute_eager(sched, req_ids, states, num_scheduled, spec)
@@ -259,6 +259,7 @@ class SpecDecodeRunner:
     def _execute_eager(self, sched, req_ids, states, num_scheduled, spec) -> ModelRunnerOutput:
         runner = self.runner
         starts = [s.num_computed_tokens for s in states]
+        catches_up = self.drafter is not None and any(s.draft_len < s.num_computed_tokens for s in states)
         with nvtx_range("prepare_inputs"):
             inputs = build_step_inputs(states, num_scheduled, runner.block_size, runner.args.vocab_size,
                                        runner.eos_token_id, runner.stager, spec_tokens=spec,
@@ -276,7 +277,7 @@ class SpecDecodeRunner:
         with nvtx_range("propose"):
             proposals = self._propose(states, starts, num_scheduled, new_tokens, sched.num_spec_proposals)
         if all(count == 1 + len(drafts) for count, drafts in zip(num_scheduled, spec)):  # decodes only
-            runner.last_decode_step = (True, len(states), True)
+            runner.last_decode_step = (True, len(states), catches_up)
         return ModelRunnerOutput(req_ids, [new_tokens.get(r, []) for r in req_ids], logprobs, proposals,
                                  prompt_logprobs)
 

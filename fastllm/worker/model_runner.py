@@ -71,8 +71,8 @@ class ModelRunner:
         self._last_output: AsyncRunnerOutput | None = None  # its tokens may still be on the device
         self._said_penalties_wait = False
         self._scoring_prompts: set[str] = set()  # requests whose prompt logprobs are still to come
-        # (speculative?, batch size, eager?) of the last step when it was a decode step (the speculation
-        # policy's step costs: replayed from graphs, or a speculative step that ran eagerly), else None
+        # (speculative?, batch size, caught up?) of the last step when it was a decode step (the speculation
+        # policy's step costs; caught up: the draft first ran over tokens it missed, a probe's cost), else None
         self.last_decode_step: tuple[bool, int, bool] | None = None
 
     # setup

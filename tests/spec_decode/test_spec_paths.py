@@ -137,6 +137,26 @@ def test_drafts_after_plain_steps_are_the_draft_models_own_continuation(monkeypa
     llm.engine.check_kv_pool_whole()
 
 
+def test_only_catch_up_steps_are_kept_out_of_the_speculative_step_cost(monkeypatch):
+    """The policy sees every speculative decode step's time, eager ones included (a seeded request's), but
+    for the steps whose draft first caught up on plain steps (a probe's cost)."""
+    seen = []
+    observe = SpecPolicy.observe
+    monkeypatch.setattr(SpecPolicy, "observe", lambda self, *a: seen.append(a) or observe(self, *a))
+    llm = LLM(STORIES, speculative_config={"model": DRAFT, "num_speculative_tokens": 3}, dtype="float32",
+              device="cpu", num_gpu_blocks=256)
+    llm.generate(PROMPTS[:1], SamplingParams(temperature=0.8, seed=1, max_tokens=30, ignore_eos=True),
+                 use_tqdm=False)  # (a seed: every speculative step runs eagerly)
+    speculative = [caught_up for spec, _, _, caught_up in seen if spec]
+    assert len(speculative) > 5 and not any(speculative)
+    seen.clear()
+    llm.engine.scheduler.spec_policy = _Cycle(3)
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert any(caught_up for spec, _, _, caught_up in seen if spec)
+    assert not any(caught_up for spec, _, _, caught_up in seen if not spec)
+    llm.engine.check_kv_pool_whole()
+
+
 def test_measured_costs_turn_speculation_off_and_probes_turn_it_back_on():
     """With step costs where drafts cannot pay (the speculative step 10x a plain one), the engine
     stops proposing after its first measurements and decodes plainly but for a probe every
@@ -203,7 +223,7 @@ def test_acceptance_is_the_mean_over_the_last_tried_drafts():
 
 
 def test_policy_spaces_probes_by_their_cost():
-    """A probe whose eager catch-up step costs 100 ms beyond plain 5 ms steps waits at least
+    """A probe whose catch-up step costs 100 ms beyond plain 5 ms steps waits at least
     100 / (PROBE_BUDGET * 5) plain steps before the next one, not twice the last interval."""
     policy = SpecPolicy(4, adaptive=True)
     policy.set_step_costs({1: 12.0}, {1: 5.0})
@@ -213,8 +233,8 @@ def test_policy_spaces_probes_by_their_cost():
     for _ in range(32 + 64 + 1200):
         k = policy.num_to_propose(1)
         decisions.append(k)
-        if k and len([d for d in decisions if d]) == 2:  # the second probe: an eager step, then its verify
-            policy.observe(True, 1, 0.105, eager=True)
+        if k and len([d for d in decisions if d]) == 2:  # the second probe: its catch-up step, then its verify
+            policy.observe(True, 1, 0.105, caught_up=True)
             policy.observe(True, 1, 0.012)
         else:
             policy.observe(bool(k), 1, 0.005)
@@ -222,7 +242,20 @@ def test_policy_spaces_probes_by_their_cost():
     budgeted = 100.0 / (PROBE_BUDGET * 5.0)  # the second probe's extra ms (~100 + 7), over 2% of a step
     assert probes[:2] == [31, 31 + 64]
     assert probes[2] - probes[1] >= budgeted and probes[2] - probes[1] > 2 * 64
-    assert policy._ms[True][1] < 13.0  # the eager step did not enter the speculative step's cost
+    assert policy._ms[True][1] < 13.0  # the catch-up step did not enter the speculative step's cost
+
+
+def test_speculative_steps_that_run_eagerly_are_what_speculation_costs():
+    """A batch whose steps run eagerly (seeds, penalties, logprobs) pays their time: speculation stops paying
+    when those steps cost more than its tokens give, though the graphs' replay times said it would pay."""
+    policy = SpecPolicy(4, adaptive=True)
+    policy.set_step_costs({1: 8.0}, {1: 5.0})
+    for _ in range(20):
+        policy.record(4, 2)  # a = 2 / 3: 2.6 tokens a step
+    assert policy.num_to_propose(1) == 4  # 2.6 tokens for 8 ms against 1 for 5 ms
+    for _ in range(20):
+        policy.observe(True, 1, 0.030)  # eager speculative steps of 30 ms
+    assert policy.num_to_propose(1) == 0
 
 
 def test_policy_weighs_wall_time_not_only_gpu_time():
