@@ -3,15 +3,16 @@
 A step that verifies draft tokens or proposes new ones comes here. Two paths, one result:
 - decode steps (every request verifies its newest token and its drafts, the batch fits a captured
   size, sampling the graphs can do) run batched_step.py: replayed from a CUDA graph on GPUs, the
-  same code as it is elsewhere;
-- every other step (prompt chunks, a draft that must catch up, seeds / penalties / logprobs, more
-  requests than the largest graph) runs eagerly over the flat batch: the target's forward, the
-  sampler, accept_drafts on the padded verify rows, then the proposer.
+  same code as it is elsewhere; a draft behind after plain steps first runs over what it missed;
+- every other step (prompt chunks, seeds / penalties / logprobs, more requests than the largest
+  graph) runs eagerly over the flat batch: the target's forward, the sampler, accept_drafts on the
+  padded verify rows, then the proposer.
 Either way the step ends with its tokens and the next proposals on the host (the scheduler needs
 the proposals to schedule the next step), so speculative steps run one at a time; the engine
 overlaps the steps that neither verify nor propose, as without speculation.
 
-Each request's draft_len (draft model) says how many of its leading positions hold valid draft KV;
+Each request's draft_len (draft model) says how many of its leading positions hold valid draft KV (a
+plain step leaves it at most at the request's next position: the KV past it held proposals it dropped);
 prob_slot (draft model, sampled requests) is its row of the step's draft_probs, where the q of its
 last proposals waits for the step that verifies them.
 """
