@@ -54,6 +54,10 @@ from fastllm.spec_decode.stats import SpecDecodingStats
 logger = logging.getLogger(__name__)
 
 
+POOL_TOO_SHORT = "beam search: synchronous steps while the KV pool is too short to allocate a run-ahead step's " \
+    "blocks ahead"
+
+
 @dataclass
 class _StepPlan:
     """What one schedule() call has decided so far."""
@@ -597,10 +601,8 @@ class Scheduler:
             self._say(blocker, f"beam search: synchronous steps while {blocker}")
         else:
             for search in {id(s): s for s in map(self._beam_of.get, (r.request_id for r in self.running))}.values():
-                if self.kv.num_free_blocks < sum(len(ra.search.beams) for ra in self.run_ahead.values()) \
-                        + len(search.beams):
-                    self._say("pool", "beam search: synchronous steps while the KV pool is too short to allocate "
-                                      "a run-ahead step's blocks ahead")
+                if self.kv.num_free_blocks < self.num_slots + len(search.beams):
+                    self._say("pool", POOL_TOO_SHORT)
                     break
                 self._take_over(search)
         steps = []
@@ -610,8 +612,7 @@ class Scheduler:
             if step is not None:
                 steps.append(step)
             elif ra.wants_step():
-                self._say("pool", "beam search: synchronous steps while the KV pool is too short to allocate "
-                                  "a run-ahead step's blocks ahead")
+                self._say("pool", POOL_TOO_SHORT)
                 ra.draining = True
             if ra.draining and not ra.in_flight:
                 self._leave_run_ahead(ra)
