@@ -24,7 +24,7 @@ from fastllm.layers.sampler import SamplingMetadata, SamplingRow, exponential_no
 from fastllm.models.loader import load_model
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 from fastllm.worker.cache_engine import CacheEngine
-from fastllm.worker.input_batch import aligned_tables, flat_positions
+from fastllm.worker.input_batch import aligned_width, flat_positions
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,8 @@ class DraftModel:
         # The draft writes only into blocks the request holds (the scheduler's lookahead covers it).
         assert ((seq_lens - 1) // self.block_size < held).all(), "draft KV write past the request's blocks"
         width = int(-(-int(seq_lens.max()) // self.block_size))
-        tables = np.zeros((len(counts), width), dtype=np.int32)
+        # (padded to an aligned width, as a step's tables are: one kernel variant)
+        tables = np.zeros((len(counts), aligned_width(width)), dtype=np.int32)
         for i, table in enumerate(block_tables):
             n = min(width, len(table))
             tables[i, :n] = table[:n]
@@ -141,7 +142,7 @@ class DraftModel:
         device = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.as_tensor(slots, device=device),
-            block_tables=torch.as_tensor(aligned_tables(tables), device=device),  # (one kernel variant)
+            block_tables=torch.as_tensor(tables, device=device),
             seq_lens=torch.as_tensor(seq_lens, device=device),
             query_start_loc=torch.as_tensor(query_start_loc, device=device),
             max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
