@@ -2,16 +2,19 @@
 
 A decode step that verifies k drafts takes T_k(B) at batch B against T_0(B) for a plain decode step,
 and gives each request E_k = 1 + a + ... + a^k tokens on average when each draft is accepted with
-probability a given the ones before it were. Speculation pays while E_k / T_k(B) beats 1 / T_0(B);
-a 5% margin keeps the choice from flapping.
+probability a given the ones before it were. Speculation pays while E_k / T_k(B) beats 1 / T_0(B).
+It turns on only when it pays by a 5% margin and off when it stops paying at all: between the two, the
+choice stays as it is, so an estimate that wanders around one threshold does not flip it step after step
+(each turn on after plain steps costs the draft a catch-up forward).
 
 - T is wall-clock time per step, as the engine sees it (observe()): a plain step overlaps its host
   work with the GPU (async scheduling) while a speculative one cannot, so a small model whose plain
   steps are host-bound gains from drafts that its GPU time alone would reject. Until a size has been
   observed, the CUDA graphs' replay times measured at startup stand in.
-- a is measured as accepted / tried over the last WINDOW_DRAFT_TOKENS tried drafts, with PRIOR_DRAFTS more
-  counted as accepted: a verification of n drafts that keeps m tried m + 1 of them (m if m = n); the drafts
-  after the first rejection were never tried. The prior makes the first steps speculate and keeps a few
+- a is measured as accepted / tried over the last WINDOW_DRAFT_TOKENS tried drafts (or over the k drafts a
+  request of the last WINDOW_STEPS steps, at batches where that is more: a step of 32 requests tries ~100, too
+  noisy an estimate to decide on), with PRIOR_DRAFTS more counted as accepted: a verification of n drafts
+  that keeps m tried m + 1 of them (m if m = n); the drafts after the first rejection were never tried. The prior makes the first steps speculate and keeps a few
   unlucky first verifications from turning speculation off; a prior worth a whole window would keep a
   batch-1 request speculating for tens of steps at no acceptance.
 - While speculation is off nothing measures a, so a step proposes again after PROBE_INTERVAL plain
@@ -35,7 +38,8 @@ logger = logging.getLogger(__name__)
 MARGIN = 1.05
 PROBE_INTERVAL = 32
 MAX_PROBE_INTERVAL = 1024
-WINDOW_DRAFT_TOKENS = 64  # the acceptance estimate is over about this many recent tried drafts
+WINDOW_DRAFT_TOKENS = 64  # the acceptance estimate is over about this many recent tried drafts, at least
+WINDOW_STEPS = 4  # and over about this many steps' drafts at larger batches
 PRIOR_DRAFTS = 4  # pseudo-drafts, all accepted, in every estimate (speculate first, then judge)
 STEP_TIME_WEIGHT = 0.2  # of each observed step in its size's running average
 PROBE_BUDGET = 0.02  # of the decode time, at most, spent on probes beyond what plain steps would take
@@ -53,6 +57,7 @@ class SpecPolicy:
         self.adaptive = adaptive
         self._verified: deque[tuple[int, int]] = deque()  # (accepted, tried) of recent verifications
         self._accepted = self._tried = 0  # their sums
+        self._window = WINDOW_DRAFT_TOKENS  # tried drafts
         self._sizes: list[int] = []  # the speculative graphs' batch sizes, sorted
         self._ms: dict[bool, dict[int, float]] = {True: {}, False: {}}  # speculative? -> size -> ms a step
         self._plain_steps = 0
@@ -85,7 +90,10 @@ class SpecPolicy:
             return
         self._verified.append((num_accepted, tried))
         self._accepted, self._tried = self._accepted + num_accepted, self._tried + tried
-        while self._tried - self._verified[0][1] >= WINDOW_DRAFT_TOKENS:
+        self._trim()
+
+    def _trim(self) -> None:
+        while self._verified and self._tried - self._verified[0][1] >= self._window:
             accepted, tried = self._verified.popleft()
             self._accepted, self._tried = self._accepted - accepted, self._tried - tried
 
@@ -97,6 +105,9 @@ class SpecPolicy:
     def num_to_propose(self, batch_size: int) -> int:
         if not self.adaptive or not self._sizes or batch_size == 0:
             return self.k
+        if self._size(batch_size) is not None:
+            self._window = max(WINDOW_DRAFT_TOKENS, WINDOW_STEPS * self.k * batch_size)
+            self._trim()
         pays, why = self._pays(batch_size)
         self._say(pays, why)
         if pays:
@@ -129,7 +140,7 @@ class SpecPolicy:
         spec, plain = self._ms[True][size], self._ms[False][size]
         tokens = expected_tokens(self.acceptance_rate, self.k)
         gain = tokens * plain / spec
-        return gain >= MARGIN, (f"batch {batch_size}: acceptance {self.acceptance_rate:.2f} gives {tokens:.2f} tokens "
+        return gain >= (1.0 if self._on else MARGIN), (f"batch {batch_size}: acceptance {self.acceptance_rate:.2f} gives {tokens:.2f} tokens "
                                 f"a step of {spec:.2f} ms against 1 a plain step of {plain:.2f} ms ({gain:.2f}x)")
 
     def _say(self, on: bool, why: str) -> None:

@@ -1,7 +1,8 @@
 """The two paths of a speculative step (spec_runner.py) and the policy that turns speculation on and
 off: decode steps run the batched step (the CUDA graphs' code, run as it is on the CPU), every other
 step the eager path; each keeps greedy output the target's own, token for token, for any k, for the
-draft model and n-gram lookup, whatever the policy decides step by step."""
+draft model and n-gram lookup, whatever the policy decides step by step. (Tests that count drafts pin
+the policy on with adaptive=False: on a GPU it would find that the tiny pair does not pay.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from fastllm import LLM, SamplingParams
 from fastllm.spec_decode import batched_step, spec_runner
-from fastllm.spec_decode.policy import PRIOR_DRAFTS, PROBE_BUDGET, WINDOW_DRAFT_TOKENS, SpecPolicy
+from fastllm.spec_decode.policy import PRIOR_DRAFTS, PROBE_BUDGET, WINDOW_DRAFT_TOKENS, WINDOW_STEPS, SpecPolicy
 from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm, tokenize
 from tests.models.test_llama_vs_hf import TINY, make_tiny_model
 from tests.spec_decode.test_spec_decode import assert_third_token_follows_target
@@ -51,7 +52,7 @@ def path_counts(monkeypatch):
 @pytest.mark.parametrize("k", [1, 2, 5, 8])
 def test_decode_steps_take_the_batched_step_and_keep_the_targets_tokens(k, path_counts):
     reference = cached_llm().generate(PROMPTS, GREEDY, use_tqdm=False)
-    llm = cached_llm(speculative_config={"model": DRAFT, "num_speculative_tokens": k})
+    llm = cached_llm(speculative_config={"model": DRAFT, "num_speculative_tokens": k, "adaptive": False})
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert token_ids(outputs) == token_ids(reference)
     assert path_counts["batched"] > 3 * path_counts["eager"] > 0  # the prefill step (and the ends) are eager
@@ -62,7 +63,8 @@ def test_ngram_lookup_keeps_the_targets_tokens(k, path_counts):
     prompts = REPEATING + PROMPTS[:3]
     params = [GREEDY, SamplingParams(temperature=0, max_tokens=30), GREEDY, GREEDY.clone(max_tokens=9), GREEDY]
     reference = cached_llm().generate(prompts, params, use_tqdm=False)
-    llm = cached_llm(speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3})
+    llm = cached_llm(speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+                                      "adaptive": False})
     stats = llm.engine.scheduler.spec_stats
     accepted = stats.num_accepted_tokens
     assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(reference)
@@ -78,7 +80,7 @@ def test_ngram_lookup_keeps_the_targets_tokens(k, path_counts):
 def test_ngram_under_scheduling_pressure(engine):
     prompts = REPEATING * 3
     reference = cached_llm().generate(prompts, GREEDY, use_tqdm=False)
-    llm = cached_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4}, **engine)
+    llm = cached_llm(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}, **engine)
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == token_ids(reference)
 
 
@@ -202,6 +204,33 @@ def test_policy_judges_after_a_few_drafts_that_never_pay():
     assert steps == PRIOR_DRAFTS  # a = 4 / 8 gives 1.94 tokens a 12 ms step against 1 a 6 ms one
 
 
+def test_policy_turns_on_with_a_margin_and_off_only_when_drafts_stop_paying():
+    """Between paying by MARGIN and not paying at all the choice stays as it was, so an estimate that
+    wanders around one threshold does not switch speculation on and off every few steps."""
+    policy = SpecPolicy(4, adaptive=True)
+    for _ in range(20):
+        policy.record(4, 4)  # a = 1: 5 tokens a speculative step
+    decisions = []
+    for spec_ms in [4.9, 4.7, 4.9, 5.1, 4.9, 4.7]:  # against 1 token a 1 ms plain step: 1.02x, 1.06x, ...
+        policy.set_step_costs({1: spec_ms}, {1: 1.0})
+        decisions.append(policy.num_to_propose(1))
+    assert decisions == [0, 4, 4, 0, 0, 4]
+
+
+def test_acceptance_window_spans_a_few_steps_at_large_batches():
+    policy = SpecPolicy(4, adaptive=True)
+    policy.set_step_costs({1: 2.0, 32: 2.0}, {1: 1.0, 32: 1.0})
+    policy.num_to_propose(32)  # the window: WINDOW_STEPS steps of 32 requests' 4 drafts
+    window = WINDOW_STEPS * 4 * 32
+    for _ in range(window):
+        policy.record(4, 4)
+    for _ in range(64):
+        policy.record(4, 0)  # one tried draft each
+    assert policy.acceptance_rate == (window - 64 + PRIOR_DRAFTS) / (window + PRIOR_DRAFTS)
+    policy.num_to_propose(1)  # back to WINDOW_DRAFT_TOKENS: only the rejections are left
+    assert policy.acceptance_rate == PRIOR_DRAFTS / (WINDOW_DRAFT_TOKENS + PRIOR_DRAFTS)
+
+
 def test_acceptance_is_the_mean_over_the_last_tried_drafts():
     policy = SpecPolicy(4, adaptive=True)
     assert policy.acceptance_rate == 1.0  # the prior alone
@@ -281,7 +310,8 @@ def test_spec_tiny_random_configs(tmp_path_factory):
     names = sorted(models)
     for target, draft in zip(names, names[1:] + names[:1]):
         reference = cached_llm(models[target]).generate(prompts, params, use_tqdm=False)
-        llm = cached_llm(models[target], speculative_config={"model": models[draft], "num_speculative_tokens": 3})
+        llm = cached_llm(models[target], speculative_config={"model": models[draft], "num_speculative_tokens": 3,
+                                                             "adaptive": False})
         assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(reference), (target, draft)
 
 
@@ -291,7 +321,7 @@ def test_sampled_tokens_through_the_batched_step_follow_the_target(path_counts):
     common first pair, its distribution is the target's softmax(logits / T) over the top-k."""
     params = SamplingParams(temperature=1.0, top_k=6, max_tokens=3)
     prompt = tokenize([PROMPTS[0]])[0]
-    llm = cached_llm(speculative_model=DRAFT, num_speculative_tokens=4)
+    llm = cached_llm(speculative_config={"model": DRAFT, "num_speculative_tokens": 4, "adaptive": False})
     stats = llm.engine.scheduler.spec_stats
     drafts = stats.num_drafts
     outputs = []
