@@ -14,7 +14,10 @@ from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm, hf_logits, token
 
 
 def spec_llm(k: int = 4, **kwargs):
-    return cached_llm(speculative_model=DRAFT, num_speculative_tokens=k, **kwargs)
+    """adaptive=False: every decode step speculates, on a GPU too, where the policy would find that the tiny
+    pair does not pay and stop proposing (these tests check what speculation computes; test_spec_paths
+    tests the policy)."""
+    return cached_llm(speculative_config={"model": DRAFT, "num_speculative_tokens": k, "adaptive": False}, **kwargs)
 
 
 def token_ids(outputs):
@@ -75,7 +78,8 @@ def test_requests_with_logprobs_speculate_and_report_the_targets_logprobs(method
     """Each new token's logprobs entry, accepted drafts' and bonus tokens' alike, is the target's at that
     position: greedy requests report what the plain engine reports; a seeded sampled one's token logprobs
     are the target's own over its text (teacher-forced through prompt_logprobs)."""
-    spec = {"method": method, "num_speculative_tokens": 3, **({"model": DRAFT} if method == "draft_model" else {})}
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False,
+            **({"model": DRAFT} if method == "draft_model" else {})}
     llm = cached_llm(speculative_config=spec)
     stats = llm.engine.scheduler.spec_stats
     accepted = stats.num_accepted_tokens
