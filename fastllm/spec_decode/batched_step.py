@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fastllm.kernels import dispatch as kernels
 from fastllm.compile.cuda_graphs import SAMPLING_ROWS, graph_sampling_metadata, record_graph, time_graph
 from fastllm.layers.sampler import exponential_noise, filtered_probs
 from fastllm.spec_decode.rejection_sampler import accept_drafts
@@ -157,8 +158,9 @@ class SpecDecodeStep:
         k = self.k
         start, num_drafts = self.start[:bs], self.num_drafts[:bs]
         tokens = self.tokens[:bs]
-        logits = self._forward(self.target, tokens, start, k + 1, bs).view(bs, k + 1, -1)
-        target_tokens = logits.argmax(dim=-1)
+        logits = self._forward(self.target, tokens, start, k + 1, bs)
+        target_tokens = kernels.argmax(logits).view(bs, k + 1)
+        logits = logits.view(bs, k + 1, -1)
         drafts = tokens[:, 1:]
         accept_args = {}
         if sampling and self.synthetic_acceptance_rate is None:
@@ -197,7 +199,7 @@ class SpecDecodeStep:
 
     @staticmethod
     def _draft_sample(logits: torch.Tensor, metadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        greedy = logits.argmax(dim=-1)
+        greedy = kernels.argmax(logits)
         if metadata is None:
             return greedy, None
         q = filtered_probs(logits.float(), metadata)
