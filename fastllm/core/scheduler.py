@@ -472,6 +472,8 @@ class Scheduler:
                 proposed = runner_output.spec_token_ids.get(req_id, [])
                 request.spec_token_ids = proposed[:max(0, request.max_total_tokens - request.num_tokens - 1)]
             updated.append((request, tokens[:num_appended]))
+        if runner_output.num_failed_lookups:
+            self.spec_policy.record_failed_lookups(runner_output.num_failed_lookups)
         return updated
 
     # beam search

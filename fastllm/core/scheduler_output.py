@@ -90,3 +90,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
     # run-ahead search id -> its step's best 2 * beam_width candidates (cum logprob, slot, token), best first
     beam_candidates: dict[str, list[tuple[float, int, int]]] = field(default_factory=dict)
+    # n-gram lookups for the next step that found nothing to propose (the policy counts each as a rejected draft)
+    num_failed_lookups: int = 0

@@ -97,6 +97,13 @@ class SpecPolicy:
             accepted, tried = self._verified.popleft()
             self._accepted, self._tried = self._accepted - accepted, self._tried - tried
 
+    def record_failed_lookups(self, n: int) -> None:
+        """n n-gram lookups that found nothing: each request's next step gives one token, as a verification
+        whose first draft is rejected does, at a speculative step's cost (it waits for its tokens to look
+        up again)."""
+        for _ in range(n):
+            self.record(1, 0)
+
     @property
     def acceptance_rate(self) -> float:
         """a: accepted / tried over the window and the prior."""

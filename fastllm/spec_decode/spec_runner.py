@@ -166,9 +166,11 @@ class SpecDecodeRunner:
         """No drafts to verify (n-gram lookup found none): the plain step (a decode step's graph), waited
         for, since its tokens are the text the next lookups search."""
         out = self.runner._execute_plain(sched, req_ids).result()
+        if self.runner.last_decode_step is not None:  # (a step of speculation's, as the policy weighs them)
+            self.runner.last_decode_step = (True, *self.runner.last_decode_step[1:])
         sampled = [self.runner.requests[r] for r, t in zip(out.req_ids, out.sampled_token_ids) if t]
-        return AsyncRunnerOutput.ready(dataclasses.replace(
-            out, spec_token_ids=self._ngram_proposals(sampled, sched.num_spec_proposals)))
+        proposals, misses = self._ngram_proposals(sampled, sched.num_spec_proposals)
+        return AsyncRunnerOutput.ready(dataclasses.replace(out, spec_token_ids=proposals, num_failed_lookups=misses))
 
     def _catch_up_draft(self, sched, states, num_scheduled, spec) -> bool:
         """A decode step after plain steps (a probe, or speculation back on) whose only reason to run eagerly
@@ -253,9 +255,10 @@ class SpecDecodeRunner:
                 state.draft_len = min(int(start[i]) + count + k, int(held[i]) * block_size)
                 if sched.num_spec_proposals and self.proposes_for(state):
                     proposals[state.req_id] = out[i, k + 2:].tolist()
+        misses = 0
         if self.ngram is not None:
-            proposals = self._ngram_proposals(states, sched.num_spec_proposals)
-        return ModelRunnerOutput(req_ids, new_tokens, spec_token_ids=proposals)
+            proposals, misses = self._ngram_proposals(states, sched.num_spec_proposals)
+        return ModelRunnerOutput(req_ids, new_tokens, spec_token_ids=proposals, num_failed_lookups=misses)
 
     def _execute_eager(self, sched, req_ids, states, num_scheduled, spec) -> ModelRunnerOutput:
         runner = self.runner
@@ -276,11 +279,11 @@ class SpecDecodeRunner:
             with nvtx_range("verify"):
                 new_tokens, logprobs = self._verify(hidden, inputs, dict(zip(req_ids, spec)))
         with nvtx_range("propose"):
-            proposals = self._propose(states, starts, num_scheduled, new_tokens, sched.num_spec_proposals)
+            proposals, misses = self._propose(states, starts, num_scheduled, new_tokens, sched.num_spec_proposals)
         if all(count == 1 + len(drafts) for count, drafts in zip(num_scheduled, spec)):  # decodes only
             runner.last_decode_step = (True, len(states), catches_up)
         return ModelRunnerOutput(req_ids, [new_tokens.get(r, []) for r in req_ids], logprobs, proposals,
-                                 prompt_logprobs)
+                                 prompt_logprobs, num_failed_lookups=misses)
 
     def _verify(self, hidden: torch.Tensor, inputs, spec_of: dict[str, list[int]]):
         """Each sampling request's new tokens (appended to its state) and, for those that asked, one logprobs
@@ -334,21 +337,25 @@ class SpecDecodeRunner:
         slots = torch.as_tensor([max(s.prob_slot, 0) for s in states], device=draft_ids.device)
         return self.step.draft_probs[slots, :draft_ids.shape[1]]
 
-    def _propose(self, states, starts, num_scheduled, new_tokens: dict[str, list[int]], k: int) -> dict[str, list[int]]:
+    def _propose(self, states, starts, num_scheduled, new_tokens: dict[str, list[int]],
+                 k: int) -> tuple[dict[str, list[int]], int]:
+        """The next proposals, and how many n-gram lookups found none."""
         if self.ngram is not None:
             return self._ngram_proposals([s for s in states if s.req_id in new_tokens], k)
-        return self._draft_proposals(states, starts, num_scheduled, new_tokens, k)
+        return self._draft_proposals(states, starts, num_scheduled, new_tokens, k), 0
 
-    def _ngram_proposals(self, states, k: int) -> dict[str, list[int]]:
+    def _ngram_proposals(self, states, k: int) -> tuple[dict[str, list[int]], int]:
         if not k:
-            return {}
-        proposals = {}
+            return {}, 0
+        proposals, misses = {}, 0
         for state in states:
             if self.proposes_for(state):
                 found = self.ngram.propose(np.asarray(state.prompt_token_ids + state.output_token_ids), k)
                 if found:
                     proposals[state.req_id] = found
-        return proposals
+                else:
+                    misses += 1
+        return proposals, misses
 
     def _draft_proposals(self, states, starts, num_scheduled, new_tokens, k: int) -> dict[str, list[int]]:
         """Run the draft from each request's draft_len over what the target computed this step and

@@ -16,7 +16,8 @@ import torch
 
 from fastllm import LLM, SamplingParams
 from fastllm.spec_decode import batched_step, spec_runner
-from fastllm.spec_decode.policy import PRIOR_DRAFTS, PROBE_BUDGET, WINDOW_DRAFT_TOKENS, WINDOW_STEPS, SpecPolicy
+from fastllm.spec_decode.policy import (PRIOR_DRAFTS, PROBE_BUDGET, WINDOW_DRAFT_TOKENS, WINDOW_STEPS, SpecPolicy,
+                                        expected_tokens)
 from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm, tokenize
 from tests.models.test_llama_vs_hf import TINY, make_tiny_model
 from tests.spec_decode.test_spec_decode import assert_third_token_follows_target
@@ -272,6 +273,34 @@ def test_policy_spaces_probes_by_their_cost():
     assert probes[:2] == [31, 31 + 64]
     assert probes[2] - probes[1] >= budgeted and probes[2] - probes[1] > 2 * 64
     assert policy._ms[True][1] < 13.0  # the catch-up step did not enter the speculative step's cost
+
+
+def test_lookups_that_find_nothing_turn_speculation_off():
+    """An n-gram lookup that finds nothing gives its request one token a step, at a speculative step's cost
+    (the step waits for its tokens to look up again): counted as a rejected draft, a run of them stops the
+    lookups as a run of rejections would."""
+    policy = SpecPolicy(4, adaptive=True)
+    policy.set_step_costs({1: 1.2}, {1: 1.0})
+    steps = 0
+    while policy.num_to_propose(1) and steps < 100:
+        policy.record_failed_lookups(1)
+        steps += 1
+    # the first step where a = PRIOR / (steps + PRIOR) gives fewer than 1.2 tokens a step
+    assert steps == next(n for n in range(1, 100) if expected_tokens(PRIOR_DRAFTS / (n + PRIOR_DRAFTS), 4) < 1.2)
+
+
+def test_the_engine_reports_lookups_that_found_nothing(monkeypatch):
+    misses = []
+    monkeypatch.setattr(SpecPolicy, "record_failed_lookups", lambda self, n: misses.append(n))
+    generator = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 512, (40,), generator=generator).tolist()} for _ in range(3)]
+    params = GREEDY.clone(max_tokens=12)
+    reference = cached_llm().generate(prompts, params, use_tqdm=False)
+    llm = LLM(STORIES, dtype="float32", device="cpu", num_gpu_blocks=256, speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 4})
+    assert token_ids(llm.generate(prompts, params, use_tqdm=False)) == token_ids(reference)
+    assert sum(misses) > 3  # (random prompts: few of their 4-grams come again)
+    llm.engine.check_kv_pool_whole()
 
 
 def test_speculative_steps_that_run_eagerly_are_what_speculation_costs():
