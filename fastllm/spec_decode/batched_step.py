@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastllm.kernels import dispatch as kernels
 from fastllm.compile.cuda_graphs import SAMPLING_ROWS, graph_sampling_metadata, record_graph, time_graph
+from fastllm.kernels import dispatch as kernels
 from fastllm.layers.sampler import exponential_noise, filtered_probs
 from fastllm.spec_decode.rejection_sampler import accept_drafts
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context

@@ -14,9 +14,10 @@ choice stays as it is, so an estimate that wanders around one threshold does not
 - a is measured as accepted / tried over the last WINDOW_DRAFT_TOKENS tried drafts (or over the k drafts a
   request of the last WINDOW_STEPS steps, at batches where that is more: a step of 32 requests tries ~100, too
   noisy an estimate to decide on), with PRIOR_DRAFTS more counted as accepted: a verification of n drafts
-  that keeps m tried m + 1 of them (m if m = n); the drafts after the first rejection were never tried. The prior makes the first steps speculate and keeps a few
-  unlucky first verifications from turning speculation off; a prior worth a whole window would keep a
-  batch-1 request speculating for tens of steps at no acceptance.
+  that keeps m tried m + 1 of them (m if m = n); the drafts after the first rejection were never tried.
+  The prior makes the first steps speculate and keeps a few unlucky first verifications from turning
+  speculation off; a prior worth a whole window would keep a batch-1 request speculating for tens of steps
+  at no acceptance.
 - While speculation is off nothing measures a, so a step proposes again after PROBE_INTERVAL plain
   steps; each probe that finds it still not paying doubles the interval (up to MAX_PROBE_INTERVAL).
   A probe costs more than its speculative step: the draft model first catches up on the tokens it
@@ -147,8 +148,10 @@ class SpecPolicy:
         spec, plain = self._ms[True][size], self._ms[False][size]
         tokens = expected_tokens(self.acceptance_rate, self.k)
         gain = tokens * plain / spec
-        return gain >= (1.0 if self._on else MARGIN), (f"batch {batch_size}: acceptance {self.acceptance_rate:.2f} gives {tokens:.2f} tokens "
-                                f"a step of {spec:.2f} ms against 1 a plain step of {plain:.2f} ms ({gain:.2f}x)")
+        threshold = 1.0 if self._on else MARGIN
+        return gain >= threshold, (f"batch {batch_size}: acceptance {self.acceptance_rate:.2f} gives {tokens:.2f} "
+                                   f"tokens a step of {spec:.2f} ms against 1 a plain step of {plain:.2f} ms "
+                                   f"({gain:.2f}x)")
 
     def _say(self, on: bool, why: str) -> None:
         if on != self._on:
