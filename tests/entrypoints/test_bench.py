@@ -290,10 +290,12 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
     spec.loader.exec_module(module)
     out = tmp_path / "spec.json"
     assert module.main(["--batch-sizes", "1,2", "--output-len", "16", "--device", "cpu", "--dtype", "float32",
-                        "--output-json", str(out)]) == 0
+                        "--min-requests", "2", "--output-json", str(out)]) == 0
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [r["batch_size"] for r in rows] == [1, 2]
+    # batches one after another until 2 requests ran, for plain decode and speculation alike
+    assert [r["batches"] for r in rows] == [result["baseline"][str(b)]["batches"] for b in (1, 2)] == [2, 1]
     for r in rows:
         # drafts were accepted: fewer steps than plain decode for the same tokens
         assert r["steps"] < result["baseline"][str(r["batch_size"])]["steps"]
