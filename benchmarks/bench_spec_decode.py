@@ -88,7 +88,7 @@ def measure(engine: LLMEngine, batch_size: int, args) -> dict:
     run_requests(engine, prompts(engine, batch_size, args.input_len, 1), args.output_len, f"warm{batch_size}",
                  progress=False)
     if spec is not None:
-        spec.step_timings.clear()
+        spec.step.clear_timings()
         spec.step.timing = spec.step.replay  # CUDA events only where there are graphs
     spec_before = dataclasses.replace(engine.scheduler.spec_stats)
     runs = [run_requests(engine, prompts(engine, batch_size, args.input_len, 2 + i), args.output_len,

@@ -13,8 +13,12 @@ never accepted). In order, on the device:
      row proposes d_1, then k - 1 one-token rounds for d_2 .. d_k.
 The draft's KV stays whole: when this step began it held every position up to start + k - 1 (the
 rounds of the step before wrote t_1 .. t_{k-1}); step 3 rewrites start + a and adds b' and
-d_1 .. d_{k-1}. One copy to the host then brings each request's tokens, their count and the next
-drafts (out: [tokens (k + 1) | count | proposals (k)]).
+d_1 .. d_{k-1}. out holds [tokens (k + 1) | count | proposals (k)] per request.
+
+The host waits only for the verify part: its tokens and counts are copied back between the two graphs,
+and the proposals follow on their own (PendingDrafts). So the engine schedules and stages the next step
+while the draft model still runs, and the next step reads the proposals where they are: a request whose
+prev_row is its row in the step before takes its drafts t_1 .. t_k from that step's out, on the device.
 
 A write at a position outside the slots the request holds (kv_limit: the draft's rounds near its
 max_tokens, padding rows) is dropped (slot -1), so no other request's KV can be touched.
@@ -36,6 +40,7 @@ from fastllm.kernels import dispatch as kernels
 from fastllm.layers.sampler import exponential_noise, filtered_probs
 from fastllm.spec_decode.rejection_sampler import accept_drafts
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
+from fastllm.worker.staging import step_stream
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +62,15 @@ class SpecDecodeStep:
         self.device = device
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
         # Inputs, packed as one staging copy lays them out: int64 [tokens (n, k + 1) | start | num_drafts
-        # | kv_limit | prob_slot], then int32 [sampling params (SAMPLING_ROWS, n), float32 bits | the
-        # step's block tables at its own width], spread into block_tables before each replay.
-        self.int64_rows = k + 5
+        # | kv_limit | prob_slot | prev_row], then int32 [sampling params (SAMPLING_ROWS, n), float32 bits
+        # | the step's block tables at its own width], spread into block_tables before each replay.
+        self.int64_rows = k + 6
         self.int32_start = self.int64_rows * n * 8
         self.static = torch.zeros(self.int32_start + 4 * (SAMPLING_ROWS * n + n * max_blocks_per_seq),
                                   dtype=torch.uint8, device=device)
         i64 = self.static[:self.int32_start].view(torch.int64)
         self.tokens = i64[:n * (k + 1)].view(n, k + 1)
-        self.start, self.num_drafts, self.kv_limit, self.prob_slot = i64[n * (k + 1):].view(4, n)
+        self.start, self.num_drafts, self.kv_limit, self.prob_slot, self.prev_row = i64[n * (k + 1):].view(5, n)
         i32 = self.static[self.int32_start:].view(torch.int32)
         self.sampling_params = i32[:SAMPLING_ROWS * n].view(torch.float32).view(SAMPLING_ROWS, n)
         self._staged_i32 = i32  # [sampling params |] block tables, as staged
@@ -74,6 +79,7 @@ class SpecDecodeStep:
         self.max_seq_len = max_model_len + 2 * k
         self.block_tables = torch.zeros(n, -(-self.max_seq_len // block_size), dtype=torch.int32, device=device)
         self.out = torch.zeros(n, 2 * k + 2, dtype=torch.int64, device=device)
+        self._verified_host = torch.zeros(n, k + 2, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         # q of the drafts a sampled request proposed, kept for the step that verifies them: one slot per
         # request (the runner assigns them), the last slot for padding rows.
         self.draft_probs = None
@@ -90,8 +96,7 @@ class SpecDecodeStep:
         # CUDA events around the two parts of each step.
         self.synthetic_rate = torch.tensor([synthetic_acceptance_rate or 0.0], device=device)
         self.timing = False
-        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self.replay else []
-        self._timed_parts = 0
+        self._timed: list[list[torch.cuda.Event]] = []  # each timed step's events, read when asked
 
     @property
     def scratch_slot(self) -> int:
@@ -103,16 +108,21 @@ class SpecDecodeStep:
     # host side
 
     def stage(self, stager, tokens: np.ndarray, start: np.ndarray, num_drafts: np.ndarray, kv_limit: np.ndarray,
-              prob_slot: np.ndarray, sampling_params: np.ndarray | None, block_tables: np.ndarray) -> None:
+              prob_slot: np.ndarray, prev_row: np.ndarray, sampling_params: np.ndarray | None,
+              block_tables: np.ndarray) -> None:
         """Copy a step's inputs of B requests into the static buffers (rows B.. of a padded size are
-        padding: nothing written, nothing accepted). block_tables [B', width], B' the padded size."""
+        padding: nothing written, nothing accepted). block_tables [B', width], B' the padded size. A row
+        whose prev_row is >= 0 takes its drafts from that row of the step before (its tokens[1:] are
+        ignored)."""
         n, num_reqs, width = self.max_bs, len(start), self.k + 1
         i64 = np.zeros(self.int64_rows * n, dtype=np.int64)
         i64[:n * width].reshape(n, width)[:num_reqs] = tokens
-        start_, drafts_, limit_, slot_ = i64[n * width:].reshape(4, n)
+        start_, drafts_, limit_, slot_, prev_ = i64[n * width:].reshape(5, n)
         start_[:num_reqs], drafts_[:num_reqs], limit_[:num_reqs] = start, num_drafts, kv_limit
         slot_[:] = self.scratch_slot
         slot_[:num_reqs] = prob_slot
+        prev_[:] = -1
+        prev_[:num_reqs] = prev_row
         int32_arrays = [block_tables]
         if sampling_params is not None:
             int32_arrays.insert(0, sampling_params.view(np.int32))
@@ -121,29 +131,46 @@ class SpecDecodeStep:
         start32 = self.sampling_params.numel() if sampling_params is not None else 0
         self.block_tables[:rows, :width].copy_(self._staged_i32[start32:start32 + rows * width].view(rows, width))
 
-    def execute(self, num_reqs: int, sampling: bool) -> torch.Tensor:
-        """Run the staged step (replay its graphs where there are some); returns out[:num_reqs] (a view
-        of the buffer the next step overwrites). With `timing` on, last_ms() then gives the GPU time of
-        its verify and propose parts."""
-        bs = self.padded_size(num_reqs)
+    def execute(self, num_reqs: int, sampling: bool) -> tuple[np.ndarray, PendingDrafts | None]:
+        """Run the staged step (replay its graphs where there are some). Returns out[:num_reqs, :k + 2]
+        (tokens, count) on the host once the verify part is done, which the next execute overwrites,
+        and, with a draft model, its proposals on their way to the host. With `timing` on, each step's
+        verify and propose GPU time is kept for timings()."""
+        bs, k = self.padded_size(num_reqs), self.k
         if not self.replay:
             self.run(bs, sampling)
-            return self.out[:num_reqs]
+            proposals = PendingDrafts(self.out[:num_reqs, k + 2:].clone()) if self.draft is not None else None
+            return self.out[:num_reqs, :k + 2].numpy().copy(), proposals
         graphs = self.graphs.get((bs, sampling)) or self._capture(bs, sampling)
-        events = self._events if self.timing else None
+        stream = step_stream(self.device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(graphs) + 1)] if self.timing else None
+        verified = self._verified_host[:num_reqs]
+        proposals = None
         for i, graph in enumerate(graphs):
             if events:
-                events[i].record()
+                events[i].record(stream)
             graph.replay()
+            if i == 0:  # the verify part: its tokens go to the host while the draft model runs
+                verified.copy_(self.out[:num_reqs, :k + 2], non_blocking=True)
+                verify_done = torch.cuda.Event()
+                verify_done.record(stream)
+        if self.draft is not None:
+            proposals = PendingDrafts(self.out[:num_reqs, k + 2:].to("cpu", non_blocking=True), torch.cuda.Event())
+            proposals.ready.record(stream)
         if events:
-            events[len(graphs)].record()
-            self._timed_parts = len(graphs)
-        return self.out[:num_reqs]
+            events[-1].record(stream)
+            self._timed.append(events)
+        verify_done.synchronize()
+        return verified.numpy(), proposals
 
-    def last_ms(self) -> tuple[float, float]:
-        """(verify, propose) milliseconds of the last step run with timing on (after it has synced)."""
-        e = self._events
-        return e[0].elapsed_time(e[1]), e[1].elapsed_time(e[2]) if self._timed_parts > 1 else 0.0
+    def timings(self) -> list[tuple[float, float]]:
+        """(verify, propose) milliseconds of each step run with timing on (waits for the last to end)."""
+        if self._timed:
+            self._timed[-1][-1].synchronize()
+        return [(e[0].elapsed_time(e[1]), e[1].elapsed_time(e[2]) if len(e) > 2 else 0.0) for e in self._timed]
+
+    def clear_timings(self) -> None:
+        self._timed.clear()
 
     # the step
 
@@ -158,6 +185,10 @@ class SpecDecodeStep:
         k = self.k
         start, num_drafts = self.start[:bs], self.num_drafts[:bs]
         tokens = self.tokens[:bs]
+        prev_row = self.prev_row[:bs]
+        # the drafts that the step before proposed, still in its out (this part writes out[:, :k + 2] only)
+        chained = self.out.index_select(0, prev_row.clamp(min=0))[:, k + 2:]
+        tokens[:, 1:] = torch.where((prev_row >= 0).unsqueeze(1), chained, tokens[:, 1:])
         logits = self._forward(self.target, tokens, start, k + 1, bs)
         target_tokens = kernels.argmax(logits).view(bs, k + 1)
         logits = logits.view(bs, k + 1, -1)
@@ -242,6 +273,9 @@ class SpecDecodeStep:
         runs twice, which writes the same KV twice) and record its parts."""
         with torch.inference_mode():
             self.run(bs, sampling)  # warm up (and compile this size if it is new)
+            # It took its drafts from the step before into tokens, and replaced that step's proposals with
+            # its own: the replay that follows the capture must not take them again.
+            self.prev_row.fill_(-1)
         parts = [self.verify] + ([self.propose] if self.draft is not None else [])
         graphs = []
         for part in parts:
@@ -249,6 +283,18 @@ class SpecDecodeStep:
             self.pool = self.pool or graphs[-1].pool()
         self.graphs[(bs, sampling)] = graphs
         return graphs
+
+
+@dataclass
+class PendingDrafts:
+    """A batched step's proposals [B, k] on their way to the host (ready: the copy's event; None on the CPU)."""
+    host: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+    def row(self, i: int) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host[i].tolist()
 
 
 def _repeat_rows(metadata, times: int):

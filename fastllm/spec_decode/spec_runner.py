@@ -7,9 +7,12 @@ A step that verifies draft tokens or proposes new ones comes here. Two paths, on
 - every other step (prompt chunks, seeds / penalties / logprobs, more requests than the largest
   graph) runs eagerly over the flat batch: the target's forward, the sampler, accept_drafts on the
   padded verify rows, then the proposer.
-Either way the step ends with its tokens and the next proposals on the host (the scheduler needs
-the proposals to schedule the next step), so speculative steps run one at a time; the engine
-overlaps the steps that neither verify nor propose, as without speculation.
+Either way the step returns once its tokens are on the host (the scheduler needs their count to schedule
+the next step), so speculative steps run one at a time; the engine overlaps the steps that neither
+verify nor propose, as without speculation. A batched step returns before its draft model's rounds end:
+its proposals stay on the device, reported as PENDING_DRAFT tokens (the scheduler needs only their
+number), and the next batched step takes them from there while the host schedules it; a step that needs
+their values on the host (an eager one) reads them from their copy (PendingDrafts).
 
 Each request's draft_len (draft model) says how many of its leading positions hold valid draft KV (a
 plain step leaves it at most at the request's next position: the KV past it held proposals it dropped);
@@ -28,7 +31,7 @@ import torch
 
 from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from fastllm.layers.sampler import SamplingRow, filtered_probs, gather_logprobs, process_logits
-from fastllm.spec_decode.batched_step import ModelFns, SpecDecodeStep
+from fastllm.spec_decode.batched_step import ModelFns, PendingDrafts, SpecDecodeStep
 from fastllm.spec_decode.draft_model import DraftModel, DraftRequest
 from fastllm.spec_decode.ngram import NgramProposer
 from fastllm.spec_decode.rejection_sampler import accept_drafts
@@ -50,6 +53,7 @@ MAX_SAMPLED_GRAPH_ROWS = 64
 # decode without drafts.
 DRAFT_PROBS_BYTES = 256 << 20
 DRAFT_BEHIND = "the draft model catches up after plain steps"  # (an eager step's reason)
+PENDING_DRAFT = -1  # a proposed token still on the device (in the scheduler's spec_token_ids)
 
 
 class SpecDecodeRunner:
@@ -65,7 +69,7 @@ class SpecDecodeRunner:
         self.step: SpecDecodeStep | None = None
         self._free_slots: list[int] = []
         self._logged: set[str] = set()
-        self.step_timings: list[tuple[float, float]] = []  # (verify, propose) ms of steps timed (benchmarks)
+        self._last_proposals: PendingDrafts | None = None  # the last batched step's, still in its out
 
     def set_synthetic_acceptance_rate(self, rate: float) -> None:
         """Benchmarks: change the forced acceptance rate (the engine was built with one)."""
@@ -159,8 +163,22 @@ class SpecDecodeRunner:
             if caught_up:  # (its time is a probe's, not a speculative step's: SpecPolicy.observe)
                 runner.last_decode_step = (True, len(states), True)
         else:
+            spec = [self._draft_values(state, drafts) for state, drafts in zip(states, spec)]
             out = self._execute_eager(sched, req_ids, states, num_scheduled, spec)
         return AsyncRunnerOutput.ready(out)
+
+    @property
+    def step_timings(self) -> list[tuple[float, float]]:
+        """(verify, propose) ms of each batched step run with step.timing on (benchmarks)."""
+        return self.step.timings() if self.step is not None else []
+
+    @staticmethod
+    def _draft_values(state, drafts: list[int]) -> list[int]:
+        """The drafts' token ids: PENDING_DRAFT ones read from their batched step's copy on the host."""
+        if not drafts or drafts[0] != PENDING_DRAFT:
+            return drafts
+        pending, row = state.pending_drafts
+        return pending.row(row)[:len(drafts)]
 
     def _plain_then_lookup(self, sched, req_ids) -> AsyncRunnerOutput:
         """No drafts to verify (n-gram lookup found none): the plain step (a decode step's graph), waited
@@ -228,9 +246,14 @@ class SpecDecodeRunner:
         num_reqs = len(states)
         tokens = np.zeros((num_reqs, k + 1), dtype=np.int64)
         num_drafts = np.fromiter((len(d) for d in spec), dtype=np.int64, count=num_reqs)
+        prev_row = np.full(num_reqs, -1, dtype=np.int64)  # a request's row in the last batched step
         for i, (state, drafts) in enumerate(zip(states, spec)):
             tokens[i, 0] = state.output_token_ids[-1] if state.output_token_ids else state.prompt_token_ids[-1]
-            tokens[i, 1:1 + len(drafts)] = drafts
+            if drafts and drafts[0] == PENDING_DRAFT and state.pending_drafts[0] is self._last_proposals:
+                prev_row[i] = state.pending_drafts[1]  # its drafts are read where that step left them
+            else:
+                drafts = self._draft_values(state, drafts)
+                tokens[i, 1:1 + len(drafts)] = drafts
         start = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
         held = np.fromiter((len(s.block_ids) for s in states), dtype=np.int64, count=num_reqs)
         tables = np.zeros((step.padded_size(num_reqs), int(held.max())), dtype=np.int32)
@@ -240,11 +263,10 @@ class SpecDecodeRunner:
         slots = np.fromiter((s.prob_slot if s.prob_slot >= 0 else step.scratch_slot for s in states),
                             dtype=np.int64, count=num_reqs)
         params = graph_sampling_params(states, step.max_bs, self.runner.args.vocab_size) if sampled else None
-        step.stage(self.runner.stager, tokens, start, num_drafts, held * block_size, slots, params, tables)
-        out = step.execute(num_reqs, sampled).cpu().numpy()
+        step.stage(self.runner.stager, tokens, start, num_drafts, held * block_size, slots, prev_row, params, tables)
+        out, pending = step.execute(num_reqs, sampled)
+        self._last_proposals = pending
         self.runner.last_decode_step = (True, num_reqs, False)
-        if step.timing:
-            self.step_timings.append(step.last_ms())
         new_tokens, proposals = [], {}
         for i, state in enumerate(states):
             count = int(out[i, k + 1])
@@ -254,7 +276,8 @@ class SpecDecodeRunner:
             if self.drafter is not None:
                 state.draft_len = min(int(start[i]) + count + k, int(held[i]) * block_size)
                 if sched.num_spec_proposals and self.proposes_for(state):
-                    proposals[state.req_id] = out[i, k + 2:].tolist()
+                    proposals[state.req_id] = [PENDING_DRAFT] * k
+                    state.pending_drafts = (pending, i)
         misses = 0
         if self.ngram is not None:
             proposals, misses = self._ngram_proposals(states, sched.num_spec_proposals)

@@ -39,6 +39,8 @@ class CachedRequestState:
     # and the row of the draft's probabilities for this request's pending drafts (-1: none)
     draft_len: int = field(default=0, init=False)
     prob_slot: int = field(default=-1, init=False)
+    # where this request's latest proposals are while the host has not read them: (PendingDrafts, its row)
+    pending_drafts: tuple | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.set_block_ids(self.block_ids)

@@ -59,6 +59,37 @@ def test_decode_steps_take_the_batched_step_and_keep_the_targets_tokens(k, path_
     assert path_counts["batched"] > 3 * path_counts["eager"] > 0  # the prefill step (and the ends) are eager
 
 
+def test_drafts_read_on_the_device_are_the_ones_the_host_would_read(monkeypatch):
+    """A batched step takes the drafts of the step before from that step's out on the device (prev_row);
+    with that turned off (every draft read from its copy on the host and staged) the same drafts are
+    verified: the same tokens, the same number accepted."""
+    def run(chained: bool):
+        llm = LLM(STORIES, dtype="float32", device="cpu", num_gpu_blocks=256,
+                  speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": False})
+        runner = llm.engine.worker.runner.spec
+        execute_step, stage, rows = runner._execute_step, runner.step.stage, []
+
+        def unchained(*args):
+            runner._last_proposals = None  # no request's drafts are in the last step's out
+            return execute_step(*args)
+
+        def record(stager, tokens, start, num_drafts, kv_limit, prob_slot, prev_row, *rest):
+            rows.append(int((prev_row >= 0).sum()))
+            return stage(stager, tokens, start, num_drafts, kv_limit, prob_slot, prev_row, *rest)
+
+        monkeypatch.setattr(runner.step, "stage", record)
+        if not chained:
+            monkeypatch.setattr(runner, "_execute_step", unchained)
+        outputs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+        llm.engine.check_kv_pool_whole()
+        return token_ids(outputs), llm.engine.scheduler.spec_stats.num_accepted_tokens, sum(rows)
+
+    tokens, accepted, chained_rows = run(chained=True)
+    assert chained_rows > 20
+    assert run(chained=False) == (tokens, accepted, 0)
+    assert accepted > 0
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_ngram_lookup_keeps_the_targets_tokens(k, path_counts):
     prompts = REPEATING + PROMPTS[:3]
@@ -123,8 +154,8 @@ def test_drafts_after_plain_steps_are_the_draft_models_own_continuation(monkeypa
     def record(sched, req_ids):
         out = execute(sched, req_ids).result()
         for req_id, drafts in (out.spec_token_ids or {}).items():
-            state = runner.runner.requests[req_id]
-            seen.append((state.prompt_token_ids + state.output_token_ids, drafts))
+            state = runner.runner.requests[req_id]  # (a batched step's drafts are read from their copy)
+            seen.append((state.prompt_token_ids + state.output_token_ids, runner._draft_values(state, drafts)))
         return spec_runner.AsyncRunnerOutput.ready(out)
 
     monkeypatch.setattr(runner, "execute", record)
@@ -419,8 +450,9 @@ def test_greedy_neighbours_leave_a_sampled_requests_draft_probabilities_alone(pa
     checked = 0
     for _ in range(6):
         engine.step()
-        drafts = engine.scheduler.requests["sampled"].spec_token_ids
-        q = runner.spec.step.draft_probs[runner.requests["sampled"].prob_slot, :len(drafts)]
+        state = runner.requests["sampled"]
+        drafts = runner.spec._draft_values(state, engine.scheduler.requests["sampled"].spec_token_ids)
+        q = runner.spec.step.draft_probs[state.prob_slot, :len(drafts)]
         assert ((q > 0).sum(dim=-1) == 6).all(), (q > 0).sum(dim=-1)
         assert all(q[j, d] > 0 for j, d in enumerate(drafts))
         checked += len(drafts)
