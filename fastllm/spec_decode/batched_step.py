@@ -141,19 +141,26 @@ class SpecDecodeStep:
             self.run(bs, sampling)
             proposals = PendingDrafts(self.out[:num_reqs, k + 2:].clone()) if self.draft is not None else None
             return self.out[:num_reqs, :k + 2].numpy().copy(), proposals
-        graphs = self.graphs.get((bs, sampling)) or self._capture(bs, sampling)
         stream = step_stream(self.device)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(len(graphs) + 1)] if self.timing else None
         verified = self._verified_host[:num_reqs]
-        proposals = None
-        for i, graph in enumerate(graphs):
-            if events:
-                events[i].record(stream)
-            graph.replay()
-            if i == 0:  # the verify part: its tokens go to the host while the draft model runs
-                verified.copy_(self.out[:num_reqs, :k + 2], non_blocking=True)
-                verify_done = torch.cuda.Event()
-                verify_done.record(stream)
+        verify_done = torch.cuda.Event()
+        proposals = events = None
+        graphs = self.graphs.get((bs, sampling))
+        if graphs is None:
+            # The first step of this size and kind: capturing its graphs runs it once first, and that run
+            # is the step. (Replaying it as well would verify its drafts against the q it just replaced.)
+            self._capture(bs, sampling)
+            verified.copy_(self.out[:num_reqs, :k + 2], non_blocking=True)
+            verify_done.record(stream)
+        else:
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(graphs) + 1)] if self.timing else None
+            for i, graph in enumerate(graphs):
+                if events:
+                    events[i].record(stream)
+                graph.replay()
+                if i == 0:  # the verify part: its tokens go to the host while the draft model runs
+                    verified.copy_(self.out[:num_reqs, :k + 2], non_blocking=True)
+                    verify_done.record(stream)
         if self.draft is not None:
             proposals = PendingDrafts(self.out[:num_reqs, k + 2:].to("cpu", non_blocking=True), torch.cuda.Event())
             proposals.ready.record(stream)
@@ -269,13 +276,10 @@ class SpecDecodeStep:
                     len(self.sizes), self.k, self.sizes[0], self.max_bs, self.capture_seconds)
 
     def _capture(self, bs: int, sampling: bool) -> list[torch.cuda.CUDAGraph]:
-        """Warm up on the staged inputs (a real step's, when a sampling graph is first needed: it then
-        runs twice, which writes the same KV twice) and record its parts."""
+        """Warm up on the staged inputs (a real step's, when a sampling graph is first needed: the warm-up
+        is that step) and record its parts."""
         with torch.inference_mode():
             self.run(bs, sampling)  # warm up (and compile this size if it is new)
-            # It took its drafts from the step before into tokens, and replaced that step's proposals with
-            # its own: the replay that follows the capture must not take them again.
-            self.prev_row.fill_(-1)
         parts = [self.verify] + ([self.propose] if self.draft is not None else [])
         graphs = []
         for part in parts:
