@@ -155,14 +155,19 @@ class SpecDecodeRunner:
         states = [runner.requests[r] for r in req_ids]
         num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
         spec = [sched.scheduled_spec_tokens.get(r, []) for r in req_ids]
-        caught_up = self.drafter is not None and self._catch_up_draft(sched, states, num_scheduled, spec)
-        sampled = self._fits_step(sched, states, num_scheduled, spec)
-        if sampled is not None:
+        why, caught_up = self._eager_reason(sched, states, num_scheduled, spec), False
+        if why == DRAFT_BEHIND:
+            why = self._catch_up_draft(sched, states, num_scheduled, spec)
+            caught_up = why is None
+        if why is None:
+            sampled = any(not s.sampling_params.argmax_only for s in states)
             with nvtx_range("spec_step"):
                 out = self._execute_step(sched, req_ids, states, spec, sampled)
             if caught_up:  # (its time is a probe's, not a speculative step's: SpecPolicy.observe)
                 runner.last_decode_step = (True, len(states), True)
         else:
+            self._log_once(why, "speculative decoding: a step runs eagerly, not the batched step: %s "
+                           "(logged once per reason)", why)
             spec = [self._draft_values(state, drafts) for state, drafts in zip(states, spec)]
             out = self._execute_eager(sched, req_ids, states, num_scheduled, spec)
         return AsyncRunnerOutput.ready(out)
@@ -190,31 +195,19 @@ class SpecDecodeRunner:
         proposals, misses = self._ngram_proposals(sampled, sched.num_spec_proposals)
         return AsyncRunnerOutput.ready(dataclasses.replace(out, spec_token_ids=proposals, num_failed_lookups=misses))
 
-    def _catch_up_draft(self, sched, states, num_scheduled, spec) -> bool:
+    def _catch_up_draft(self, sched, states, num_scheduled, spec) -> str | None:
         """A decode step after plain steps (a probe, or speculation back on) whose only reason to run eagerly
-        is the draft's missing KV: run the draft over the tokens it missed (one forward, nothing drafted).
-        Whether the step runs batched now."""
-        if self._eager_reason(sched, states, num_scheduled, spec) != DRAFT_BEHIND:
-            return False
+        is the draft's missing KV (the caller found DRAFT_BEHIND): run the draft over the tokens it missed
+        (one forward, nothing drafted). The step's reason to run eagerly after that (None: it runs batched)."""
         behind = [(s, drafts) for s, drafts in zip(states, spec) if s.draft_len < s.num_computed_tokens + len(drafts)]
         if any(drafts for _, drafts in behind):
-            return False  # (drafts to verify: the eager path writes their KV)
+            return DRAFT_BEHIND  # (drafts to verify: the eager path writes their KV)
         with nvtx_range("draft_catch_up"):
             self.drafter.propose([DraftRequest(s.token_slice(s.draft_len, s.num_computed_tokens), s.draft_len,
                                                s.block_table[:len(s.block_ids)], 0, None) for s, _ in behind])
         for state, _ in behind:
             state.draft_len = state.num_computed_tokens
-        return self._eager_reason(sched, states, num_scheduled, spec) is None
-
-    def _fits_step(self, sched, states, num_scheduled, spec) -> bool | None:
-        """None unless the batched step can run this step (said once per reason); else whether some
-        request samples."""
-        why = self._eager_reason(sched, states, num_scheduled, spec)
-        if why is not None:
-            self._log_once(why, "speculative decoding: a step runs eagerly, not the batched step: %s "
-                           "(logged once per reason)", why)
-            return None
-        return any(not s.sampling_params.argmax_only for s in states)
+        return self._eager_reason(sched, states, num_scheduled, spec)
 
     def _eager_reason(self, sched, states, num_scheduled, spec) -> str | None:
         step = self.step
