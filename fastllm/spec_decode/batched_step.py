@@ -139,8 +139,9 @@ class SpecDecodeStep:
         bs, k = self.padded_size(num_reqs), self.k
         if not self.replay:
             self.run(bs, sampling)
-            proposals = PendingDrafts(self.out[:num_reqs, k + 2:].clone()) if self.draft is not None else None
-            return self.out[:num_reqs, :k + 2].numpy().copy(), proposals
+            # eager (on a CPU, or on a GPU without graphs): the step is done, and these copies wait for it
+            proposals = PendingDrafts(self.out[:num_reqs, k + 2:].to("cpu", copy=True)) if self.draft is not None else None
+            return self.out[:num_reqs, :k + 2].to("cpu", copy=True).numpy(), proposals
         stream = step_stream(self.device)
         verified = self._verified_host[:num_reqs]
         verify_done = torch.cuda.Event()
