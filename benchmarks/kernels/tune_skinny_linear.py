@@ -1,6 +1,7 @@
-"""Time skinny_linear's launch configs against cuBLAS at Llama-3.1-8B projection shapes (GPU only).
+"""Time skinny_linear's launch configs against cuBLAS at a model's projection shapes (GPU only).
 
     python benchmarks/kernels/tune_skinny_linear.py shapes [--rows 1,8]   # per projection, every config
+    python benchmarks/kernels/tune_skinny_linear.py shapes --model qwen3-0.6b  # another model's shapes
     python benchmarks/kernels/tune_skinny_linear.py chain  [--rows 1,8]   # a decode step's projections
     python benchmarks/kernels/tune_skinny_linear.py shapes --fp8          # fp8_skinny_linear's configs
 
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from fastllm.config import resolve_model_path  # noqa: E402
 from fastllm.kernels import fp8_skinny_linear, pdl  # noqa: E402
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token  # noqa: E402
 from fastllm.kernels import skinny_linear as S  # noqa: E402
@@ -38,10 +40,18 @@ from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm  # noqa: E402
 from fastllm.kernels.silu_and_mul import silu_and_mul  # noqa: E402
 
 DT = torch.bfloat16
-HIDDEN, INTER, VOCAB, LAYERS = 4096, 14336, 128256, 32
-SHAPES = {"qkv": (6144, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTER, HIDDEN), "down": (HIDDEN, INTER),
-          "lm_head": (VOCAB, HIDDEN)}
 EPS = 1e-5
+
+
+def model_shapes(model: str) -> tuple[dict[str, tuple[int, int]], int]:
+    """(N, K) of each projection of a model (a directory or embedded name), and its layer count."""
+    config = json.loads((Path(resolve_model_path(model)) / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
+    return {"qkv": (q + 2 * kv, hidden), "o": (hidden, q), "gate_up": (2 * config["intermediate_size"], hidden),
+            "down": (hidden, config["intermediate_size"]), "lm_head": (config["vocab_size"], hidden)}, \
+        config["num_hidden_layers"]
 
 
 def graph_us(fn, per_replay: int) -> float:
@@ -83,8 +93,8 @@ def emit(out, row: dict) -> None:
     out.flush()
 
 
-def run_shapes(rows_list: list[int], out, fp8: bool = False) -> None:
-    for name, (n, k) in SHAPES.items():
+def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False) -> None:
+    for name, (n, k) in shapes.items():
         nbytes = 1 if fp8 else 2
         copies = max(2, (400 << 20) // (n * k * nbytes))
         weights = [torch.randn(n, k, device="cuda", dtype=DT) * k ** -0.5 for _ in range(copies)]
@@ -119,20 +129,21 @@ def run_shapes(rows_list: list[int], out, fp8: bool = False) -> None:
         torch.cuda.empty_cache()
 
 
-def run_chain(rows_list: list[int], table: dict, out) -> None:
+def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, out) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=DT, generator=g) * 0.02  # noqa: E731
-    layers = [{name: rand(*SHAPES[name]) for name in ("qkv", "o", "gate_up", "down")} for _ in range(LAYERS)]
-    lm_head, nw = rand(VOCAB, HIDDEN), torch.ones(HIDDEN, device="cuda", dtype=DT)
+    layers = [{name: rand(*shapes[name]) for name in ("qkv", "o", "gate_up", "down")} for _ in range(num_layers)]
+    hidden_size, q_size = shapes["o"]
+    lm_head, nw = rand(*shapes["lm_head"]), torch.ones(hidden_size, device="cuda", dtype=DT)
     for rows in rows_list:
-        hidden = rand(rows, HIDDEN)
+        hidden = rand(rows, hidden_size)
 
         def step(proj):
             h, res = hidden, hidden
             for layer in layers:
                 a, res = fused_add_rms_norm(h, res, nw, EPS)
                 qkv = proj("qkv", a, layer["qkv"])
-                h = proj("o", qkv[:, :HIDDEN].contiguous(), layer["o"])
+                h = proj("o", qkv[:, :q_size].contiguous(), layer["o"])
                 a, res = fused_add_rms_norm(h, res, nw, EPS)
                 h = proj("down", silu_and_mul(proj("gate_up", a, layer["gate_up"])), layer["down"])
             a, _ = fused_add_rms_norm(h, res, nw, EPS)
@@ -160,6 +171,7 @@ def set_pdl(setting: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("phase", choices=["shapes", "chain"])
+    parser.add_argument("--model", default="llama-3.1-8b", help="whose projection shapes (default: llama-3.1-8b)")
     parser.add_argument("--rows", default="1,8,16,32")
     parser.add_argument("--table", help="a shapes run's jsonl: the best config per (shape, rows) for chain")
     parser.add_argument("--fp8", action="store_true", help="shapes: the e4m3 kernel (fp8_skinny_linear.py)")
@@ -172,12 +184,14 @@ def main() -> None:
             table[(r["shape"], r["rows"])] = S.Config(*r["best_cfg"])
     if args.fp8 and args.phase != "shapes":
         parser.error("--fp8 times shapes only")
-    path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}{'_fp8' if args.fp8 else ''}.jsonl"
+    shapes, num_layers = model_shapes(args.model)
+    tag = Path(resolve_model_path(args.model)).name.lower()
+    path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}_{tag}{'_fp8' if args.fp8 else ''}.jsonl"
     with open(path, "w") as out:
         if args.phase == "shapes":
-            run_shapes(rows_list, out, args.fp8)
+            run_shapes(shapes, rows_list, out, args.fp8)
         else:
-            run_chain(rows_list, table, out)
+            run_chain(shapes, num_layers, rows_list, table, out)
 
 
 if __name__ == "__main__":

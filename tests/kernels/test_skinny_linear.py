@@ -75,3 +75,12 @@ def test_llama_shapes_gpu(dtype, rows, n_out, k_in):
 def test_pdl_options_gpu(cfg):
     for rows in (1, 8):
         _check("cuda", torch.bfloat16, rows, 4096, 4096, cfg, bias=True)
+
+
+@gpu
+@pytest.mark.parametrize("key", sorted(S._TUNED), ids=lambda key: "x".join(map(str, key)))
+def test_every_tuned_config_gpu(key):
+    """Each measured config of the table, at the smallest and largest row count of its bucket."""
+    bucket, n_out, k_in = key
+    for rows in {1: [1], 8: [2, 8], 16: [9, 16], 32: [17, 32]}[bucket]:
+        _check("cuda", torch.bfloat16, rows, n_out, k_in)
