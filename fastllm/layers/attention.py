@@ -2,7 +2,8 @@
 
 The layer owns the rotary embedding. A decode step is one kernel: rotary, the cache write of the new
 k and v, and attention over the cache plus the new token. A prefill or mixed step rotates q and k and
-writes the cache in one kernel, then attends over the cached prefix and the rotated chunk. A model with
+writes the cache in one kernel, then attends over the cached prefix and the rotated chunk (a speculative
+step's few tokens per request: after their writes, each token as a decode row, metadata.token_rows). A model with
 per-head q/k RMSNorms (Qwen3) passes them in: the rotary kernels apply them first, with no launch of their
 own. A layer with a sliding window passes it to the kernels. A step whose metadata carries cascade groups
 attends in three parts instead (see _cascade), on layers whose window does not bite in that step."""
@@ -78,6 +79,13 @@ class Attention(nn.Module):
                                                value_cache, metadata.slot_mapping, metadata.block_tables,
                                                metadata.seq_lens, metadata.max_seq_len, self.scale, window,
                                                **norm, **scales)
+        if metadata.token_rows is not None:  # every new token's K/V in the cache first, then a row per token
+            query, _ = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox, key_cache,
+                                                 value_cache, metadata.slot_mapping, return_key=False, **norm,
+                                                 **scales)
+            rows = metadata.token_rows
+            return ops.paged_decode_attention(query, key_cache, value_cache, rows.block_tables, rows.seq_lens,
+                                              metadata.max_seq_len, self.scale, window, **scales)
         query, key = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox, key_cache,
                                                value_cache, metadata.slot_mapping, return_key=True, **norm,
                                                **scales)

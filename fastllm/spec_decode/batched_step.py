@@ -39,7 +39,7 @@ from fastllm.compile.cuda_graphs import SAMPLING_ROWS, graph_sampling_metadata, 
 from fastllm.kernels import dispatch as kernels
 from fastllm.layers.sampler import exponential_noise, filtered_probs
 from fastllm.spec_decode.rejection_sampler import accept_drafts
-from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
+from fastllm.worker.attn_metadata import AttentionMetadata, TokenRows, forward_context
 from fastllm.worker.staging import step_stream
 
 logger = logging.getLogger(__name__)
@@ -254,10 +254,13 @@ class SpecDecodeStep:
         blocks = tables.gather(1, (positions // self.block_size).clamp(max=tables.shape[1] - 1))
         slots = blocks.to(torch.int64) * self.block_size + positions % self.block_size
         slots = torch.where(positions < self.kv_limit[:bs].unsqueeze(1), slots, -1)
+        token_rows = None
+        if q_len > 1:
+            token_rows = TokenRows(tables.repeat_interleave(q_len, dim=0), (positions + 1).view(-1).to(torch.int32))
         metadata = AttentionMetadata(
             slot_mapping=slots.view(-1), block_tables=tables, seq_lens=(start + q_len).to(torch.int32),
             query_start_loc=torch.arange(0, (bs + 1) * q_len, q_len, dtype=torch.int32, device=start.device),
-            max_query_len=q_len, max_seq_len=self.max_seq_len)
+            max_query_len=q_len, max_seq_len=self.max_seq_len, token_rows=token_rows)
         with forward_context(metadata, model.attention_layers):
             hidden = model.forward(input_ids.reshape(-1), positions.clamp(max=self.max_model_len - 1).view(-1))
         return model.compute_logits(hidden)

@@ -25,6 +25,15 @@ class CascadeMetadata:
 
 
 @dataclass
+class TokenRows:
+    """Each query token of a step as a decode row of its own: a speculative step's few tokens per request
+    attend through the decode kernel, with the length of the prefix each one sees (its position + 1).
+    The prefill kernel's tiles cost more for so few query rows (README, "Kernel choices")."""
+    block_tables: torch.Tensor  # [T, max_blocks_per_seq] int32: each token's request's block table row
+    seq_lens: torch.Tensor  # [T] int32: each token's position + 1
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V (block * block_size + offset); -1 skips
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32: physical block ids per request
@@ -35,6 +44,7 @@ class AttentionMetadata:
     cascade: CascadeMetadata | None = None  # shared-prefix groups, when the step cascades
     # [N, 2] int32: the prefill kernel's programs (kernels/prefill_tiles.py), a grid fixed for a CUDA graph
     tile_map: torch.Tensor | None = None
+    token_rows: TokenRows | None = None  # when set, the step's tokens attend as decode rows (after their KV writes)
 
     @property
     def is_decode_only(self) -> bool:
