@@ -140,8 +140,9 @@ class SpecDecodeStep:
         if not self.replay:
             self.run(bs, sampling)
             # eager (on a CPU, or on a GPU without graphs): the step is done, and these copies wait for it
-            proposals = PendingDrafts(self.out[:num_reqs, k + 2:].to("cpu", copy=True)) if self.draft is not None else None
-            return self.out[:num_reqs, :k + 2].to("cpu", copy=True).numpy(), proposals
+            host = self.out[:num_reqs].to("cpu", copy=True)
+            proposals = PendingDrafts(host[:, k + 2:]) if self.draft is not None else None
+            return host[:, :k + 2].numpy(), proposals
         stream = step_stream(self.device)
         verified = self._verified_host[:num_reqs]
         verify_done = torch.cuda.Event()
