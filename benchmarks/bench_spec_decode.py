@@ -51,7 +51,8 @@ STORY_PROMPTS = [
 
 def build_engine(args, spec: SpeculativeConfig | None) -> LLMEngine:
     config = EngineConfig.from_kwargs(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
-                                      enforce_eager=args.enforce_eager, max_model_len=args.max_model_len)
+                                      enforce_eager=args.enforce_eager, max_model_len=args.max_model_len,
+                                      **({} if args.seed is None else {"seed": args.seed}))
     if spec is not None:
         config = dataclasses.replace(config, speculative=spec)
     return LLMEngine(config)
@@ -81,9 +82,9 @@ def prompts(engine: LLMEngine, batch_size: int, input_len: int, seed: int) -> li
 def measure(engine: LLMEngine, batch_size: int, args) -> dict:
     """Decode tokens/s of batches of batch_size requests (the steps after each prefill), after a warm-up
     batch: as many batches, one after another, as make --min-requests requests. One request of 256 tokens
-    verifies only ~70 times, and every process draws the same synthetic acceptances (torch's generators start
-    from one seed), so a single batch-1 batch reported one fixed draw: 3.75 tokens a step at alpha 0.8, 3.36
-    expected."""
+    verifies only ~70 times, and every run draws the same synthetic acceptances (the engine seeds torch's
+    generators from its seed; --seed changes it), so a single batch-1 batch reported one fixed draw: 3.75
+    tokens a step at alpha 0.8, 3.36 expected."""
     spec = engine.worker.runner.spec
     run_requests(engine, prompts(engine, batch_size, args.input_len, 1), args.output_len, f"warm{batch_size}",
                  progress=False)
@@ -126,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--synthetic-acceptance", default=None,
                    help="comma-separated acceptance rates to force (benchmark only; random-weight models)")
     p.add_argument("--no-adaptive", action="store_true", help="speculate every step (the policy off)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="the engines' seed, which the synthetic acceptances are drawn from (and dummy weights): "
+                        "the default seed draws the same acceptances in every run")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--dtype", default="auto")
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     alphas = [float(a) for a in args.synthetic_acceptance.split(",")] if args.synthetic_acceptance else [None]
     methods = ([] if args.draft == "none" else [("draft_model", args.draft)]) + ([("ngram", None)] if args.ngram else [])
 
-    meta = {"model": args.model or "stories260K", "dtype": args.dtype}
+    meta = {"model": args.model or "stories260K", "dtype": args.dtype, "seed": args.seed}
 
     def plain(engine):
         meta.update(ceilings.environment(engine.worker.device))

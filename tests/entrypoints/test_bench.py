@@ -303,6 +303,29 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
     assert "spec_mean_accepted_len" in capsys.readouterr().out
 
 
+def test_spec_decode_benchmark_seed_sets_the_synthetic_draws(tmp_path):
+    """--seed: the same seed draws the same synthetic acceptances, another seed others (without it every process
+    draws torch's default sequence)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_spec_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_spec_decode", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def accepted(seed: int) -> float:
+        out = tmp_path / f"spec{seed}.json"
+        module.main(["--batch-sizes", "2", "--output-len", "48", "--device", "cpu", "--dtype", "float32",
+                     "--min-requests", "2", "--synthetic-acceptance", "0.5", "--seed", str(seed),
+                     "--output-json", str(out)])
+        result = json.loads(out.read_text())
+        assert result["meta"]["seed"] == seed
+        return result["rows"][0]["spec_acceptance_rate"]
+
+    first = accepted(1)
+    assert accepted(1) == first and accepted(2) != first
+
+
 def test_arrivals_offer_the_rate_asked_for():
     from fastllm.bench import serving
 
