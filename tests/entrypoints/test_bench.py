@@ -281,13 +281,18 @@ def test_throughput_with_a_draft_model_reports_acceptance(tmp_path, capsys):
     assert row["output_tok_s"] == pytest.approx(36 / row["total_s"])
 
 
-def test_spec_decode_benchmark_script(tmp_path, capsys):
+def _spec_decode_script():
     import importlib.util
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_spec_decode.py"
     spec = importlib.util.spec_from_file_location("bench_spec_decode", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_spec_decode_benchmark_script(tmp_path, capsys):
+    module = _spec_decode_script()
     out = tmp_path / "spec.json"
     assert module.main(["--batch-sizes", "1,2", "--output-len", "16", "--device", "cpu", "--dtype", "float32",
                         "--min-requests", "2", "--output-json", str(out)]) == 0
@@ -306,12 +311,7 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
 def test_spec_decode_benchmark_seed_sets_the_synthetic_draws(tmp_path):
     """--seed: the same seed draws the same synthetic acceptances, another seed others (without it every process
     draws torch's default sequence)."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_spec_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_spec_decode", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _spec_decode_script()
 
     def accepted(seed: int) -> float:
         out = tmp_path / f"spec{seed}.json"
