@@ -79,6 +79,12 @@ def prompts(engine: LLMEngine, batch_size: int, input_len: int, seed: int) -> li
     return [{"prompt_token_ids": rng.integers(0, engine.vocab_size, input_len).tolist()} for _ in range(batch_size)]
 
 
+def decode_steps(run) -> list:
+    """The steps that returned tokens, none of them a prompt's first. Under async scheduling the step that
+    returns the first tokens is the one that waited for the prefill (the prefill's own step only launched it)."""
+    return [s for s in run.steps if s.num_outputs and not s.num_first_tokens]
+
+
 def measure(engine: LLMEngine, batch_size: int, args) -> dict:
     """Decode tokens/s of batches of batch_size requests (the steps after each prefill), after a warm-up
     batch: as many batches, one after another, as make --min-requests requests. One request of 256 tokens
@@ -95,7 +101,7 @@ def measure(engine: LLMEngine, batch_size: int, args) -> dict:
     runs = [run_requests(engine, prompts(engine, batch_size, args.input_len, 2 + i), args.output_len,
                          f"bs{batch_size}-{i}", progress=False)
             for i in range(-(-args.min_requests // batch_size))]
-    decode = [s for run in runs for s in run.steps[1:]]  # each run's first step is its prompts' prefill
+    decode = [s for run in runs for s in decode_steps(run)]
     row = {"decode_tok_s": sum(s.num_tokens for s in decode) / sum(s.seconds for s in decode),
            "batches": len(runs), "steps": sum(len(run.steps) for run in runs),
            "jit_in_window": sum(len(run.jit_compiles) for run in runs)}
