@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 
 from fastllm.bench import ceilings, report
-from fastllm.bench.runner import run_requests
+from fastllm.bench.runner import run_requests, spec_columns
 from fastllm.config import EngineConfig, SpeculativeConfig
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.entrypoints.bench import parse_batch_sizes
@@ -79,12 +79,6 @@ def prompts(engine: LLMEngine, batch_size: int, input_len: int, seed: int) -> li
     return [{"prompt_token_ids": rng.integers(0, engine.vocab_size, input_len).tolist()} for _ in range(batch_size)]
 
 
-def decode_steps(run) -> list:
-    """The steps that returned tokens, none of them a prompt's first. Under async scheduling the step that
-    returns the first tokens is the one that waited for the prefill (the prefill's own step only launched it)."""
-    return [s for s in run.steps if s.num_outputs and not s.num_first_tokens]
-
-
 def measure(engine: LLMEngine, batch_size: int, args) -> dict:
     """Decode tokens/s of batches of batch_size requests (the steps after each prefill), after a warm-up
     batch: as many batches, one after another, as make --min-requests requests. One request of 256 tokens
@@ -101,7 +95,7 @@ def measure(engine: LLMEngine, batch_size: int, args) -> dict:
     runs = [run_requests(engine, prompts(engine, batch_size, args.input_len, 2 + i), args.output_len,
                          f"bs{batch_size}-{i}", progress=False)
             for i in range(-(-args.min_requests // batch_size))]
-    decode = [s for run in runs for s in decode_steps(run)]
+    decode = [s for run in runs for s in run.decode_steps()]
     row = {"decode_tok_s": sum(s.num_tokens for s in decode) / sum(s.seconds for s in decode),
            "batches": len(runs), "steps": sum(len(run.steps) for run in runs),
            "jit_in_window": sum(len(run.jit_compiles) for run in runs)}
@@ -113,8 +107,7 @@ def measure(engine: LLMEngine, batch_size: int, args) -> dict:
         draft_ms = float(np.mean([t[1] for t in timed])) if timed else None
         graphed = len(timed) / len(decode)
         stats = engine.scheduler.spec_stats.since(spec_before)
-        row.update(spec_acceptance_rate=stats.acceptance_rate, spec_mean_accepted_len=stats.mean_acceptance_length,
-                   graphed_spec_steps=graphed, step_ms=step_ms, verify_ms=verify_ms,
+        row.update(**spec_columns(stats), graphed_spec_steps=graphed, step_ms=step_ms, verify_ms=verify_ms,
                    draft_ms=draft_ms, host_ms=step_ms - verify_ms - draft_ms if graphed == 1.0 else None)
     return row
 

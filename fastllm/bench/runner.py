@@ -97,8 +97,18 @@ class RunRecord:
 
     def spec_columns(self) -> dict:
         """The run's draft acceptance, as table columns (None with speculative decoding off)."""
-        return {"spec_acceptance_rate": self.spec.acceptance_rate if self.spec else None,
-                "spec_mean_accepted_len": self.spec.mean_acceptance_length if self.spec else None}
+        return spec_columns(self.spec)
+
+    def decode_steps(self) -> list[StepRecord]:
+        """The steps that returned tokens, none of them a prompt's first. Under async scheduling the step that
+        returns the first tokens is the one that waited for the prefill (the prefill's own step only launched it)."""
+        return [s for s in self.steps if s.num_outputs and not s.num_first_tokens]
+
+
+def spec_columns(stats: SpecDecodingStats | None) -> dict:
+    """Draft acceptance as table columns (None with speculative decoding off)."""
+    return {"spec_acceptance_rate": stats.acceptance_rate if stats else None,
+            "spec_mean_accepted_len": stats.mean_acceptance_length if stats else None}
 
 
 def peak_memory_reset(device: torch.device) -> None:

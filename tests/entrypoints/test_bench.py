@@ -308,7 +308,7 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
     assert "spec_mean_accepted_len" in capsys.readouterr().out
 
 
-def test_spec_decode_benchmark_times_decode_steps_only():
+def test_decode_steps_leave_out_the_prefill():
     """Neither the prefill's launch (no tokens back) nor the step that waited for the prefill (the first tokens)
     counts as decode."""
     from fastllm.bench.runner import RunRecord, StepRecord
@@ -316,7 +316,7 @@ def test_spec_decode_benchmark_times_decode_steps_only():
     run = RunRecord(2, [32, 32], 4)
     run.steps = [StepRecord(0.008, 0, 0, [], num_tokens=0), StepRecord(0.100, 2, 2, [33, 33], num_tokens=2),
                  StepRecord(0.004, 2, 0, [34, 34], num_tokens=2), StepRecord(0.004, 2, 0, [35, 35], num_tokens=6)]
-    assert _spec_decode_script().decode_steps(run) == run.steps[2:]
+    assert run.decode_steps() == run.steps[2:]
 
 
 def test_spec_decode_benchmark_seed_sets_the_synthetic_draws(tmp_path):
