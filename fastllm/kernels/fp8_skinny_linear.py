@@ -14,8 +14,7 @@ and round-to-nearest-even cast); e4m3 products are exact in fp32, summed in anot
 x's and W's scales and rounded once to the output dtype.
 Memory traffic: N * K bytes of W once; x from L2 by every program (one row: twice, in its dtype; more: once,
 in e4m3, after fp8_quantize.py's pass); M * N written.
-Launch configs: skinny_linear's table (same row buckets, the same BLOCK_K in elements: half the bytes of a
-bf16 tile), not tuned for e4m3 yet.
+Launch configs: a table of its own (below), from an e4m3 sweep; skinny_linear's row buckets.
 """
 
 from __future__ import annotations
@@ -27,9 +26,25 @@ import triton.language as tl
 from fastllm.kernels import pdl
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
-from fastllm.kernels.skinny_linear import MAX_ROWS, Config, choose_config
+from fastllm.kernels.skinny_linear import MAX_ROWS, Config, row_bucket
 
-__all__ = ["MAX_ROWS", "launch"]
+__all__ = ["MAX_ROWS", "choose_config", "launch"]
+
+# Launch configs from an H200 sweep of e4m3 weights at 1 and 32 rows (benchmarks/kernels/tune_skinny_linear.py
+# shapes --fp8, Llama-3.1-8B's projections): per row bucket a default (the best on o and down, within 3% on
+# qkv; buckets 8 and 16, not swept, take 32's) and the measured best where it differed. BLOCK_K counts e4m3
+# elements. One row mostly takes the FMA path; gate_up streams faster through tl.dot even at one row.
+_DEFAULT = {1: Config(8, 1024, 4, 2, False), 8: Config(32, 1024, 4, 3), 16: Config(32, 1024, 4, 3),
+            32: Config(32, 1024, 4, 3)}
+_TUNED = {  # (row bucket, N, K)
+    (1, 6144, 4096): Config(8, 1024, 4, 3, False), (1, 28672, 4096): Config(32, 256, 4, 3),
+    (32, 6144, 4096): Config(64, 256, 4, 5), (32, 28672, 4096): Config(128, 256, 4, 3),
+}
+
+
+def choose_config(num_rows: int, n_out: int, k_in: int) -> Config:
+    bucket = row_bucket(num_rows)
+    return _TUNED.get((bucket, n_out, k_in), _DEFAULT[bucket])
 
 
 @triton.jit(do_not_specialize=["num_rows"])

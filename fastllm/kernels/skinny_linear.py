@@ -111,9 +111,13 @@ _TUNED = {  # (row bucket, N, K)
 }
 
 
+def row_bucket(num_rows: int) -> int:
+    """The tables' row bucket of a batch of 1..MAX_ROWS rows."""
+    return next(bucket for bucket in (1, 8, 16, 32) if num_rows <= bucket)
+
+
 def choose_config(num_rows: int, n_out: int, k_in: int, element_size: int = 2) -> Config:
-    bucket = 1 if num_rows == 1 else 8 if num_rows <= 8 else 16 if num_rows <= 16 else 32
-    cfg = _TUNED.get((bucket, n_out, k_in), _DEFAULT[bucket])
+    cfg = _TUNED.get((row_bucket(num_rows), n_out, k_in), _DEFAULT[row_bucket(num_rows)])
     if element_size > 2:  # fp32 (test models): the same tile bytes, so the pipeline still fits in shared memory
         cfg = cfg._replace(block_k=cfg.block_k * 2 // element_size)
     return cfg

@@ -24,13 +24,15 @@ from fastllm.kernels import reference
 from fastllm.kernels.reference import FP8
 from fastllm.kernels.skinny_linear import Config
 from tests.kernels.kernel_testing import gpu, rel_err
+from tests.kernels.test_skinny_linear import bucket_edges
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
 # cuBLASLt's FP8 products on Hopper (torch._scaled_mm, rows > SKINNY_MAX_ROWS): the tensor cores' FP8 MMA
 # keeps ~14 bits of its fp32 accumulator between promotions (DeepSeek-V3 report, 3.3.2), so a float32 output
 # is good to ~2^-13, not to the reference's rounding. Measured on an H200, Llama-3.1-8B and 1024-wide
 # projections, 2..512 rows: 1.09e-4..1.35e-4 (scratch table in the commit message); fp16/bf16 outputs round
-# coarser than that. The one-row kernel sums in fp32 FMAs and keeps 1e-5.
+# coarser than that. The weight-streaming kernel (rows <= SKINNY_MAX_ROWS) keeps 1e-5: fp32 FMAs at one row, and
+# tl.dot of exact e4m3 products into fp32 above (H200: <= 1.2e-6 at 2-32 rows, scratch/fp8_skinny_acc.py).
 SCALED_MM_FLOAT32_TOL = 2e-4
 
 
@@ -179,6 +181,18 @@ def test_skinny_kernel_against_scaled_mm_gpu(rows, n_out, k_in):
         cublas = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1),
                                   out_dtype=x.dtype)
         assert rel_err(out, cublas) <= TOL[torch.bfloat16]
+
+
+@gpu
+@pytest.mark.parametrize("key", sorted(S._TUNED), ids=lambda key: "x".join(map(str, key)))
+def test_every_tuned_config_gpu(key):
+    """Each measured e4m3 config, at the smallest and largest row count of its bucket."""
+    bucket, n_out, k_in = key
+    weight, scale = random_weight(n_out, k_in, "cuda")
+    for rows in bucket_edges(bucket):
+        x = torch.randn(rows, k_in, device="cuda", dtype=torch.bfloat16)
+        out = S.launch(x, weight, scale)
+        assert rel_err(out, reference.fp8_linear(x, weight, scale, None)) <= TOL[torch.bfloat16]
 
 
 @gpu

@@ -77,10 +77,23 @@ def test_pdl_options_gpu(cfg):
         _check("cuda", torch.bfloat16, rows, 4096, 4096, cfg, bias=True)
 
 
+def bucket_edges(bucket: int) -> list[int]:
+    """The smallest and largest row count of a config table's row bucket."""
+    buckets = [1, 8, 16, 32]
+    assert buckets[-1] == S.MAX_ROWS and all(S.row_bucket(b) == b for b in buckets)
+    below = buckets[buckets.index(bucket) - 1] if bucket > 1 else 0
+    return sorted({below + 1, bucket})
+
+
+def test_row_buckets():
+    assert [S.row_bucket(rows) for rows in (1, 2, 8, 9, 16, 17, 32)] == [1, 8, 8, 16, 16, 32, 32]
+    assert bucket_edges(1) == [1] and bucket_edges(32) == [17, 32]
+
+
 @gpu
 @pytest.mark.parametrize("key", sorted(S._TUNED), ids=lambda key: "x".join(map(str, key)))
 def test_every_tuned_config_gpu(key):
     """Each measured config of the table, at the smallest and largest row count of its bucket."""
     bucket, n_out, k_in = key
-    for rows in {1: [1], 8: [2, 8], 16: [9, 16], 32: [17, 32]}[bucket]:
+    for rows in bucket_edges(bucket):
         _check("cuda", torch.bfloat16, rows, n_out, k_in)
