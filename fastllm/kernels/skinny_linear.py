@@ -117,7 +117,8 @@ def row_bucket(num_rows: int) -> int:
 
 
 def choose_config(num_rows: int, n_out: int, k_in: int, element_size: int = 2) -> Config:
-    cfg = _TUNED.get((row_bucket(num_rows), n_out, k_in), _DEFAULT[row_bucket(num_rows)])
+    bucket = row_bucket(num_rows)
+    cfg = _TUNED.get((bucket, n_out, k_in), _DEFAULT[bucket])
     if element_size > 2:  # fp32 (test models): the same tile bytes, so the pipeline still fits in shared memory
         cfg = cfg._replace(block_k=cfg.block_k * 2 // element_size)
     return cfg
