@@ -32,7 +32,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
 # is good to ~2^-13, not to the reference's rounding. Measured on an H200, Llama-3.1-8B and 1024-wide
 # projections, 2..512 rows: 1.09e-4..1.35e-4 (scratch table in the commit message); fp16/bf16 outputs round
 # coarser than that. The weight-streaming kernel (rows <= SKINNY_MAX_ROWS) keeps 1e-5: fp32 FMAs at one row, and
-# tl.dot of exact e4m3 products into fp32 above (H200: <= 1.2e-6 at 2-32 rows, scratch/fp8_skinny_acc.py).
+# tl.dot of exact e4m3 products into fp32 above (H200: <= 1.2e-6 at 2-32 rows in a one-off sweep).
 SCALED_MM_FLOAT32_TOL = 2e-4
 
 
