@@ -63,6 +63,7 @@ from fastllm.kernels import pdl, sm_count
 from fastllm.kernels.kv_fp8 import to_cache
 from fastllm.kernels.reference import FP8, check_kv_scales
 from fastllm.kernels.rotary import check_qk_norm, head_rms_norm
+from fastllm.kernels.split_counters import split_counters
 
 _LOG2E = 1.4426950408889634
 _MIN_GROUP_ROWS = 16  # tl.dot needs M >= 16
@@ -120,23 +121,12 @@ class NewTokens(NamedTuple):
 # at 4 warps), BLOCK_S splits a step.
 _MERGE_TILE_ELEMENTS = 8192
 _MAX_MERGE_BLOCK_S = 16
-_counters: dict[torch.device, list[torch.Tensor]] = {}  # device -> split counters, newest (largest) last
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 zeros that the kernel leaves zeroed again. A larger request adds a buffer and keeps the old
-    ones: a captured CUDA graph holds the address it was captured with.
-
-    One buffer serves every launch on the device, so launches must not overlap: one stream per device (the
-    engine's). Launches split only while B x Hkv < 3 programs per SM, so 4096 counters cover any GPU."""
-    buffers = _counters.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # a zero fill recorded into a graph would not have run before the first replay's atomics
-            raise RuntimeError("decode attention's split counters must be allocated before CUDA-graph "
-                               "capture: run the launch once outside the capture first")
-        buffers.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
+    """split_counters.py's buffer for this kernel. Launches split only while B x Hkv < 3 programs per SM, so
+    4096 counters cover any GPU."""
+    return split_counters("decode attention", device, n)
 
 
 @triton.jit(do_not_specialize=["stride_bt", "min_split_len"])  # eager steps' table width varies: one variant
