@@ -4,6 +4,7 @@
     python benchmarks/kernels/tune_skinny_linear.py shapes --model qwen3-0.6b  # another model's shapes
     python benchmarks/kernels/tune_skinny_linear.py chain  [--rows 1,8]   # a decode step's projections
     python benchmarks/kernels/tune_skinny_linear.py shapes --fp8          # fp8_skinny_linear's configs
+    python benchmarks/kernels/tune_skinny_linear.py shapes --split-k 1,2,4  # K split over 1, 2, 4 programs
 
 Results go to $OUT/skinny_<phase>.jsonl (or /tmp), one JSON line each, as they are measured.
 
@@ -77,14 +78,14 @@ def graph_us(fn, per_replay: int) -> float:
     return sorted(times)[3]
 
 
-def configs(rows: int, element_size: int = 2) -> list[S.Config]:
-    """The sweep, BLOCK_K in elements scaled to the same bytes a load as bf16's."""
+def configs(rows: int, element_size: int = 2, splits: tuple[int, ...] = (1,)) -> list[S.Config]:
+    """The sweep, BLOCK_K in elements scaled to the same bytes a load as bf16's, each at every split of K."""
     widen = 2 // element_size
     dot = [S.Config(bn, bk * widen, w, st, True) for bn, bk, w, st in
            itertools.product([16, 32, 64, 128], [128, 256, 512], [4, 8], [3, 4, 5]) if bn * bk <= 32768]
     fma = [S.Config(bn, bk * widen, w, st, False) for bn, bk, w, st in
            itertools.product([8, 16, 32], [512, 1024], [4, 8], [2, 3]) if bn * bk * rows <= 16384]
-    return dot + (fma if rows <= 2 else [])
+    return [cfg._replace(split_k=split) for cfg in dot + (fma if rows <= 2 else []) for split in splits]
 
 
 def emit(out, row: dict) -> None:
@@ -93,7 +94,7 @@ def emit(out, row: dict) -> None:
     out.flush()
 
 
-def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False) -> None:
+def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False, splits: tuple[int, ...] = (1,)) -> None:
     for name, (n, k) in shapes.items():
         nbytes = 1 if fp8 else 2
         copies = max(2, (400 << 20) // (n * k * nbytes))
@@ -112,7 +113,7 @@ def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False) -> No
                             for w, s in zip(quantized, scales)]
                 row["scaled_mm_us"] = graph_us(scaled_mm, copies)
             timed = []
-            for cfg in configs(rows, nbytes):
+            for cfg in configs(rows, nbytes, splits):
                 if fp8:
                     run = lambda: [fp8_skinny_linear.launch(x, q, s, config=cfg) for q, s in zip(quantized, scales)]  # noqa: E731
                 else:
@@ -175,6 +176,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,16,32")
     parser.add_argument("--table", help="a shapes run's jsonl: the best config per (shape, rows) for chain")
     parser.add_argument("--fp8", action="store_true", help="shapes: the e4m3 kernel (fp8_skinny_linear.py)")
+    parser.add_argument("--split-k", default="1", help="shapes: splits of K to sweep, e.g. 1,2,4 (default 1)")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     table = {}
@@ -189,7 +191,7 @@ def main() -> None:
     path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}_{tag}{'_fp8' if args.fp8 else ''}.jsonl"
     with open(path, "w") as out:
         if args.phase == "shapes":
-            run_shapes(shapes, rows_list, out, args.fp8)
+            run_shapes(shapes, rows_list, out, args.fp8, tuple(int(k) for k in args.split_k.split(",")))
         else:
             run_chain(shapes, num_layers, rows_list, table, out)
 

@@ -26,7 +26,7 @@ import triton.language as tl
 from fastllm.kernels import pdl
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
-from fastllm.kernels.skinny_linear import MAX_ROWS, Config, row_bucket
+from fastllm.kernels.skinny_linear import MAX_ROWS, Config, k_range, merge_k_splits, row_bucket, split_k_buffers
 
 __all__ = ["MAX_ROWS", "choose_config", "launch"]
 
@@ -49,10 +49,10 @@ def choose_config(num_rows: int, n_out: int, k_in: int) -> Config:
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _fp8_skinny_linear_kernel(
-    x_ptr, w_ptr, w_scale_ptr, bias_ptr, input_scale_ptr, out_ptr, num_rows, n_out, k_in, stride_xm,
-    HAS_BIAS: tl.constexpr, STATIC: tl.constexpr, PREQUANT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, FP8_MAX: tl.constexpr,
-    MIN_AMAX: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, input_scale_ptr, out_ptr, part_ptr, counters_ptr, num_rows, n_out, k_in,
+    stride_xm, HAS_BIAS: tl.constexpr, STATIC: tl.constexpr, PREQUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -75,9 +75,10 @@ def _fp8_skinny_linear_kernel(
         x_scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=1), MIN_AMAX), FP8_MAX)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
-    for k0 in range(0, k_in, BLOCK_K):
+    k_lo, k_hi = k_range(k_in, SPLIT_K, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_in
+        k_ok = ks < k_hi
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if PREQUANT:
@@ -90,12 +91,23 @@ def _fp8_skinny_linear_kernel(
             acc_lanes += q.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
     if not USE_DOT:
         acc = tl.sum(acc_lanes, axis=1)[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        _scale_and_store(acc, x_scale, w_scale_ptr, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
+    else:  # the exact e4m3 sums first, scaled once
+        acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
+        if last:
+            _scale_and_store(acc, x_scale, w_scale_ptr, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
+
+
+@triton.jit
+def _scale_and_store(acc, x_scale, w_scale_ptr, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS: tl.constexpr):
+    col_ok = cols < n_out
     w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
     acc = acc * x_scale[:, None] * w_scale[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None] * n_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + rows[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -115,12 +127,15 @@ def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     if use_dot:  # x quantized once here, not re-read for its scales by every program
         x_in, row_scales = quantize_fp8_per_token(x, input_scale)
         scales = row_scales.view(num_rows)
-    _fp8_skinny_linear_kernel[(triton.cdiv(n_out, cfg.block_n),)](
+    tiles = triton.cdiv(n_out, cfg.block_n)
+    part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)
+    _fp8_skinny_linear_kernel[(tiles, cfg.split_k)](
         x_in, weight, weight_scale, bias if bias is not None else weight_scale,
-        scales if scales is not None else weight_scale, out, num_rows, n_out, k_in, x_in.stride(0),
+        scales if scales is not None else weight_scale, out, part, counters, num_rows, n_out, k_in, x_in.stride(0),
         HAS_BIAS=bias is not None, STATIC=input_scale is not None and not use_dot, PREQUANT=use_dot,
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, USE_DOT=use_dot, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX, num_warps=cfg.num_warps,
+        BLOCK_K=cfg.block_k, USE_DOT=use_dot, SPLIT_K=cfg.split_k, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
     return out

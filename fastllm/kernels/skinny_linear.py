@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import pdl
+from fastllm.kernels.split_counters import split_counters
 
 logger = logging.getLogger("fastllm.kernels")
 
@@ -39,11 +40,41 @@ def _prefetch_l2(ptrs):
                               is_pure=False, pack=1)
 
 
+@triton.jit
+def k_range(k_in, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's part [lo, hi) of K: all of it, or split k's share in whole BLOCK_K tiles (a share past K
+    is empty)."""
+    if SPLIT_K == 1:
+        return 0, k_in
+    k_per = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
+    lo = tl.program_id(1) * k_per
+    return lo, tl.minimum(k_in, lo + k_per)
+
+
+@triton.jit
+def merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K: tl.constexpr):
+    """Split-K's epilogue: store this program's partial sums [BLOCK_M, BLOCK_N] and count it done; the last
+    of the column tile's SPLIT_K programs adds the partials (in split order: the same sum whichever program
+    is last), zeroes the tile's counter for the next launch and returns (total, True); the others
+    (partial, False)."""
+    part = part_ptr + rows[:, None] * n_out + cols[None, :]  # part [SPLIT_K, num_rows, n_out] fp32
+    tl.store(part + tl.program_id(1) * num_rows * n_out, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial stores before the counter's release
+    counter = counters_ptr + tl.program_id(0)
+    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+    if last:
+        tl.store(counter, 0)
+        acc = tl.zeros_like(acc)
+        for k in range(SPLIT_K):  # other SMs' partials: read past L1 (.cg)
+            acc += tl.load(part + k * num_rows * n_out, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc, last
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, num_rows, n_out, k_in, stride_xm,  # W and out contiguous
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, num_rows, n_out, k_in, stride_xm,  # W, out contiguous
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,  # PDL: W lines (of LINE elements) per row to prefetch
 ):
     pid = tl.program_id(0)
@@ -51,20 +82,21 @@ def _skinny_linear_kernel(
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < num_rows
     col_ok = cols < n_out
+    k_lo, k_hi = k_range(k_in, SPLIT_K, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * k_in  # [BLOCK_N, 1]
     x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
     if USE_PDL and PREFETCH_LINES > 0:  # the weights are no kernel's output: into L2 before the PDL wait
-        lines = tl.arange(0, PREFETCH_LINES) * LINE
-        _prefetch_l2(w_rows + tl.where(lines[None, :] < k_in, lines[None, :], 0))
+        lines = k_lo + tl.arange(0, PREFETCH_LINES) * LINE
+        _prefetch_l2(w_rows + tl.where(lines[None, :] < k_hi, lines[None, :], k_lo))
     pdl.wait(USE_PDL)  # launched with PDL (pdl.py): nothing before it reads what an earlier kernel wrote
-    for k0 in range(0, k_in, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
+        if EVEN_K:  # (whole tiles in every split too)
             k_ok = tl.full([BLOCK_K], 1, tl.int1)
         else:
-            k_ok = ks < k_in
+            k_ok = ks < k_hi
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if USE_DOT:
@@ -73,10 +105,20 @@ def _skinny_linear_kernel(
             acc_lanes += x.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
     if not USE_DOT:
         acc = tl.sum(acc_lanes, axis=1)[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        _store_out(acc, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
+    else:
+        acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
+        if last:
+            _store_out(acc, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
+
+
+@triton.jit
+def _store_out(acc, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows[:, None] * n_out + cols[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        acc += tl.load(bias_ptr + cols, mask=cols < n_out, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 class Config(NamedTuple):
@@ -86,6 +128,7 @@ class Config(NamedTuple):
     num_stages: int
     use_dot: bool = True  # False: the one-row FMA path
     prefetch_k: int = 0  # columns of each W row prefetched into L2 before the PDL wait
+    split_k: int = 1  # programs a column tile's K is split over (the last to finish adds the partials)
 
 
 # Launch configs from an H100 sweep (benchmarks/kernels/tune_skinny_linear.py shapes, bf16): per row
@@ -124,6 +167,14 @@ def choose_config(num_rows: int, n_out: int, k_in: int, element_size: int = 2) -
     return cfg
 
 
+def split_k_buffers(split_k: int, num_rows: int, n_out: int, tiles: int, out: torch.Tensor):
+    """Split-K's fp32 partials [split_k, rows, N] and the column tiles' counters (`out` twice when unsplit)."""
+    if split_k == 1:
+        return out, out
+    part = torch.empty(split_k, num_rows, n_out, dtype=torch.float32, device=out.device)
+    return part, split_counters("skinny linear", out.device, tiles)
+
+
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: Config | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows), weight [N, K] contiguous."""
@@ -138,10 +189,13 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cfg = config or choose_config(num_rows, n_out, k_in, x.element_size())
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
     line = 128 // x.element_size()  # elements per 128-byte cache line
-    _skinny_linear_kernel[(triton.cdiv(n_out, cfg.block_n),)](
-        x, weight, bias if bias is not None else weight, out, num_rows, n_out, k_in, x.stride(0),
+    tiles = triton.cdiv(n_out, cfg.block_n)
+    part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)
+    _skinny_linear_kernel[(tiles, cfg.split_k)](
+        x, weight, bias if bias is not None else weight, out, part, counters, num_rows, n_out, k_in, x.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
+        SPLIT_K=cfg.split_k,
         PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(cfg.prefetch_k, line)) if cfg.prefetch_k else 0,
         LINE=line, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )

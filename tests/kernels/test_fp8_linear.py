@@ -92,10 +92,12 @@ def test_fp8_linear_matches_reference(device, rows, n_out, k_in, bias):
 
 @pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 64), (1, 100, 200), (3, 64, 96), (16, 33, 128),
                                             (32, 70, 256), (2, 48, 3000)])
-@pytest.mark.parametrize("cfg", [Config(32, 64, 4, 2, True), Config(16, 64, 4, 2, False), None],
-                         ids=["dot", "fma-one-row", "chosen"])
+@pytest.mark.parametrize("cfg", [Config(32, 64, 4, 2, True), Config(16, 64, 4, 2, False), None,
+                                 Config(32, 64, 4, 2, True, split_k=3), Config(16, 64, 4, 2, False, split_k=2)],
+                         ids=["dot", "fma-one-row", "chosen", "dot-split3", "fma-one-row-split2"])
 def test_skinny_kernel_matches_reference(device, rows, n_out, k_in, cfg):
-    """The weight-streaming kernel quantizes x itself: odd N and K (masked tiles), one row to 32."""
+    """The weight-streaming kernel quantizes x itself: odd N and K (masked tiles), one row to 32; K split
+    over programs (some with no share of a short K) is scaled once, after the partials are added."""
     x = exact_rows(rows, k_in, device)
     weight, scale = random_weight(n_out, k_in, device)
     bias = torch.randn(n_out, device=device) if rows % 2 else None
