@@ -55,6 +55,16 @@ def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor, what: str = "lse") ->
     assert max_abs(lse[~empty], ref[~empty]) <= 1e-4, f"{what}: max abs err {max_abs(lse[~empty], ref[~empty]):.3g}"
 
 
+def bucket_edges(bucket: int) -> list[int]:
+    """The smallest and largest row count of a skinny_linear config table's row bucket."""
+    from fastllm.kernels import skinny_linear
+
+    buckets = [1, 8, 16, 32]
+    assert buckets[-1] == skinny_linear.MAX_ROWS and all(skinny_linear.row_bucket(b) == b for b in buckets)
+    below = buckets[buckets.index(bucket) - 1] if bucket > 1 else 0
+    return sorted({below + 1, bucket})
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -23,8 +23,7 @@ from fastllm.kernels import fp8_skinny_linear as S
 from fastllm.kernels import reference
 from fastllm.kernels.reference import FP8
 from fastllm.kernels.skinny_linear import Config
-from tests.kernels.kernel_testing import gpu, rel_err
-from tests.kernels.test_skinny_linear import bucket_edges
+from tests.kernels.kernel_testing import bucket_edges, gpu, rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
 # cuBLASLt's FP8 products on Hopper (torch._scaled_mm, rows > SKINNY_MAX_ROWS): the tensor cores' FP8 MMA

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fastllm.kernels import skinny_linear as S
 from fastllm.kernels import triton_impl
-from tests.kernels.kernel_testing import gpu, rel_err
+from tests.kernels.kernel_testing import bucket_edges, gpu, rel_err
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
 
@@ -88,14 +88,6 @@ def test_llama_shapes_gpu(dtype, rows, n_out, k_in):
 def test_pdl_options_gpu(cfg):
     for rows in (1, 8):
         _check("cuda", torch.bfloat16, rows, 4096, 4096, cfg, bias=True)
-
-
-def bucket_edges(bucket: int) -> list[int]:
-    """The smallest and largest row count of a config table's row bucket."""
-    buckets = [1, 8, 16, 32]
-    assert buckets[-1] == S.MAX_ROWS and all(S.row_bucket(b) == b for b in buckets)
-    below = buckets[buckets.index(bucket) - 1] if bucket > 1 else 0
-    return sorted({below + 1, bucket})
 
 
 def test_row_buckets():
