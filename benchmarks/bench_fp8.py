@@ -40,8 +40,8 @@ def measure(args, name: str, quantization: str | None, kv_cache_dtype: str = "au
                                    max_model_len=args.max_model_len, quantization=quantization,
                                    kv_cache_dtype=kv_cache_dtype)
     try:
-        runner = engine.worker.runner
-        shape = ModelShape.from_hf_config(engine.config.model.hf_config, "bfloat16", runner.model.args.fp8)
+        fp8 = engine.worker.runner.model.args.fp8
+        shape = ModelShape.from_hf_config(engine.config.model.hf_config, "bfloat16", fp8)
         print(f"{name}: {engine.worker.num_gpu_blocks} KV blocks ({engine.worker.kv_cache_gib():.1f} GiB), "
               f"weights {shape.weight_bytes / 2**30:.2f} GiB, startup {engine.startup_seconds:.1f} s",
               flush=True)
@@ -63,8 +63,10 @@ def measure(args, name: str, quantization: str | None, kv_cache_dtype: str = "au
 
 
 def measure_alone(args, name: str, quantization: str | None, kv_cache_dtype: str) -> dict:
-    """measure() in a process of its own: each engine sizes its KV pool on an empty GPU. (In one process, a
-    Llama-3.1-8B engine torn down after its runs still held 122.6 GiB on an H200, and the next had no room.)"""
+    """measure() in a process of its own: each engine sizes its KV pool on an empty GPU, whatever the last one
+    left in this process's caches. (In one process the next engine once found no room: measure() then held
+    the runner in a local through its teardown, so its gc.collect and empty_cache ran before the 122.6 GiB of
+    a Llama-3.1-8B engine were freed.)"""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(measure, args, name, quantization, kv_cache_dtype).result()
 
