@@ -45,10 +45,13 @@ def k_range(k_in, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """This program's part [lo, hi) of K: all of it, or split k's share in whole BLOCK_K tiles (a share past K
     is empty)."""
     if SPLIT_K == 1:
-        return 0, k_in
-    k_per = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
-    lo = tl.program_id(1) * k_per
-    return lo, tl.minimum(k_in, lo + k_per)
+        lo = 0
+        hi = k_in
+    else:
+        k_per = tl.cdiv(tl.cdiv(k_in, SPLIT_K), BLOCK_K) * BLOCK_K
+        lo = tl.program_id(1) * k_per
+        hi = tl.minimum(k_in, lo + k_per)
+    return lo, hi
 
 
 @triton.jit
