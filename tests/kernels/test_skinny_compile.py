@@ -1,0 +1,80 @@
+"""The weight-streaming kernels compiled for real GPUs on the CPU (Triton's own ptxas, no device): every
+launch config in their tables builds for sm_90 and fits the 99 KB of shared memory a block has on sm_89 (the
+smallest GPU FP8 runs on), and split K builds in every variant. The interpreter runs the kernels' math in
+the other tests; this is what it cannot see: a construct the GPU compiler rejects, or a config too large.
+
+The compiles run in a child process: under TRITON_INTERPRET=1 (the CPU suite's setting) @triton.jit gives
+interpreted functions, which do not compile."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fastllm.kernels import fp8_skinny_linear as F
+from fastllm.kernels import skinny_linear as S
+
+SM89_SHARED_BYTES = 99 * 1024
+_SHAPE_ARGS = {"num_rows": "i32", "n_out": "i32", "k_in": "i32", "stride_xm": "i32"}
+_SPLIT_ARGS = {"part_ptr": "*fp32", "counters_ptr": "*i32"}
+SPLIT_VARIANTS = [(S.Config(32, 256, 4, 3, True, split_k=4), 8), (S.Config(8, 1024, 4, 2, False, split_k=2), 1)]
+
+
+def compile_for(capability: int, fn, signature: dict, constexprs: dict, cfg: S.Config) -> int:
+    """Compile for sm_<capability>; returns the shared memory a block takes."""
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                            target=GPUTarget("cuda", capability, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return kernel.metadata.shared
+
+
+def bf16_kernel(capability: int, cfg: S.Config, rows: int) -> int:
+    dot = cfg.use_dot or rows > 1
+    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", **_SPLIT_ARGS,
+                 **_SHAPE_ARGS}
+    constexprs = dict(HAS_BIAS=True, BLOCK_M=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      EVEN_K=True, USE_DOT=dot, SPLIT_K=cfg.split_k, USE_PDL=capability >= 90, PREFETCH_LINES=0,
+                      LINE=64)
+    return compile_for(capability, S._skinny_linear_kernel, signature, constexprs, cfg)
+
+
+def fp8_kernel(capability: int, cfg: S.Config, rows: int) -> int:
+    dot = cfg.use_dot or rows > 1
+    signature = {"x_ptr": "*fp8e4nv" if dot else "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+                 "bias_ptr": "*fp32", "input_scale_ptr": "*fp32", "out_ptr": "*bf16", **_SPLIT_ARGS, **_SHAPE_ARGS}
+    constexprs = dict(HAS_BIAS=True, STATIC=False, PREQUANT=dot, BLOCK_M=16 if dot else 1, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, USE_DOT=dot, SPLIT_K=cfg.split_k, FP8_MAX=448.0, MIN_AMAX=1e-12,
+                      USE_PDL=capability >= 90)
+    return compile_for(capability, F._fp8_skinny_linear_kernel, signature, constexprs, cfg)
+
+
+def table(module) -> list[tuple[int, S.Config]]:
+    return sorted({(bucket, cfg) for (bucket, _, _), cfg in module._TUNED.items()} | set(module._DEFAULT.items()))
+
+
+def check_all() -> None:
+    for kernel, module in ((bf16_kernel, S), (fp8_kernel, F)):
+        for bucket, cfg in table(module):
+            shared = kernel(89, cfg, bucket)
+            assert shared <= SM89_SHARED_BYTES, (kernel.__name__, bucket, cfg, shared)
+            kernel(90, cfg, bucket)
+        for cfg, rows in SPLIT_VARIANTS:
+            kernel(90, cfg, rows)
+    print("compiled", sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)), "kernels")
+
+
+def test_every_table_config_and_split_k_build_for_sm90_and_fit_sm89_shared_memory():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.test_skinny_compile"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    check_all()
