@@ -26,7 +26,8 @@ import triton.language as tl
 from fastllm.kernels import pdl
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
-from fastllm.kernels.skinny_linear import MAX_ROWS, Config, k_range, merge_k_splits, row_bucket, split_k_buffers
+from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_splits, row_bucket, split_k_buffers,
+                                          store_out)
 
 __all__ = ["MAX_ROWS", "choose_config", "launch"]
 
@@ -92,22 +93,11 @@ def _fp8_skinny_linear_kernel(
     if not USE_DOT:
         acc = tl.sum(acc_lanes, axis=1)[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        _scale_and_store(acc, x_scale, w_scale_ptr, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
-    else:  # the exact e4m3 sums first, scaled once
-        acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
-        if last:
-            _scale_and_store(acc, x_scale, w_scale_ptr, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
-
-
-@triton.jit
-def _scale_and_store(acc, x_scale, w_scale_ptr, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS: tl.constexpr):
-    col_ok = cols < n_out
-    w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
-    acc = acc * x_scale[:, None] * w_scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    # split K: the exact e4m3 sums added first, then scaled once
+    acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
+    if last:
+        w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
+        store_out(acc * x_scale[:, None] * w_scale[None, :], bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -135,7 +125,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         HAS_BIAS=bias is not None, STATIC=input_scale is not None and not use_dot, PREQUANT=use_dot,
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, USE_DOT=use_dot, SPLIT_K=cfg.split_k, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl.launch_options(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
     return out

@@ -56,20 +56,23 @@ def k_range(k_in, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K: tl.constexpr):
-    """Split-K's epilogue: store this program's partial sums [BLOCK_M, BLOCK_N] and count it done; the last
-    of the column tile's SPLIT_K programs adds the partials (in split order: the same sum whichever program
-    is last), zeroes the tile's counter for the next launch and returns (total, True); the others
-    (partial, False)."""
-    part = part_ptr + rows[:, None] * n_out + cols[None, :]  # part [SPLIT_K, num_rows, n_out] fp32
-    tl.store(part + tl.program_id(1) * num_rows * n_out, acc, mask=mask)
-    tl.debug_barrier()  # every thread's partial stores before the counter's release
-    counter = counters_ptr + tl.program_id(0)
-    last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
-    if last:
-        tl.store(counter, 0)
-        acc = tl.zeros_like(acc)
-        for k in range(SPLIT_K):  # other SMs' partials: read past L1 (.cg)
-            acc += tl.load(part + k * num_rows * n_out, mask=mask, other=0.0, cache_modifier=".cg")
+    """Split-K's epilogue: returns (this tile's total, whether this program stores it). Unsplit, acc and
+    True. Split, each program stores its partial sums [BLOCK_M, BLOCK_N] and counts itself done; the last of
+    the column tile's SPLIT_K programs adds the partials (in split order: the same sum whichever program is
+    last) and zeroes the tile's counter for the next launch."""
+    if SPLIT_K == 1:
+        last = True
+    else:
+        part = part_ptr + rows[:, None] * n_out + cols[None, :]  # part [SPLIT_K, num_rows, n_out] fp32
+        tl.store(part + tl.program_id(1) * num_rows * n_out, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stores before the counter's release
+        counter = counters_ptr + tl.program_id(0)
+        last = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        if last:
+            tl.store(counter, 0)
+            acc = tl.zeros_like(acc)
+            for k in range(SPLIT_K):  # other SMs' partials: read past L1 (.cg)
+                acc += tl.load(part + k * num_rows * n_out, mask=mask, other=0.0, cache_modifier=".cg")
     return acc, last
 
 
@@ -109,16 +112,13 @@ def _skinny_linear_kernel(
     if not USE_DOT:
         acc = tl.sum(acc_lanes, axis=1)[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        _store_out(acc, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
-    else:
-        acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
-        if last:
-            _store_out(acc, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
+    acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
+    if last:
+        store_out(acc, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
 
 
 @triton.jit
-def _store_out(acc, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS: tl.constexpr):
+def store_out(acc, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < n_out, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
