@@ -5,6 +5,7 @@
     python benchmarks/kernels/tune_skinny_linear.py chain  [--rows 1,8]   # a decode step's projections
     python benchmarks/kernels/tune_skinny_linear.py shapes --fp8          # fp8_skinny_linear's configs
     python benchmarks/kernels/tune_skinny_linear.py shapes --split-k 1,2,4  # K split over 1, 2, 4 programs
+    python benchmarks/kernels/tune_skinny_linear.py shapes --shapes o,down  # only these projections
 
 Results go to $OUT/skinny_<phase>.jsonl (or /tmp), one JSON line each, as they are measured.
 
@@ -177,6 +178,7 @@ def main() -> None:
     parser.add_argument("--table", help="a shapes run's jsonl: the best config per (shape, rows) for chain")
     parser.add_argument("--fp8", action="store_true", help="shapes: the e4m3 kernel (fp8_skinny_linear.py)")
     parser.add_argument("--split-k", default="1", help="shapes: splits of K to sweep, e.g. 1,2,4 (default 1)")
+    parser.add_argument("--shapes", help="shapes: only these projections, e.g. o,down (default: all five)")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     table = {}
@@ -187,6 +189,11 @@ def main() -> None:
     if args.fp8 and args.phase != "shapes":
         parser.error("--fp8 times shapes only")
     shapes, num_layers = model_shapes(args.model)
+    if args.shapes:
+        unknown = set(args.shapes.split(",")) - set(shapes)
+        if unknown:
+            parser.error(f"--shapes: unknown projections {sorted(unknown)}; known: {sorted(shapes)}")
+        shapes = {name: shapes[name] for name in args.shapes.split(",")}
     tag = Path(resolve_model_path(args.model)).name.lower()
     path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}_{tag}{'_fp8' if args.fp8 else ''}.jsonl"
     with open(path, "w") as out:
