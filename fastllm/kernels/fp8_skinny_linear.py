@@ -31,15 +31,19 @@ from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_sp
 
 __all__ = ["MAX_ROWS", "choose_config", "launch"]
 
-# Launch configs from an H200 sweep of e4m3 weights at 1 and 32 rows (benchmarks/kernels/tune_skinny_linear.py
-# shapes --fp8, Llama-3.1-8B's projections): per row bucket a default (the best on o and down, within 3% on
-# qkv; buckets 8 and 16, not swept, take 32's) and the measured best where it differed. BLOCK_K counts e4m3
-# elements. One row mostly takes the FMA path; gate_up streams faster through tl.dot even at one row.
+# Launch configs from H200 sweeps of e4m3 weights (benchmarks/kernels/tune_skinny_linear.py shapes --fp8,
+# Llama-3.1-8B's projections; 16 and 32 rows also over splits of K 1, 2, 4): per row bucket a default (the
+# best on o and down at 1 and 32 rows unsplit, within 3% on qkv; bucket 8, not swept, takes 32's) and the
+# measured best where it differed. BLOCK_K counts e4m3 elements. One row mostly takes the FMA path; gate_up
+# streams faster through tl.dot even at one row. Split K pays where N = 4096 leaves SMs idle (o, down).
 _DEFAULT = {1: Config(8, 1024, 4, 2, False), 8: Config(32, 1024, 4, 3), 16: Config(32, 1024, 4, 3),
             32: Config(32, 1024, 4, 3)}
 _TUNED = {  # (row bucket, N, K)
     (1, 6144, 4096): Config(8, 1024, 4, 3, False), (1, 28672, 4096): Config(32, 256, 4, 3),
-    (32, 6144, 4096): Config(64, 256, 4, 5), (32, 28672, 4096): Config(128, 256, 4, 3),
+    (16, 6144, 4096): Config(64, 256, 4, 4, split_k=2), (16, 4096, 4096): Config(32, 256, 4, 4, split_k=2),
+    (16, 28672, 4096): Config(128, 256, 8, 3), (16, 4096, 14336): Config(32, 256, 4, 5, split_k=2),
+    (32, 6144, 4096): Config(64, 256, 4, 5), (32, 4096, 4096): Config(64, 256, 4, 3, split_k=4),
+    (32, 28672, 4096): Config(128, 256, 4, 3), (32, 4096, 14336): Config(128, 256, 4, 4, split_k=4),
 }
 
 
