@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm.kernels import fp8_linear as K
+from fastllm.kernels import fp8_quantize
 from fastllm.kernels import fp8_skinny_linear as S
 from fastllm.kernels import reference
 from fastllm.kernels.reference import FP8
@@ -51,9 +52,11 @@ def random_weight(n_out: int, k_in: int, device) -> tuple[torch.Tensor, torch.Te
     return weight.to(device), scale.to(device)
 
 
+@pytest.mark.parametrize("one_pass_max_k", [16384, 64], ids=["one-pass", "looped"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,k_in", [(1, 64), (3, 100), (8, 2048), (2, 3000)])
-def test_quantize_per_token_is_the_reference(device, dtype, rows, k_in):
+def test_quantize_per_token_is_the_reference(device, dtype, rows, k_in, one_pass_max_k, monkeypatch):
+    monkeypatch.setattr(fp8_quantize, "ONE_PASS_MAX_K", one_pass_max_k)  # 64: rows wider than 64 loop over K
     x = exact_rows(rows, k_in, device, dtype)
     x[-1] = 0  # an all-zero token: the smallest scale, zeros
     q, scale = K.quantize_fp8_per_token(x)
@@ -65,7 +68,9 @@ def test_quantize_per_token_is_the_reference(device, dtype, rows, k_in):
     assert torch.equal(q.float() * scale, x.float())
 
 
-def test_quantize_with_a_static_scale_saturates(device):
+@pytest.mark.parametrize("one_pass_max_k", [16384, 64], ids=["one-pass", "looped"])
+def test_quantize_with_a_static_scale_saturates(device, one_pass_max_k, monkeypatch):
+    monkeypatch.setattr(fp8_quantize, "ONE_PASS_MAX_K", one_pass_max_k)
     x = exact_rows(4, 96, device, power=2.0 ** -3)
     # a quarter of what the tokens need: x / scale = 4 x an e4m3 value, exact or saturating at 448
     input_scale = torch.tensor(2.0 ** -5, device=device)
