@@ -30,13 +30,13 @@ def fp8_layers(llm):
     return [m for m in model.modules() if getattr(m, "fp8", None) is not None]
 
 
-# An e4m3 activation now and then sits next to a rounding boundary: the smallest change in the GEMM's own
-# rounding (the GPU's order of sums) flips it, and that moves the step's logprobs by up to a few tenths on
-# llama2xs while nearly every other position stays exact. Two float32 CPU runs of the reference that differ
-# only in where the GEMM applies the scales measure it (test_fp8_rounding.py): at most 0.30, 90% of the
-# logprobs within 3e-6. A wrong scale or rounding moves every position, so the 90th percentile is the
-# sharp check and the maximum the coarse one.
-MAX_LOGPROB_ERR = 0.5
+# An e4m3 activation now and then sits next to a rounding boundary: the smallest change in the rounding of
+# what feeds the quantizer (the GPU's order of sums in the GEMMs, its attention and norms) flips it, and that
+# moves the step's logprobs by up to ~0.66 on llama2xs while nearly every other position stays exact.
+# test_fp8_rounding.py measures it on the CPU: runs whose quantizer inputs move by a few float32 ulps (at most
+# 0.66 over 96 runs; two GEMM orders alone flip one position, by 0.30). A wrong scale or rounding moves every
+# position, so the 90th percentile is the sharp check and the maximum the coarse one.
+MAX_LOGPROB_ERR = 0.75
 P90_LOGPROB_ERR = 1e-4
 
 
