@@ -65,6 +65,11 @@ def _to_e4m3(x, scale, FP8_MAX: tl.constexpr):
     return tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
 
 
+def num_warps(block_k: int) -> int:
+    """4 to 16 warps: at most 32 of a row's elements a thread."""
+    return min(16, max(4, block_k // 1024))
+
+
 def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows contiguous) -> (e4m3 [M, K], float32 scales [M, 1]), as the reference's."""
@@ -78,6 +83,6 @@ def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = N
         _quantize_rows_kernel[(rows,)](
             x, q, scale, input_scale if input_scale is not None else scale, k_in, x.stride(0),
             STATIC=input_scale is not None, ONE_PASS=one_pass, BLOCK_K=block_k, FP8_MAX=FP8_MAX,
-            MIN_AMAX=MIN_AMAX, num_warps=min(16, max(4, block_k // 1024)), **pdl.launch_options(x.device),
+            MIN_AMAX=MIN_AMAX, num_warps=num_warps(block_k), **pdl.launch_options(x.device),
         )
     return q, scale

@@ -1,6 +1,7 @@
 """The weight-streaming kernels compiled for real GPUs on the CPU (Triton's own ptxas, no device): every
 launch config in their tables builds for sm_90 and fits the 99 KB of shared memory a block has on sm_89 (the
-smallest GPU FP8 runs on), and split K builds in every variant. The interpreter runs the kernels' math in
+smallest GPU FP8 runs on), and split K builds in every variant; so does the FP8 activation quantizer that
+feeds the e4m3 kernel, for rows held in registers (up to its widest) and rows it loops over. The interpreter runs the kernels' math in
 the other tests; this is what it cannot see: a construct the GPU compiler rejects, or a config too large.
 
 The compiles run in a child process: under TRITON_INTERPRET=1 (the CPU suite's setting) @triton.jit gives
@@ -17,6 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from fastllm.kernels import fp8_quantize as Q
 from fastllm.kernels import fp8_skinny_linear as F
 from fastllm.kernels import skinny_linear as S
 
@@ -54,6 +56,16 @@ def fp8_kernel(capability: int, cfg: S.Config, rows: int) -> int:
     return compile_for(capability, F._fp8_skinny_linear_kernel, signature, constexprs, cfg)
 
 
+def quantize_kernel(capability: int, one_pass: bool, static: bool) -> int:
+    block_k = triton.next_power_of_2(Q.ONE_PASS_MAX_K) if one_pass else Q._BLOCK_K
+    signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_scale_ptr": "*fp32",
+                 "k_in": "i32", "stride_xm": "i32"}
+    constexprs = dict(STATIC=static, ONE_PASS=one_pass, BLOCK_K=block_k, FP8_MAX=448.0, MIN_AMAX=1e-12,
+                      USE_PDL=capability >= 90)
+    return compile_for(capability, Q._quantize_rows_kernel, signature, constexprs,
+                       S.Config(0, block_k, Q.num_warps(block_k), 3))
+
+
 def table(module) -> list[tuple[int, S.Config]]:
     return sorted({(bucket, cfg) for (bucket, _, _), cfg in module._TUNED.items()} | set(module._DEFAULT.items()))
 
@@ -66,7 +78,11 @@ def check_all() -> None:
             kernel(90, cfg, bucket)
         for cfg, rows in SPLIT_VARIANTS:
             kernel(90, cfg, rows)
-    print("compiled", sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)), "kernels")
+    for one_pass in (True, False):
+        for static in (True, False):
+            for capability in (89, 90):
+                assert quantize_kernel(capability, one_pass, static) <= SM89_SHARED_BYTES
+    print("compiled", sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)) + 8, "kernels")
 
 
 def test_every_table_config_and_split_k_build_for_sm90_and_fit_sm89_shared_memory():
