@@ -72,6 +72,54 @@ def _(x, weight, weight_scale, bias, input_scale):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+# Before a projection with FP8 weights (dynamic per-token scales) the kernel ahead of it quantizes its output:
+# (e4m3, float32 scale [..., 1]) in place of the 16/32-bit tensor, and fp8_linear_quantized takes the pair.
+def _quantized_like(x: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    return (x.new_empty((*x.shape[:-1], width), dtype=torch.float8_e4m3fn),
+            x.new_empty((*x.shape[:-1], 1), dtype=torch.float32))
+
+
+@torch.library.custom_op("fastllm::rms_norm_fp8", mutates_args=())
+def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return kernels.rms_norm_fp8(x, weight, eps)
+
+
+@rms_norm_fp8.register_fake
+def _(x, weight, eps):
+    return _quantized_like(x, x.shape[-1])
+
+
+@torch.library.custom_op("fastllm::fused_add_rms_norm_fp8", mutates_args=())
+def fused_add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return kernels.fused_add_rms_norm_fp8(x, residual, weight, eps)
+
+
+@fused_add_rms_norm_fp8.register_fake
+def _(x, residual, weight, eps):
+    return *_quantized_like(x, x.shape[-1]), torch.empty_like(x)
+
+
+@torch.library.custom_op("fastllm::silu_and_mul_fp8", mutates_args=())
+def silu_and_mul_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    return kernels.silu_and_mul_fp8(x)
+
+
+@silu_and_mul_fp8.register_fake
+def _(x):
+    return _quantized_like(x, x.shape[-1] // 2)
+
+
+@torch.library.custom_op("fastllm::fp8_linear_quantized", mutates_args=())
+def fp8_linear_quantized(x_q: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
+                         out_dtype: torch.dtype) -> Tensor:
+    return kernels.fp8_linear_quantized(x_q, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+@fp8_linear_quantized.register_fake
+def _(x_q, x_scale, weight, weight_scale, bias, out_dtype):
+    return x_q.new_empty((*x_q.shape[:-1], weight.shape[0]), dtype=out_dtype)
+
+
 @torch.library.custom_op("fastllm::attention", mutates_args=())
 def attention(positions: Tensor, query: Tensor, key: Tensor, value: Tensor, layer_index: int,
               q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None,

@@ -37,6 +37,10 @@ KERNEL_NAMES = (
     "cascade_prefix_attention",
     "merge_attn_states",
     "fp8_linear",
+    "fp8_linear_quantized",
+    "rms_norm_fp8",
+    "fused_add_rms_norm_fp8",
+    "silu_and_mul_fp8",
 )
 _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "kv_cache_write": "kv_cache_write",
@@ -53,6 +57,10 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "cascade_prefix_attention": "cascade_attention",
     "merge_attn_states": "merge_attn_states",
     "fp8_linear": "fp8_linear",
+    "fp8_linear_quantized": "fp8_linear",
+    "rms_norm_fp8": "fused_add_rms_norm",
+    "fused_add_rms_norm_fp8": "fused_add_rms_norm",
+    "silu_and_mul_fp8": "silu_and_mul",
 }
 
 _MODE = os.environ.get("FASTLLM_KERNELS", "auto").strip().lower() or "auto"
@@ -204,3 +212,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = 
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
                input_scale: Tensor | None = None) -> Tensor:
     return _select("fp8_linear", x.device)(x, weight, weight_scale, bias, input_scale)
+
+
+def fp8_linear_quantized(x_q: Tensor, x_scale: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
+                         out_dtype: torch.dtype) -> Tensor:
+    return _select("fp8_linear_quantized", x_q.device)(x_q, x_scale, weight, weight_scale, bias, out_dtype)
+
+
+def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return _select("rms_norm_fp8", x.device)(x, weight, eps)
+
+
+def fused_add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _select("fused_add_rms_norm_fp8", x.device)(x, residual, weight, eps)
+
+
+def silu_and_mul_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    return _select("silu_and_mul_fp8", x.device)(x)

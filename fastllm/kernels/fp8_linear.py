@@ -13,6 +13,9 @@ and read back in e4m3; M * N output elements.
 
 cuBLASLt needs K and N to be multiples of 16: other shapes (tiny test models) run the reference there,
 said once in the log.
+
+fp8_linear_quantized takes activations quantized already, by the RMSNorm or SiLU-and-mul kernel before the
+projection (their _fp8 variants): the same paths, with no quantizing launch.
 """
 
 from __future__ import annotations
@@ -52,20 +55,39 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     rows = x2.shape[0]
-    if rows == 0:
-        return x.new_empty((*x.shape[:-1], n_out))
-    if rows <= SKINNY_MAX_ROWS:
+    if 0 < rows <= SKINNY_MAX_ROWS:  # (one row quantizes as it streams: no launch of its own)
         _log_once(f"the weight-streaming kernel up to {SKINNY_MAX_ROWS} rows")
         out = fp8_skinny_linear.launch(x2, weight, weight_scale, bias, input_scale)
+    else:
+        out = fp8_linear_quantized(*quantize_fp8_per_token(x2, input_scale), weight, weight_scale, bias, x.dtype)
+    return out.view(*x.shape[:-1], n_out)
+
+
+def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_linear of activations a norm or SiLU-and-mul kernel quantized already: x_q [..., K] e4m3 with float32
+    scales x_scale [..., 1] -> [..., N] in out_dtype. The same paths by row count, less the quantizing."""
+    n_out, k_in = weight.shape
+    x2, scale2 = x_q.reshape(-1, k_in), x_scale.reshape(-1, 1)
+    rows = x2.shape[0]
+    if rows == 0:
+        return x_q.new_empty((*x_q.shape[:-1], n_out), dtype=out_dtype)
+    if rows <= SKINNY_MAX_ROWS:
+        _log_once(f"the weight-streaming kernel up to {SKINNY_MAX_ROWS} rows")
+        out = fp8_skinny_linear.launch_quantized(x2, scale2, weight, weight_scale, bias, out_dtype)
     elif _scaled_mm_fits(weight):
-        _log_once(f"torch._scaled_mm above {SKINNY_MAX_ROWS} rows")
-        x_q, x_scale = quantize_fp8_per_token(x2, input_scale)
-        out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n_out),
-                               out_dtype=x.dtype)
-        if bias is not None:
-            out += bias
+        out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype)
     else:
         _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows where K or N is not a "
                   "multiple of 16 (torch._scaled_mm needs that)")
-        out = reference.fp8_linear(x2, weight, weight_scale, bias, input_scale)
-    return out.view(*x.shape[:-1], n_out)
+        out = reference.fp8_linear_quantized(x2, scale2, weight, weight_scale, bias, out_dtype)
+    return out.view(*x_q.shape[:-1], n_out)
+
+
+def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    _log_once(f"torch._scaled_mm above {SKINNY_MAX_ROWS} rows")
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=out_dtype)
+    if bias is not None:
+        out += bias
+    return out

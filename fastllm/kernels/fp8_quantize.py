@@ -33,9 +33,9 @@ def _quantize_rows_kernel(
     if ONE_PASS:  # BLOCK_K >= k_in: the row stays in registers
         ks = tl.arange(0, BLOCK_K)
         x = tl.load(x_row + ks, mask=ks < k_in, other=0.0).to(tl.float32)
-        scale = _row_scale(tl.max(tl.abs(x), axis=0), static_scale_ptr, STATIC, FP8_MAX, MIN_AMAX)
+        scale = row_scale(tl.max(tl.abs(x), axis=0), static_scale_ptr, STATIC, FP8_MAX, MIN_AMAX)
         tl.store(scale_ptr + row, scale)
-        tl.store(q_row + ks, _to_e4m3(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=ks < k_in)
+        tl.store(q_row + ks, to_e4m3(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=ks < k_in)
     else:
         amax = tl.zeros([BLOCK_K], tl.float32)
         if not STATIC:
@@ -43,16 +43,18 @@ def _quantize_rows_kernel(
                 ks = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(x_row + ks, mask=ks < k_in, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.abs(x))
-        scale = _row_scale(tl.max(amax, axis=0), static_scale_ptr, STATIC, FP8_MAX, MIN_AMAX)
+        scale = row_scale(tl.max(amax, axis=0), static_scale_ptr, STATIC, FP8_MAX, MIN_AMAX)
         tl.store(scale_ptr + row, scale)
         for k0 in range(0, k_in, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + ks, mask=ks < k_in, other=0.0).to(tl.float32)
-            tl.store(q_row + ks, _to_e4m3(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=ks < k_in)
+            tl.store(q_row + ks, to_e4m3(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=ks < k_in)
 
 
+# Shared with the kernels that quantize their own outputs for an FP8 projection (fused_add_rms_norm.py,
+# silu_and_mul.py): one rounding of the scale and the values everywhere.
 @triton.jit
-def _row_scale(amax, static_scale_ptr, STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+def row_scale(amax, static_scale_ptr, STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
     if STATIC:
         scale = tl.load(static_scale_ptr).to(tl.float32)
     else:
@@ -61,7 +63,7 @@ def _row_scale(amax, static_scale_ptr, STATIC: tl.constexpr, FP8_MAX: tl.constex
 
 
 @triton.jit
-def _to_e4m3(x, scale, FP8_MAX: tl.constexpr):
+def to_e4m3(x, scale, FP8_MAX: tl.constexpr):
     return tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
 
 

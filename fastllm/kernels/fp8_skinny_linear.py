@@ -29,7 +29,7 @@ from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
 from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_splits, row_bucket, split_k_buffers,
                                           store_out)
 
-__all__ = ["MAX_ROWS", "choose_config", "launch"]
+__all__ = ["MAX_ROWS", "choose_config", "launch", "launch_quantized"]
 
 # Launch configs from H200 sweeps of e4m3 weights (benchmarks/kernels/tune_skinny_linear.py shapes --fp8,
 # Llama-3.1-8B's projections; 16 and 32 rows also over splits of K 1, 2, 4): per row bucket a default (the
@@ -109,24 +109,39 @@ def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
            config: Config | None = None) -> torch.Tensor:
     """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows); weight [N, K] e4m3 contiguous,
     weight_scale [N] float32 -> [rows, N] in x's dtype."""
+    cfg = config or choose_config(x.shape[0], *weight.shape)
+    if cfg.use_dot or x.shape[0] > 1:  # x quantized once here, not re-read for its scales by every program
+        x_q, x_scale = quantize_fp8_per_token(x, input_scale)
+        return launch_quantized(x_q, x_scale, weight, weight_scale, bias, x.dtype, config=cfg)
+    return _launch(x, input_scale, False, weight, weight_scale, bias, x.dtype, cfg)
+
+
+def launch_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None, out_dtype: torch.dtype, *, config: Config | None = None
+                     ) -> torch.Tensor:
+    """The kernel on activations quantized already: x_q [rows, K] e4m3 with float32 scales x_scale [rows, 1]."""
+    cfg = config or choose_config(x_q.shape[0], *weight.shape)
+    return _launch(x_q, x_scale.view(x_q.shape[0]), True, weight, weight_scale, bias, out_dtype, cfg)
+
+
+def _launch(x: torch.Tensor, scales: torch.Tensor | None, prequant: bool, weight: torch.Tensor,
+            weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, cfg: Config
+            ) -> torch.Tensor:
+    """x: e4m3 with its rows' scales (prequant), or one row in 16/32 bits with the static input_scale or None."""
     num_rows = x.shape[0]
     n_out, k_in = weight.shape
     assert x.dim() == 2 and x.shape[1] == k_in and x.stride(1) == 1 and weight.is_contiguous(), \
         (x.shape, x.stride(), weight.shape)
     assert 0 < num_rows <= MAX_ROWS and weight_scale.shape == (n_out,), (num_rows, weight_scale.shape)
-    out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
-    cfg = config or choose_config(num_rows, n_out, k_in)
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
-    x_in, scales = x, input_scale
-    if use_dot:  # x quantized once here, not re-read for its scales by every program
-        x_in, row_scales = quantize_fp8_per_token(x, input_scale)
-        scales = row_scales.view(num_rows)
+    assert prequant or not use_dot, "tl.dot takes e4m3 activations"
+    out = torch.empty(num_rows, n_out, dtype=out_dtype, device=x.device)
     tiles = triton.cdiv(n_out, cfg.block_n)
     part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)
     _fp8_skinny_linear_kernel[(tiles, cfg.split_k)](
-        x_in, weight, weight_scale, bias if bias is not None else weight_scale,
-        scales if scales is not None else weight_scale, out, part, counters, num_rows, n_out, k_in, x_in.stride(0),
-        HAS_BIAS=bias is not None, STATIC=input_scale is not None and not use_dot, PREQUANT=use_dot,
+        x, weight, weight_scale, bias if bias is not None else weight_scale,
+        scales if scales is not None else weight_scale, out, part, counters, num_rows, n_out, k_in, x.stride(0),
+        HAS_BIAS=bias is not None, STATIC=scales is not None and not prequant, PREQUANT=prequant,
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, USE_DOT=use_dot, SPLIT_K=cfg.split_k, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),

@@ -4,6 +4,9 @@ Math (exactly the reference's rounding points; dtype = the input dtype):
     rms_norm:            y = w * to_dtype(x * rsqrt(mean(x^2) + eps))    (x, mean, rsqrt in fp32)
     fused_add_rms_norm:  r' = to_dtype(x + residual);  y = rms_norm(r')  -> (y, r')
 y has torch's promoted dtype of (w, x), as `weight * normed.to(dtype)` does.
+The _fp8 variants, before a projection with FP8 weights, write y quantized per token instead (e4m3 and a
+float32 scale a row: fp8_quantize.py's rounding of the y above, bitwise), so the projection needs no
+quantizing launch of its own.
 
 One program normalises BLOCK_R rows of N elements held in registers: one row for hidden sizes
 (N = 4096), many for Qwen3's per-head q/k norm (N = 128 on [T, H, D], a strided view of qkv).
@@ -21,16 +24,20 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import pdl
+from fastllm.kernels.fp8_quantize import row_scale, to_e4m3
+from fastllm.kernels.reference import FP8, FP8_MAX, MIN_AMAX
 
 
 # The row count varies every step: not specializing it (on == 1, % 16) keeps one compiled variant instead
 # of several, each JIT-compiled at its first use, possibly mid-serving.
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, scale_ptr,
     num_rows, num_heads, n_cols, eps,
     stride_xa, stride_xh, stride_ra, stride_rh,  # x, residual viewed as [A, H, N]; row = a * H + h
     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr,  # out is e4m3, scale_ptr a float32 scale a row (the _fp8 variants)
+    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): the weight loads before the wait
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
@@ -51,7 +58,14 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / n_cols + eps)  # [BLOCK_R]
     normed = (xf * inv_rms[:, None]).to(x.dtype)  # HF rounds before the weight multiply
     y = w.to(tl.float32)[None, :] * normed.to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    out_off = rows[:, None] * n_cols + cols[None, :]
+    if QUANT:  # y rounded as the unquantized output would be, then quantized per row
+        y = y.to(x.dtype).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(y), axis=1), scale_ptr, False, FP8_MAX, MIN_AMAX)  # [BLOCK_R]
+        tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
+        tl.store(out_ptr + out_off, to_e4m3(y, scale[:, None], FP8_MAX).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _as_3d(x: torch.Tensor) -> torch.Tensor:
@@ -67,17 +81,21 @@ def _as_3d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-2], x.shape[-1])  # copies only if the leading dims don't merge
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, quant: bool = False):
     n = x.shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous(), (weight.shape, x.shape)
     assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
     assert n <= 32768, "one row must fit in registers"
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if quant:
+        assert out_dtype == x.dtype, "quantizes the norm's output in x's dtype"
+    out = torch.empty(x.shape, dtype=FP8 if quant else out_dtype, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device) if quant else None
     res_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     if x.numel() == 0:
-        return out, res_out
+        return out, res_out, scale
     x3 = _as_3d(x)
     r3 = _as_3d(residual) if residual is not None else x3
     num_rows = x3.shape[0] * x3.shape[1]
@@ -85,13 +103,14 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     block_r = max(1, min(64, 4096 // block_n))  # ~4K elements per program
     num_warps = 4 if block_r * block_n <= 4096 else (8 if block_n <= 8192 else 16)
     _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
-        x3, r3, weight, out, res_out if res_out is not None else out,
+        x3, r3, weight, out, res_out if res_out is not None else out, scale if quant else weight,
         num_rows, x3.shape[1], n, eps,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_N=block_n, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_N=block_n, QUANT=quant, FP8_MAX=FP8_MAX,
+        MIN_AMAX=MIN_AMAX, num_warps=num_warps,
         **pdl.launch_options(x.device),
     )
-    return out, res_out
+    return out, res_out, scale
 
 
 def bytes_moved(x: torch.Tensor, out_dtype: torch.dtype, fused_residual: bool) -> int:
@@ -106,9 +125,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
 
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x) quantized per token: (e4m3 [..., N], float32 scales [..., 1])."""
+    out, _, scale = _launch(x, None, weight, eps, quant=True)
+    return out, scale
+
+
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [..., N]; returns (rms_norm(x + residual), x + residual) as new tensors."""
-    out, res_out = _launch(x, residual, weight, eps)
+    out, res_out, _ = _launch(x, residual, weight, eps)
     return out, res_out
+
+
+def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm with its normed output quantized per token: (e4m3, float32 scales [..., 1],
+    x + residual)."""
+    out, res_out, scale = _launch(x, residual, weight, eps, quant=True)
+    return out, scale, res_out

@@ -382,13 +382,36 @@ def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = N
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
                input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (weight [N, K] e4m3 * weight_scale [N, 1])^T (+ bias) -> [M, N] in x's dtype, x quantized
-    to e4m3 per token first (quantize_fp8_per_token). What the FP8 GEMM computes (e4m3 products summed
-    in float32, then scaled) up to the order of the sums: both operands dequantized, multiplied in float32."""
+    to e4m3 per token first (quantize_fp8_per_token)."""
     x_q, x_scale = quantize_fp8_per_token(x, input_scale)
+    return fp8_linear_quantized(x_q, x_scale, weight, weight_scale, bias, x.dtype)
+
+
+def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_linear of activations quantized already: x_q [M, K] e4m3 with float32 scales x_scale [M, 1]. What
+    the FP8 GEMM computes (e4m3 products summed in float32, then scaled) up to the order of the sums: both
+    operands dequantized, multiplied in float32."""
     out = (x_q.float() * x_scale) @ (weight.float() * weight_scale.float()[:, None]).t()
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype)
+
+
+# The activations of a projection with FP8 weights, quantized by the kernel before it: (e4m3, float32 scale
+# per token), exactly quantize_fp8_per_token of what that kernel would have written in the model's dtype.
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_fp8_per_token(rms_norm(x, weight, eps))
+
+
+def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    normed, residual = fused_add_rms_norm(x, residual, weight, eps)
+    return *quantize_fp8_per_token(normed), residual
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_fp8_per_token(silu_and_mul(x))
 
 
 def check_kv_scales(cache: torch.Tensor, k_scale: float, v_scale: float) -> None:

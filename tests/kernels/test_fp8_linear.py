@@ -117,6 +117,25 @@ def test_skinny_kernel_static_scale(device):
     assert rel_err(out, reference.fp8_linear(x, weight, scale, None, input_scale)) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 48, 64), (1, 100, 200), (5, 32, 128), (17, 64, 96), (40, 48, 64),
+                                            (40, 64, 172)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_activations_give_what_fp8_linear_gives(device, rows, n_out, k_in, dtype):
+    """fp8_linear_quantized (x quantized by the kernel before: a norm's or SiLU-and-mul's _fp8 variant) is
+    fp8_linear with its quantizing taken out, bitwise: the one-row FMA path, tl.dot, _scaled_mm, and the
+    reference for shapes _scaled_mm cannot take (K = 172); a [2, rows, K] input keeps its leading dims."""
+    x = exact_rows(rows, k_in, device, dtype)
+    weight, scale = random_weight(n_out, k_in, device)
+    bias = torch.randn(n_out, device=device).to(dtype) if rows % 2 else None
+    x_q, x_scale = fp8_quantize.quantize_fp8_per_token(x)
+    out = K.fp8_linear_quantized(x_q, x_scale, weight, scale, bias, dtype)
+    assert out.dtype == dtype and torch.equal(out, K.fp8_linear(x, weight, scale, bias))
+    stacked = K.fp8_linear_quantized(torch.stack([x_q, x_q]), torch.stack([x_scale, x_scale]), weight, scale, bias,
+                                     dtype)
+    assert stacked.shape == (2, rows, n_out)
+    assert torch.equal(stacked, K.fp8_linear(torch.stack([x, x]), weight, scale, bias))
+
+
 def test_unaligned_shapes_above_32_rows_run_the_reference(device):
     """K or N not a multiple of 16 (stories260K's 172-wide MLP) at more than 32 rows: the reference."""
     x = torch.randn(40, 172, device=device)

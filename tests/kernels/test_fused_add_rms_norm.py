@@ -17,7 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastllm.kernels import reference_impl, triton_impl
+from fastllm.kernels import reference, reference_impl, triton_impl
+from fastllm.kernels.fp8_quantize import quantize_fp8_per_token
+from fastllm.kernels.reference import FP8
 from tests.kernels.kernel_testing import BF16, gpu, rel_err
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
@@ -36,6 +38,31 @@ def _compare(out, ref_up, ref_same, what):
     assert ((out.double() - ref_same.double()).abs() <= bound).all(), f"{what}: more than 1 ulp off"
     if dtype != torch.float32:  # same rounding points: flips are rare (skipping one flips ~25%)
         assert (out != ref_same).float().mean().item() <= 0.01, f"{what}: rounds differently"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 123), (3, 4096), (17, 64)])
+@pytest.mark.parametrize("fused_residual", [False, True], ids=["rms_norm_fp8", "fused_add_rms_norm_fp8"])
+def test_fp8_variants_quantize_what_the_norm_writes(device, dtype, shape, fused_residual):
+    """Before an FP8 projection: bitwise the unfused pair, this kernel's output quantized by fp8_quantize.py
+    (17 x 64: 17 rows in one program; an all-zero row takes the smallest scale)."""
+    n = shape[-1]
+    x = (2 * torch.randn(shape, device=device)).to(dtype)
+    residual = torch.randn(shape, device=device).to(dtype)
+    x[0], residual[0] = 0, 0
+    weight = _weight(n, dtype, device)
+    if fused_residual:
+        q, scale, res = triton_impl("fused_add_rms_norm_fp8")(x, residual, weight, EPS)
+        normed, want_res = triton_impl("fused_add_rms_norm")(x, residual, weight, EPS)
+        assert torch.equal(res, want_res)
+    else:
+        q, scale = triton_impl("rms_norm_fp8")(x, weight, EPS)
+        normed = triton_impl("rms_norm")(x, weight, EPS)
+    want_q, want_scale = quantize_fp8_per_token(normed.reshape(-1, n))
+    assert q.dtype == FP8 and q.shape == shape and scale.shape == (*shape[:-1], 1) and scale.dtype == torch.float32
+    assert torch.equal(scale.reshape(-1, 1), want_scale)
+    assert torch.equal(q.reshape(-1, n).view(torch.uint8), want_q.view(torch.uint8))
+    assert scale[0].item() == reference.fp8_scale(torch.zeros(())).item() and not q[0].float().any()
 
 
 def _weight(n, dtype, device):

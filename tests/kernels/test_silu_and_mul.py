@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastllm.kernels import reference_impl, triton_impl
+from fastllm.kernels import fp8_quantize, reference_impl, triton_impl
+from fastllm.kernels.reference import FP8
 from tests.kernels.kernel_testing import BF16, gpu, rel_err
 
 TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1e-2)}
@@ -59,3 +60,20 @@ def test_silu_and_mul_strided_rows(device):
 @pytest.mark.parametrize("shape", [(1, 2 * 14336), (8192, 2 * 14336), (777, 2 * 18944), (64, 2 * 3072)])
 def test_silu_and_mul_gpu(device, dtype, shape):
     _check(device, dtype, shape)
+
+
+@pytest.mark.parametrize("one_pass_max_k", [16384, 64], ids=["one-pass", "two-launches"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
+@pytest.mark.parametrize("shape", [(1, 16), (5, 246), (2, 3, 128)])
+def test_fp8_variant_quantizes_what_silu_and_mul_writes(device, dtype, shape, one_pass_max_k, monkeypatch):
+    """Before an FP8 down projection: bitwise silu_and_mul's output quantized by fp8_quantize.py, in one kernel
+    or (rows wider than ONE_PASS_MAX_K: 64 here) as those two launches."""
+    monkeypatch.setattr(fp8_quantize, "ONE_PASS_MAX_K", one_pass_max_k)
+    x = (3 * torch.randn(shape, device=device)).to(dtype)
+    x[0] = 0  # the smallest scale for the first row
+    q, scale = triton_impl("silu_and_mul_fp8")(x)
+    out = triton_impl("silu_and_mul")(x)
+    want_q, want_scale = fp8_quantize.quantize_fp8_per_token(out.reshape(-1, out.shape[-1]))
+    assert q.dtype == FP8 and q.shape == out.shape and scale.shape == (*out.shape[:-1], 1)
+    assert torch.equal(scale.reshape(-1, 1), want_scale)
+    assert torch.equal(q.reshape(want_q.shape).view(torch.uint8), want_q.view(torch.uint8))

@@ -1,7 +1,8 @@
 """The weight-streaming kernels compiled for real GPUs on the CPU (Triton's own ptxas, no device): every
 launch config in their tables builds for sm_90 and fits the 99 KB of shared memory a block has on sm_89 (the
-smallest GPU FP8 runs on), and split K builds in every variant; so does the FP8 activation quantizer that
-feeds the e4m3 kernel, for rows held in registers (up to its widest) and rows it loops over. The interpreter runs the kernels' math in
+smallest GPU FP8 runs on), and split K builds in every variant; so do the kernels that quantize the e4m3
+kernel's activations: the quantizer (rows held in registers, up to its widest, and rows it loops over) and the
+RMSNorm and SiLU-and-mul kernels' quantizing variants, and the e4m3 kernel's one row taking them. The interpreter runs the kernels' math in
 the other tests; this is what it cannot see: a construct the GPU compiler rejects, or a config too large.
 
 The compiles run in a child process: under TRITON_INTERPRET=1 (the CPU suite's setting) @triton.jit gives
@@ -20,6 +21,8 @@ from triton.compiler import ASTSource
 
 from fastllm.kernels import fp8_quantize as Q
 from fastllm.kernels import fp8_skinny_linear as F
+from fastllm.kernels import fused_add_rms_norm as N
+from fastllm.kernels import silu_and_mul as A
 from fastllm.kernels import skinny_linear as S
 
 SM89_SHARED_BYTES = 99 * 1024
@@ -46,11 +49,12 @@ def bf16_kernel(capability: int, cfg: S.Config, rows: int) -> int:
     return compile_for(capability, S._skinny_linear_kernel, signature, constexprs, cfg)
 
 
-def fp8_kernel(capability: int, cfg: S.Config, rows: int) -> int:
+def fp8_kernel(capability: int, cfg: S.Config, rows: int, prequant: bool = False) -> int:
     dot = cfg.use_dot or rows > 1
-    signature = {"x_ptr": "*fp8e4nv" if dot else "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+    prequant = prequant or dot
+    signature = {"x_ptr": "*fp8e4nv" if prequant else "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
                  "bias_ptr": "*fp32", "input_scale_ptr": "*fp32", "out_ptr": "*bf16", **_SPLIT_ARGS, **_SHAPE_ARGS}
-    constexprs = dict(HAS_BIAS=True, STATIC=False, PREQUANT=dot, BLOCK_M=16 if dot else 1, BLOCK_N=cfg.block_n,
+    constexprs = dict(HAS_BIAS=True, STATIC=False, PREQUANT=prequant, BLOCK_M=16 if dot else 1, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, USE_DOT=dot, SPLIT_K=cfg.split_k, FP8_MAX=448.0, MIN_AMAX=1e-12,
                       USE_PDL=capability >= 90)
     return compile_for(capability, F._fp8_skinny_linear_kernel, signature, constexprs, cfg)
@@ -64,6 +68,19 @@ def quantize_kernel(capability: int, one_pass: bool, static: bool) -> int:
                       USE_PDL=capability >= 90)
     return compile_for(capability, Q._quantize_rows_kernel, signature, constexprs,
                        S.Config(0, block_k, Q.num_warps(block_k), 3))
+
+
+def quantizing_norm_and_silu(capability: int) -> None:
+    """Llama-3.1-8B's widths: the norm's 4096 (one row a program, 4 warps), SiLU-and-mul's 14336 (16 warps)."""
+    norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
+            "scale_ptr": "*fp32", "num_rows": "i32", "num_heads": "i32", "n_cols": "i32", "eps": "fp32",
+            "stride_xa": "i32", "stride_xh": "i32", "stride_ra": "i32", "stride_rh": "i32"}
+    compile_for(capability, N._rms_norm_kernel, norm, dict(HAS_RESIDUAL=True, BLOCK_R=1, BLOCK_N=4096, QUANT=True,
+                                                          FP8_MAX=448.0, MIN_AMAX=1e-12, USE_PDL=capability >= 90), S.Config(0, 0, 4, 3))
+    silu = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_xt": "i32", "inter": "i32"}
+    compile_for(capability, A._silu_and_mul_fp8_kernel, silu, dict(BLOCK=16384, FP8_MAX=448.0, MIN_AMAX=1e-12,
+                                                                 USE_PDL=capability >= 90),
+                S.Config(0, 0, Q.num_warps(16384), 3))
 
 
 def table(module) -> list[tuple[int, S.Config]]:
@@ -82,7 +99,10 @@ def check_all() -> None:
         for static in (True, False):
             for capability in (89, 90):
                 assert quantize_kernel(capability, one_pass, static) <= SM89_SHARED_BYTES
-    print("compiled", sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)) + 8, "kernels")
+    for capability in (89, 90):
+        quantizing_norm_and_silu(capability)
+        fp8_kernel(capability, F._DEFAULT[1], 1, prequant=True)
+    print("compiled", sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)) + 14, "kernels")
 
 
 def test_every_table_config_and_split_k_build_for_sm90_and_fit_sm89_shared_memory():
