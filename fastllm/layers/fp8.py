@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -46,8 +47,25 @@ class Fp8Scheme:
     def describe(self) -> str:
         weights = (f"from the {self.checkpoint} checkpoint" if self.checkpoint else
                    f"quantized at load time, a scale per {'tensor' if self.per_tensor else 'output channel'}")
-        inputs = "static activation scales (input_scale)" if self.static_input else "activations per token"
+        inputs = ("static activation scales (input_scale), each projection quantizing its input" if self.static_input
+                  else "activations per token, quantized by the RMSNorm and SiLU-and-mul kernels ahead of qkv, "
+                  "gate_up and down (o_proj by a launch of its own)")
         return f"FP8 e4m3 linear weights {weights}; {inputs}"
+
+
+class QuantizedActivation(NamedTuple):
+    """A projection's input quantized per token by the kernel before it (RMSNorm's, SiLU-and-mul's _fp8
+    variants): e4m3 values [..., K], float32 scales [..., 1], and the dtype the projection outputs."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantizes_ahead(scheme: Fp8Scheme | None) -> bool:
+    """Whether the kernels before this model's FP8 projections quantize their outputs for them: with per-token
+    scales (static input_scales belong to each projection, which quantizes its own input)."""
+    return scheme is not None and not scheme.static_input
 
 
 def scheme_for(quantization: str | None, hf_config: dict) -> Fp8Scheme | None:

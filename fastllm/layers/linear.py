@@ -22,7 +22,7 @@ from torch import nn
 
 from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
 from fastllm.distributed import communication  # noqa: F401  (registers torch.ops.fastllm.tp_all_reduce)
-from fastllm.layers.fp8 import FP8, Fp8Scheme, checkpoint_scale, is_fp8, quantize_weight
+from fastllm.layers.fp8 import FP8, Fp8Scheme, QuantizedActivation, checkpoint_scale, is_fp8, quantize_weight
 
 
 def shape_of(source) -> tuple[int, ...]:
@@ -57,11 +57,15 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ W^T (+ bias): our few-row kernel at decode batch sizes, cuBLAS otherwise
-        (fastllm/kernels/skinny_linear.py); FP8 weights: fastllm/kernels/fp8_linear.py."""
+        (fastllm/kernels/skinny_linear.py); FP8 weights: fastllm/kernels/fp8_linear.py, on x as it comes or
+        quantized by the kernel before (a QuantizedActivation)."""
         if self.fp8 is None:
             return torch.ops.fastllm.linear(x, self.weight, bias)
+        if isinstance(x, QuantizedActivation):
+            return torch.ops.fastllm.fp8_linear_quantized(x.values, x.scales, self.weight, self.weight_scale, bias,
+                                                          x.dtype)
         return torch.ops.fastllm.fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
 
     def load_weight(self, param_name: str, source) -> None:

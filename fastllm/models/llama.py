@@ -113,9 +113,9 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, args.head_dim, args.head_dim ** -0.5,
                               stage_index, rotary, window)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -131,11 +131,11 @@ class LlamaMLP(nn.Module):
         width = args.intermediate_size
         self.gate_up_proj = ColumnParallelLinear(args.hidden_size, [width, width], False, tp_rank, tp,
                                                  fp8=args.fp8)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(quantize_output=fp8.quantizes_ahead(args.fp8))
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp_rank, tp,
                                            fp8=args.fp8)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
@@ -144,8 +144,10 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(args, layer_index, stage_index, parallel)
         self.mlp = LlamaMLP(args, parallel)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # With FP8 projections (per-token scales) the norms quantize their outputs for qkv and gate_up.
+        quantize = fp8.quantizes_ahead(args.fp8)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, quantize_output=quantize)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, quantize_output=quantize)
 
     def forward(self, positions, hidden, residual):
         # The residual stream is carried separately so each add fuses into the next norm.

@@ -120,13 +120,20 @@ def test_speculative_decoding_gives_the_targets_tokens(spec):
     assert stats.num_accepted_tokens > before  # drafts were verified against the FP8 cache, and kept
 
 
-def test_compiled_forward_gives_the_eager_tokens():
+def test_compiled_forward_gives_the_eager_tokens(tmp_path, monkeypatch):
     """torch.compile (compile_on_cpu) traces the FP8 linear and the e4m3 cache's attention ops, the KV
-    scales constants of the graph."""
+    scales constants of the graph, and the norms' and SiLU-and-mul's quantized outputs (QuantizedActivation)
+    into the projections after them: one graph, no breaks."""
     want = tokens(fp8_llm().generate(PROMPTS, greedy(), use_tqdm=False))
+    monkeypatch.setenv("FASTLLM_CACHE_DIR", str(tmp_path))  # a cold cache: this process traces
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     llm = fp8_llm(compile_on_cpu=True)
     assert llm.engine.worker.runner.compile_how is not None
     assert tokens(llm.generate(PROMPTS, greedy(), use_tqdm=False)) == want
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0, \
+        dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
 
 
 def test_cascade_attention_gives_the_plain_paths_tokens():
