@@ -90,7 +90,8 @@ def _(x, weight, eps):
 
 
 @torch.library.custom_op("fastllm::fused_add_rms_norm_fp8", mutates_args=())
-def fused_add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def fused_add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float
+                           ) -> tuple[Tensor, Tensor, Tensor]:
     return kernels.fused_add_rms_norm_fp8(x, residual, weight, eps)
 
 

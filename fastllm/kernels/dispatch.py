@@ -223,7 +223,8 @@ def rms_norm_fp8(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]
     return _select("rms_norm_fp8", x.device)(x, weight, eps)
 
 
-def fused_add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def fused_add_rms_norm_fp8(x: Tensor, residual: Tensor, weight: Tensor, eps: float
+                           ) -> tuple[Tensor, Tensor, Tensor]:
     return _select("fused_add_rms_norm_fp8", x.device)(x, residual, weight, eps)
 
 

@@ -16,12 +16,12 @@ then fp8_quantize's, said once in the log.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import triton
 import triton.language as tl
-
-import functools
-import logging
 
 from fastllm.kernels import fp8_quantize, pdl
 from fastllm.kernels.fp8_quantize import row_scale, to_e4m3

@@ -47,8 +47,9 @@ class Fp8Scheme:
     def describe(self) -> str:
         weights = (f"from the {self.checkpoint} checkpoint" if self.checkpoint else
                    f"quantized at load time, a scale per {'tensor' if self.per_tensor else 'output channel'}")
-        inputs = ("static activation scales (input_scale), each projection quantizing its input" if self.static_input
-                  else "activations per token, quantized by the RMSNorm and SiLU-and-mul kernels ahead of qkv, "
+        inputs = ("static activation scales (input_scale), each projection quantizing its input"
+                  if self.static_input else
+                  "activations per token, quantized by the RMSNorm and SiLU-and-mul kernels ahead of qkv, "
                   "gate_up and down (o_proj by a launch of its own)")
         return f"FP8 e4m3 linear weights {weights}; {inputs}"
 

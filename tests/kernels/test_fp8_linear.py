@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from fastllm.kernels import fp8_linear as K
-from fastllm.kernels import fp8_quantize
+from fastllm.kernels import fp8_quantize, reference
 from fastllm.kernels import fp8_skinny_linear as S
-from fastllm.kernels import reference
 from fastllm.kernels.reference import FP8
 from fastllm.kernels.skinny_linear import Config
 from tests.kernels.kernel_testing import bucket_edges, gpu, rel_err

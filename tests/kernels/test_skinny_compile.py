@@ -1,9 +1,10 @@
 """The weight-streaming kernels compiled for real GPUs on the CPU (Triton's own ptxas, no device): every
 launch config in their tables builds for sm_90 and fits the 99 KB of shared memory a block has on sm_89 (the
-smallest GPU FP8 runs on), and split K builds in every variant; so do the kernels that quantize the e4m3
-kernel's activations: the quantizer (rows held in registers, up to its widest, and rows it loops over) and the
-RMSNorm and SiLU-and-mul kernels' quantizing variants, and the e4m3 kernel's one row taking them. The interpreter runs the kernels' math in
-the other tests; this is what it cannot see: a construct the GPU compiler rejects, or a config too large.
+smallest GPU FP8 runs on), and split K builds in every variant. So do the kernels that quantize the e4m3
+kernel's activations (the quantizer, with rows held in registers up to its widest and rows it loops over; the
+RMSNorm and SiLU-and-mul kernels' quantizing variants) and the e4m3 kernel's one row taking them. The
+interpreter runs the kernels' math in the other tests; this is what it cannot see: a construct the GPU
+compiler rejects, or a config too large.
 
 The compiles run in a child process: under TRITON_INTERPRET=1 (the CPU suite's setting) @triton.jit gives
 interpreted functions, which do not compile."""
@@ -75,12 +76,12 @@ def quantizing_norm_and_silu(capability: int) -> None:
     norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "res_out_ptr": "*bf16",
             "scale_ptr": "*fp32", "num_rows": "i32", "num_heads": "i32", "n_cols": "i32", "eps": "fp32",
             "stride_xa": "i32", "stride_xh": "i32", "stride_ra": "i32", "stride_rh": "i32"}
-    compile_for(capability, N._rms_norm_kernel, norm, dict(HAS_RESIDUAL=True, BLOCK_R=1, BLOCK_N=4096, QUANT=True,
-                                                          FP8_MAX=448.0, MIN_AMAX=1e-12, USE_PDL=capability >= 90), S.Config(0, 0, 4, 3))
+    constexprs = dict(HAS_RESIDUAL=True, BLOCK_R=1, BLOCK_N=4096, QUANT=True, FP8_MAX=448.0, MIN_AMAX=1e-12,
+                      USE_PDL=capability >= 90)
+    compile_for(capability, N._rms_norm_kernel, norm, constexprs, S.Config(0, 0, 4, 3))
     silu = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "stride_xt": "i32", "inter": "i32"}
-    compile_for(capability, A._silu_and_mul_fp8_kernel, silu, dict(BLOCK=16384, FP8_MAX=448.0, MIN_AMAX=1e-12,
-                                                                 USE_PDL=capability >= 90),
-                S.Config(0, 0, Q.num_warps(16384), 3))
+    constexprs = dict(BLOCK=16384, FP8_MAX=448.0, MIN_AMAX=1e-12, USE_PDL=capability >= 90)
+    compile_for(capability, A._silu_and_mul_fp8_kernel, silu, constexprs, S.Config(0, 0, Q.num_warps(16384), 3))
 
 
 def table(module) -> list[tuple[int, S.Config]]:
