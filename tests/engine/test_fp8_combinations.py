@@ -120,6 +120,29 @@ def test_speculative_decoding_gives_the_targets_tokens(spec):
     assert stats.num_accepted_tokens > before  # drafts were verified against the FP8 cache, and kept
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_quantized_activations_are_what_each_projection_would_quantize(arch, tmp_path_factory):
+    """The norms and SiLU-and-mul quantize for qkv (Qwen2's with its bias), gate_up and down
+    (QuantizedActivation): the tokens and logprobs, bitwise, of each projection quantizing its own input."""
+    # no prefix cache: the second run must compute the same batches (the CPU's sums depend on their shapes)
+    llm = fp8_llm(make_tiny_model(tmp_path_factory, arch), block_size=4, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 23)]
+    ahead = [m for m in llm.engine.worker.runner.model.modules() if getattr(m, "quantize_output", False)]
+    assert len(ahead) == 3 * llm.engine.worker.runner.model.args.num_layers  # two norms and SiLU-and-mul a layer
+
+    def run():
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, greedy(12, logprobs=2), use_tqdm=False)]
+    fused = run()
+    try:
+        for m in ahead:
+            m.quantize_output = False
+        assert run() == fused
+    finally:
+        for m in ahead:
+            m.quantize_output = True
+
+
 def test_compiled_forward_gives_the_eager_tokens(tmp_path, monkeypatch):
     """torch.compile (compile_on_cpu) traces the FP8 linear and the e4m3 cache's attention ops, the KV
     scales constants of the graph, and the norms' and SiLU-and-mul's quantized outputs (QuantizedActivation)
