@@ -146,23 +146,26 @@ class SpecDecodeStep:
         stream = step_stream(self.device)
         verified = self._verified_host[:num_reqs]
         verify_done = torch.cuda.Event()
+
+        def verified_to_host() -> None:  # once the verify part is done, while the draft model runs
+            verified.copy_(self.out[:num_reqs, :k + 2], non_blocking=True)
+            verify_done.record(stream)
+
         proposals = events = None
         graphs = self.graphs.get((bs, sampling))
         if graphs is None:
             # The first step of this size and kind: capturing its graphs runs it once first, and that run
             # is the step. (Replaying it as well would verify its drafts against the q it just replaced.)
             self._capture(bs, sampling)
-            verified.copy_(self.out[:num_reqs, :k + 2], non_blocking=True)
-            verify_done.record(stream)
+            verified_to_host()
         else:
             events = [torch.cuda.Event(enable_timing=True) for _ in range(len(graphs) + 1)] if self.timing else None
             for i, graph in enumerate(graphs):
                 if events:
                     events[i].record(stream)
                 graph.replay()
-                if i == 0:  # the verify part: its tokens go to the host while the draft model runs
-                    verified.copy_(self.out[:num_reqs, :k + 2], non_blocking=True)
-                    verify_done.record(stream)
+                if i == 0:  # the verify part
+                    verified_to_host()
         if self.draft is not None:
             proposals = PendingDrafts(self.out[:num_reqs, k + 2:].to("cpu", non_blocking=True), torch.cuda.Event())
             proposals.ready.record(stream)
