@@ -5,9 +5,10 @@ A quantized linear (layers/linear.py) holds its weight [N, K] in e4m3 and one fl
 `weight_scale` [N]: the weight it stands for is weight.float() * weight_scale[:, None]. "fp8" gives each row
 its own scale, amax(|row|) / 448 (448: e4m3's largest value); "fp8-per-tensor" one per checkpoint tensor (q,
 k, v, gate and up each their own inside the fused layers), written on each of its rows, so both, and
-checkpoints of either kind, run the same kernels. Activations are quantized as each projection starts: per
-token, amax / 448, or with the checkpoint's static `input_scale`. The matmul then runs on e4m3 operands
-(fastllm/kernels/fp8_linear.py); the reference dequantizes both and multiplies in float32.
+checkpoints of either kind, run the same kernels. Activations are quantized per token, amax / 448: by the
+RMSNorm and SiLU-and-mul kernels before qkv, gate_up and down (a QuantizedActivation; quantizes_ahead), by
+o_proj as it starts; or, with the checkpoint's static `input_scale`, by every projection. The matmul then runs
+on e4m3 operands (fastllm/kernels/fp8_linear.py); the reference dequantizes both and multiplies in float32.
 
 Where the FP8 weights come from:
 - a 16/32-bit checkpoint, or dummy weights: each whole checkpoint tensor is quantized as it loads, then
