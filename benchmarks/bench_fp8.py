@@ -9,7 +9,8 @@ Each engine (compiled, CUDA graphs, the engine's defaults otherwise) runs
   steps in which every request decodes;
 - offline throughput (`fastllm bench throughput`'s run): 3,000 requests x 128 in / 128 out after its
   warm-up; output tokens/s.
-A third engine has FP8 weights and an FP8 KV cache (kv_cache_dtype="fp8"; --no-fp8-kv leaves it out).
+A third engine has FP8 weights and an FP8 KV cache (kv_cache_dtype="fp8"; --no-fp8-kv leaves it out);
+--fp8-lm-head adds one with lm_head in FP8 too (quantize_lm_head), set against the plain FP8 engine.
 Each engine runs in a process of its own.
 The last lines set FP8 against bf16 and the issue's targets: batch 1 >= 300 tok/s, batch 32 >= 1.6x,
 batch 256 >= 1.4x (FP8 weights); throughput >= 1.4x with FP8 weights and the FP8 KV cache together.
@@ -35,10 +36,11 @@ TARGETS = {1: ("tok/s", 300.0), 32: ("x bf16", 1.6), 256: ("x bf16", 1.4)}
 THROUGHPUT_TARGET = 1.4
 
 
-def measure(args, name: str, quantization: str | None, kv_cache_dtype: str = "auto") -> dict:
+def measure(args, name: str, quantization: str | None, kv_cache_dtype: str = "auto",
+            quantize_lm_head: bool = False) -> dict:
     engine = LLMEngine.from_kwargs(args.model, load_format=args.load_format, dtype="bfloat16",
                                    max_model_len=args.max_model_len, quantization=quantization,
-                                   kv_cache_dtype=kv_cache_dtype)
+                                   kv_cache_dtype=kv_cache_dtype, quantize_lm_head=quantize_lm_head)
     try:
         fp8 = engine.worker.runner.model.args.fp8
         shape = ModelShape.from_hf_config(engine.config.model.hf_config, "bfloat16", fp8)
@@ -62,13 +64,14 @@ def measure(args, name: str, quantization: str | None, kv_cache_dtype: str = "au
         engine.shutdown()
 
 
-def measure_alone(args, name: str, quantization: str | None, kv_cache_dtype: str) -> dict:
+def measure_alone(args, name: str, quantization: str | None, kv_cache_dtype: str,
+                  quantize_lm_head: bool = False) -> dict:
     """measure() in a process of its own: each engine sizes its KV pool on an empty GPU, whatever the last one
     left in this process's caches. (In one process the next engine once found no room: measure() then held
     the runner in a local through its teardown, so its gc.collect and empty_cache ran before the 122.6 GiB of
     a Llama-3.1-8B engine were freed.)"""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(measure, args, name, quantization, kv_cache_dtype).result()
+        return pool.submit(measure, args, name, quantization, kv_cache_dtype, quantize_lm_head).result()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,10 +86,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throughput-len", type=int, default=128,
                    help="prompt and output tokens of the throughput run")
     p.add_argument("--no-fp8-kv", action="store_true", help="no engine with an FP8 KV cache")
+    p.add_argument("--fp8-lm-head", action="store_true",
+                   help="one more engine: FP8 weights with lm_head in FP8 too (quantize_lm_head)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
-    engines = [("bf16", None, "auto"), ("fp8", "fp8", "auto")] + ([] if args.no_fp8_kv else [("fp8+kv", "fp8", "fp8")])
-    results = {name: measure_alone(args, name, quantization, kv) for name, quantization, kv in engines}
+    engines = [("bf16", None, "auto", False), ("fp8", "fp8", "auto", False)]
+    engines += [] if args.no_fp8_kv else [("fp8+kv", "fp8", "fp8", False)]
+    engines += [("fp8+lm_head", "fp8", "auto", True)] if args.fp8_lm_head else []
+    results = {engine[0]: measure_alone(args, *engine) for engine in engines}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     meta = {**ceilings.environment(device), "model": args.model, "load_format": args.load_format,
             "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts}
@@ -111,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         verdict = "met" if both / base >= THROUGHPUT_TARGET else "MISSED"
         print(f"| throughput, FP8 weights + FP8 KV cache ({results['fp8+kv']['num_gpu_blocks']} KV blocks) | "
               f"{base:,.0f} | {both:,.0f} | {both / base:.2f}x | {verdict} (>= {THROUGHPUT_TARGET}x) |")
+    if "fp8+lm_head" in results:
+        rows = zip(results["bf16"]["latency"], results["fp8"]["latency"], results["fp8+lm_head"]["latency"])
+        print("\n| batch | fp8 tok/s | fp8 + FP8 lm_head tok/s | x fp8 | x bf16 |\n|---:|---:|---:|---:|---:|")
+        for base, fp8, head in rows:
+            print(f"| {base['batch_size']} | {fp8['tok_s_total']:,.1f} | {head['tok_s_total']:,.1f} | "
+                  f"{head['tok_s_total'] / fp8['tok_s_total']:.2f}x | {head['tok_s_total'] / base['tok_s_total']:.2f}x |")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"benchmark": "fp8", "meta": meta, "results": results}, f, indent=2, default=str)

@@ -64,6 +64,10 @@ class ModelConfig:
                                    "channel ('fp8-per-tensor': one per checkpoint tensor), activations per "
                                    "token; needs a GPU of sm_89 or newer (default: none, or the checkpoint's "
                                    "FP8)", QUANTIZATIONS)
+    quantize_lm_head: bool = arg(False, "with FP8 weights (quantization, or an FP8 checkpoint): lm_head in "
+                                 "float8 e4m3 too, a scale per vocabulary row, its activations per token (half "
+                                 "its bytes a step; the logits take FP8's rounding) (default: lm_head in the "
+                                 "model's dtype)")
     hf_config: dict = field(default_factory=dict, repr=False, compare=False)  # config.json (not an argument)
 
     def __post_init__(self):
@@ -76,6 +80,9 @@ class ModelConfig:
             raise ValueError(f"model directory {self.model!r} has no config.json (does the path exist?)")
         if not self.hf_config:
             object.__setattr__(self, "hf_config", json.loads(config_file.read_text()))
+        _check(not self.quantize_lm_head or self.quantization is not None or "quantization_config" in self.hf_config,
+               "quantize_lm_head", "puts lm_head in FP8 beside FP8 linear weights, and this model has none: give "
+               "quantization='fp8' too (or load an FP8 checkpoint)")
         limit = self.max_position_embeddings
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", limit)

@@ -33,10 +33,10 @@ def decode_weights(model: nn.Module) -> list[torch.Tensor]:
     return weights
 
 
-def make_chain(weights: list[torch.Tensor], batch_size: int):
-    """A function running x_in @ W^T for each weight, x_in a fixed random [B, in_features] input (e4m3
-    for e4m3 weights, with unit row-wise scales: the FP8 GEMM's time)."""
-    device, dtype = weights[-1].device, weights[-1].dtype  # lm_head's: the model's dtype
+def make_chain(weights: list[torch.Tensor], batch_size: int, dtype: torch.dtype):
+    """A function running x_in @ W^T for each weight, x_in a fixed random [B, in_features] input in the
+    model's dtype (e4m3 for e4m3 weights, with unit row-wise scales: the FP8 GEMM's time)."""
+    device = weights[-1].device
     inputs = {(w.shape[1], w.dtype): torch.randn(batch_size, w.shape[1], device=device, dtype=dtype)
               .to(w.dtype) for w in weights}
     ones = torch.ones(max(batch_size, max(w.shape[0] for w in weights)), device=device)
@@ -57,7 +57,7 @@ def make_chain(weights: list[torch.Tensor], batch_size: int):
 def matmul_floor_ms(model: nn.Module, batch_size: int, repeats: int = 20) -> tuple[float, str]:
     """Median time of the chain in ms, and how it ran: "cuda-graph", "eager" (CPU, or capture failed)."""
     weights = decode_weights(model)
-    chain = make_chain(weights, batch_size)
+    chain = make_chain(weights, batch_size, model.dtype)
     if weights[0].device.type != "cuda":
         chain()
         times = []

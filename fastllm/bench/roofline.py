@@ -49,15 +49,18 @@ class ModelShape(LlamaArgs):
         return replace(super().from_hf_config(cfg), dtype_bytes=nbytes, kv_dtype_bytes=nbytes, fp8=fp8)
 
     @classmethod
-    def from_model(cls, model: str | None, dtype: str = "auto", quantization: str | None = None) -> "ModelShape":
-        """From a model directory or an embedded config name (as --model takes); quantization as the engine
-        argument (an FP8 checkpoint is FP8 whatever it says)."""
+    def from_model(cls, model: str | None, dtype: str = "auto", quantization: str | None = None,
+                   quantize_lm_head: bool = False) -> "ModelShape":
+        """From a model directory or an embedded config name (as --model takes); quantization and
+        quantize_lm_head as the engine arguments (an FP8 checkpoint is FP8 whatever they say)."""
         from fastllm.config import resolve_model_path
         from fastllm.layers.fp8 import scheme_for
 
         path = Path(resolve_model_path(model)) / "config.json"
         cfg = json.loads(path.read_text())
-        return cls.from_hf_config(cfg, dtype, scheme_for(quantization, cfg))
+        if quantize_lm_head and quantization is None and "quantization_config" not in cfg:
+            raise ValueError("quantize_lm_head needs FP8 weights: give quantization too")
+        return cls.from_hf_config(cfg, dtype, scheme_for(quantization, cfg, quantize_lm_head))
 
     # parameter counts
 
@@ -88,10 +91,18 @@ class ModelShape(LlamaArgs):
         return self.num_layers * per_layer + self.hidden_size + self.embedding_params + lm_head
 
     @property
+    def fp8_lm_head(self) -> bool:
+        return self.fp8 is not None and self.fp8.lm_head
+
+    @property
     def weight_bytes(self) -> int:
         """Every parameter once, in bytes; FP8 weights (quantization) hold the decoder layers' projections
-        in 1 byte each (their scales, 4 bytes a row, left out)."""
+        in 1 byte each (their scales, 4 bytes a row, left out), and with quantize_lm_head lm_head too (tied:
+        an e4m3 copy of the table beside the embedding)."""
         fp8_saved = self.num_layers * self.layer_matmul_params * (self.dtype_bytes - 1) if self.fp8 else 0
+        if self.fp8_lm_head:
+            lm_head = self.vocab_size * self.hidden_size
+            fp8_saved += -lm_head if self.tie_word_embeddings else lm_head * (self.dtype_bytes - 1)
         return self.num_params * self.dtype_bytes - fp8_saved
 
     @property
@@ -102,7 +113,7 @@ class ModelShape(LlamaArgs):
 
     def decode_weight_bytes(self, batch_size: int) -> int:
         """Weights one decode step of batch_size requests reads from memory."""
-        if self.tie_word_embeddings:  # lm_head reads the whole table; the gather hits the same one
+        if self.tie_word_embeddings and not self.fp8_lm_head:  # lm_head reads the table the gather hits
             return self.weight_bytes
         gathered = batch_size * self.hidden_size
         return self.weight_bytes - (self.embedding_params - gathered) * self.dtype_bytes
@@ -183,13 +194,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", choices=["fp8", "fp8-per-tensor"], default=None,
                         help="with --model: FP8 weights (the projections at one byte each)")
+    parser.add_argument("--quantize-lm-head", action="store_true",
+                        help="with --model and --quantization: lm_head at one byte a weight too")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--context", type=int, default=256, help="tokens each request attends over")
     args = parser.parse_args(argv)
     try:
         ceilings = json.loads(Path(args.ceilings).read_text()) if args.ceilings else None
         if args.run is None:
-            shape = ModelShape.from_model(args.model, args.dtype, args.quantization)
+            shape = ModelShape.from_model(args.model, args.dtype, args.quantization, args.quantize_lm_head)
             ctx = [args.context] * args.batch_size
             num_bytes, flops = shape.decode_bytes(ctx), shape.decode_flops(ctx)
             f = floor_seconds(num_bytes, flops, ceilings)

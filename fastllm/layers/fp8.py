@@ -17,7 +17,8 @@ Where the FP8 weights come from:
 - an FP8 checkpoint (config.json's quantization_config, quant_method "fp8" or "compressed-tensors"): e4m3
   `weight`, `weight_scale` (a scalar, or [N, 1] per channel) and, with static activation scales,
   `input_scale`, as they are.
-Embeddings, norms and lm_head keep the model's dtype.
+Embeddings and norms keep the model's dtype; lm_head too, unless quantize_lm_head puts it in e4m3 (a scale
+per vocabulary row, quantized at load time; with tied embeddings a copy of the table of its own).
 
 FP8 matmuls need a GPU of compute capability 8.9 or newer (Ada, Hopper): elsewhere the engine refuses
 (check_device), never running the 16-bit model in its place. The CPU runs the references in tests only.
@@ -44,6 +45,7 @@ class Fp8Scheme:
     per_tensor: bool = False  # quantized at load time: one scale per checkpoint tensor (else per row)
     static_input: bool = False  # activation scales from the checkpoint's input_scale (else per token)
     checkpoint: str | None = None  # the checkpoint's quant_method when its weights are FP8 already
+    lm_head: bool = False  # lm_head in e4m3 too (quantize_lm_head): a scale per vocabulary row, dynamic inputs
 
     def describe(self) -> str:
         weights = (f"from the {self.checkpoint} checkpoint" if self.checkpoint else
@@ -52,7 +54,9 @@ class Fp8Scheme:
                   if self.static_input else
                   "activations per token, quantized by the RMSNorm and SiLU-and-mul kernels ahead of qkv, "
                   "gate_up and down (o_proj by a launch of its own)")
-        return f"FP8 e4m3 linear weights {weights}; {inputs}"
+        head = ("; lm_head in e4m3 too, quantized at load time, a scale per vocabulary row" if self.lm_head
+                else "; lm_head in the model's dtype")
+        return f"FP8 e4m3 linear weights {weights}; {inputs}{head}"
 
 
 class QuantizedActivation(NamedTuple):
@@ -70,13 +74,16 @@ def quantizes_ahead(scheme: Fp8Scheme | None) -> bool:
     return scheme is not None and not scheme.static_input
 
 
-def scheme_for(quantization: str | None, hf_config: dict) -> Fp8Scheme | None:
-    """The FP8 scheme of engine argument `quantization` and the checkpoint's quantization_config (an FP8
-    checkpoint is FP8 whatever the argument says, as in vLLM); None: 16-bit weights. Raises ValueError
-    naming `quantization` for checkpoints it cannot run."""
+def scheme_for(quantization: str | None, hf_config: dict, lm_head: bool = False) -> Fp8Scheme | None:
+    """The FP8 scheme of engine arguments `quantization` and `quantize_lm_head` (lm_head) and the checkpoint's
+    quantization_config (an FP8 checkpoint is FP8 whatever the argument says, as in vLLM); None: 16-bit
+    weights. Raises ValueError naming `quantization` for checkpoints it cannot run."""
     config = hf_config.get("quantization_config")
     if config is None:
-        return None if quantization is None else Fp8Scheme(per_tensor=quantization == "fp8-per-tensor")
+        if quantization is None:
+            assert not lm_head, "ModelConfig refuses quantize_lm_head without FP8 weights"
+            return None
+        return Fp8Scheme(per_tensor=quantization == "fp8-per-tensor", lm_head=lm_head)
     method = config.get("quant_method")
     if method not in ("fp8", "compressed-tensors"):
         raise ValueError(f"quantization: the checkpoint's quantization_config has quant_method {method!r}; "
@@ -85,7 +92,7 @@ def scheme_for(quantization: str | None, hf_config: dict) -> Fp8Scheme | None:
         raise ValueError("quantization: 'fp8-per-tensor' says how to quantize 16-bit weights, but this "
                          "checkpoint's weights are FP8 already (use quantization=None or 'fp8')")
     static = _fp8_static_input(config) if method == "fp8" else _compressed_tensors_static_input(config)
-    return Fp8Scheme(static_input=static, checkpoint=method)
+    return Fp8Scheme(static_input=static, checkpoint=method, lm_head=lm_head)
 
 
 def _unsupported(what: str) -> ValueError:

@@ -217,9 +217,10 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(args, parallel)
         self.lm_head = None
         if parallel.is_last_stage:
+            fp8_lm_head = args.fp8 is not None and args.fp8.lm_head
             self.lm_head = ParallelLMHead(args.vocab_size, args.hidden_size, parallel.tp_rank,
-                                          parallel.tp_size)
-            if args.tie_word_embeddings and parallel.is_first_stage:
+                                          parallel.tp_size, fp8=fp8_lm_head)
+            if args.tie_word_embeddings and parallel.is_first_stage and not fp8_lm_head:
                 self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -263,8 +264,10 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def _lm_head_reads_embedding(self) -> bool:
-        """Tied embeddings on a last stage that does not hold the embedding: its lm_head loads that table."""
-        return self.args.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is None
+        """Tied embeddings where the lm_head does not share the embedding's parameter (a last stage without
+        the embedding, or an FP8 lm_head): it loads that table itself."""
+        return self.args.tie_word_embeddings and self.lm_head is not None and \
+            (self.model.embed_tokens is None or self.lm_head.fp8)
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint tensor parameter `name` is loaded from (the lm_head of a later stage with tied
@@ -322,12 +325,14 @@ class LlamaForCausalLM(nn.Module):
                     break
             if not self.owns(name):
                 continue
+            targets = [name]
             if name == "model.embed_tokens.weight" and self._lm_head_reads_embedding:
-                name = "lm_head.weight"
-            if name not in params and name not in scales:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            self.load_param(name, tensor, shard)
-            missing.get(name, set()).discard(shard or 0)
+                targets = ["lm_head.weight"] + ([name] if self.model.embed_tokens is not None else [])
+            for name in targets:
+                if name not in params and name not in scales:
+                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+                self.load_param(name, tensor, shard)
+                missing.get(name, set()).discard(shard or 0)
         absent = sorted(name for name, shards in missing.items() if shards)
         if absent:
             raise ValueError(f"checkpoint is missing {len(absent)} tensors, e.g. {absent[:3]}")

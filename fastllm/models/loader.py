@@ -95,7 +95,7 @@ def load_model(model_config: ModelConfig, device: torch.device,
                parallel: ParallelRank = ParallelRank()) -> nn.Module:
     start = time.perf_counter()
     dtype = resolve_dtype(model_config, device)
-    scheme = fp8.scheme_for(model_config.quantization, model_config.hf_config)
+    scheme = fp8.scheme_for(model_config.quantization, model_config.hf_config, model_config.quantize_lm_head)
     if scheme is not None:
         fp8.check_device(device, scheme)
     load_format = model_config.load_format

@@ -55,6 +55,15 @@ def test_cli_flag():
     assert build_parser().parse_args(["generate", "hi"]).quantization is None
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--quantization", "int4", "hi"])
+    assert build_parser().parse_args(["generate", "--quantization", "fp8", "--quantize-lm-head", "hi"]) \
+        .quantize_lm_head is True
+    assert build_parser().parse_args(["generate", "hi"]).quantize_lm_head is False
+
+
+def test_quantize_lm_head_without_fp8_weights_is_refused():
+    """An FP8 lm_head beside 16-bit projections would be an argument that does nothing the user asked."""
+    with pytest.raises(ValueError, match="^quantize_lm_head puts lm_head in FP8 beside FP8 linear weights"):
+        LLM(STORIES, quantize_lm_head=True, device="cpu")
 
 
 def test_gpus_below_sm89_are_refused(monkeypatch):
@@ -182,6 +191,54 @@ def test_dummy_fp8_weights_are_the_16bit_dummy_weights_quantized(allow_fp8_on_cp
         assert model.model.norm.weight.dtype == torch.float32
 
 
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_fp8_lm_head_of_tied_embeddings_is_the_table_quantized(allow_fp8_on_cpu, load_format):
+    """quantize_lm_head with tied embeddings (stories260K): the embedding stays 32-bit, lm_head holds the
+    table in e4m3 with a scale per vocabulary row, and its logits are the reference's FP8 product."""
+    base = fp8_llm(load_format=load_format, quantization="fp8").engine.worker.runner.model
+    model = fp8_llm(load_format=load_format, quantization="fp8", quantize_lm_head=True).engine.worker.runner.model
+    assert base.lm_head.weight is base.model.embed_tokens.weight  # shared without the flag
+    table = model.model.embed_tokens.weight
+    assert model.lm_head.weight is not table and table.dtype == torch.float32
+    assert torch.equal(table, base.model.embed_tokens.weight)
+    want_weight, want_scale = quantize_weight(table.detach(), per_tensor=False)
+    assert torch.equal(model.lm_head.weight.view(torch.uint8), want_weight.view(torch.uint8))
+    assert torch.equal(model.lm_head.weight_scale, want_scale)
+    hidden = torch.randn(3, table.shape[1])
+    assert torch.equal(model.compute_logits(hidden), reference.fp8_linear(hidden, want_weight, want_scale, None))
+
+
+def test_fp8_lm_head_of_an_untied_checkpoint(allow_fp8_on_cpu, tmp_path_factory):
+    from tests.models.test_llama_vs_hf import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory, "llama3.1")  # untied
+    base = fp8_llm(path, quantization="fp8").engine.worker.runner.model
+    model = fp8_llm(path, quantization="fp8", quantize_lm_head=True).engine.worker.runner.model
+    want_weight, want_scale = quantize_weight(base.lm_head.weight.detach(), per_tensor=False)
+    assert torch.equal(model.lm_head.weight.view(torch.uint8), want_weight.view(torch.uint8))
+    assert torch.equal(model.lm_head.weight_scale, want_scale)
+    assert "lm_head in e4m3 too" in model.args.fp8.describe()
+
+
+def test_fp8_lm_head_splits_by_vocabulary_rows():
+    """Tensor parallelism: each rank's rows and their scales are the one-rank head's (a scale per row)."""
+    from fastllm.layers.embedding import ParallelLMHead
+
+    table = torch.randn(11, 32)
+    whole = ParallelLMHead(11, 32, fp8=True)
+    whole.load_weight("weight", table)
+    ranks = [ParallelLMHead(11, 32, rank, 2, fp8=True) for rank in range(2)]
+    for head in ranks:
+        head.load_weight("weight", table)
+    assert ranks[1].num_real == 5  # 6 rows a rank, the last one padding
+    assert torch.equal(torch.cat([ranks[0].weight, ranks[1].weight[:5]]).view(torch.uint8),
+                       whole.weight.view(torch.uint8))
+    assert torch.equal(torch.cat([ranks[0].weight_scale, ranks[1].weight_scale[:5]]), whole.weight_scale)
+    assert ranks[1].weight_scale[5] == 1.0 and not ranks[1].weight[5].float().any()
+    with pytest.raises(ValueError, match="stored in FP8"):
+        whole.load_weight("weight", table.to(FP8))
+
+
 def ref_quantized(layer, per_tensor: bool):
     """The single-rank layer's 16/32-bit weight quantized block by block (q/k/v, gate/up apart)."""
     sizes = getattr(layer, "full_sizes", [layer.weight.shape[0]])
@@ -276,3 +333,18 @@ def test_roofline_counts_fp8_projections_at_one_byte():
     assert quantized.decode_weight_bytes(8) == bf16.decode_weight_bytes(8) - projections
     assert 8.4 < quantized.weight_bytes / 2**30 < 8.5
     assert ModelShape.from_model("llama-3.1-8b", "bfloat16", "fp8").weight_bytes == quantized.weight_bytes
+    # quantize_lm_head: lm_head at one byte too; with tied embeddings an e4m3 copy beside the 16-bit table
+    head = bf16.vocab_size * bf16.hidden_size
+    with_head = ModelShape.from_hf_config(cfg, "bfloat16", Fp8Scheme(lm_head=True))
+    assert with_head.weight_bytes == quantized.weight_bytes - head
+    assert with_head.decode_weight_bytes(8) == quantized.decode_weight_bytes(8) - head
+    tied = json.loads((Path(STORIES).parent / "configs" / "Qwen3-0.6B" / "config.json").read_text())
+    tied_fp8 = ModelShape.from_hf_config(tied, "bfloat16", Fp8Scheme())
+    tied_head = ModelShape.from_hf_config(tied, "bfloat16", Fp8Scheme(lm_head=True))
+    table = tied_fp8.vocab_size * tied_fp8.hidden_size
+    assert tied_head.weight_bytes == tied_fp8.weight_bytes + table
+    # a step reads the e4m3 copy (1 byte a weight) in place of the 16-bit table, and the 8 gathered rows
+    gathered = 8 * tied_fp8.hidden_size * 2
+    assert tied_head.decode_weight_bytes(8) == tied_fp8.decode_weight_bytes(8) - 2 * table + table + gathered
+    with pytest.raises(ValueError, match="quantize_lm_head needs FP8 weights"):
+        ModelShape.from_model("llama-3.1-8b", "bfloat16", None, quantize_lm_head=True)

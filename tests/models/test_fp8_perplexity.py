@@ -39,12 +39,13 @@ def perplexity(llm, prompt) -> float:
     return math.exp(-sum(logprobs) / len(logprobs))
 
 
+@pytest.mark.parametrize("quantize_lm_head", [False, True], ids=["lm_head-32-bit", "lm_head-fp8"])
 @pytest.mark.parametrize("quantization", ["fp8", "fp8-per-tensor"])
-def test_stories260k_perplexity_within_3_percent(allow_fp8_on_cpu, quantization):
+def test_stories260k_perplexity_within_3_percent(allow_fp8_on_cpu, quantization, quantize_lm_head):
     base = perplexity(cached_llm(STORIES), TEXT)
-    quantized = perplexity(cached_llm(STORIES, quantization=quantization), TEXT)
-    print(f"\nstories260K perplexity: float32 {base:.4f}, {quantization} {quantized:.4f} "
-          f"({quantized / base - 1:+.2%})")
+    quantized = perplexity(cached_llm(STORIES, quantization=quantization, quantize_lm_head=quantize_lm_head), TEXT)
+    print(f"\nstories260K perplexity: float32 {base:.4f}, {quantization} (lm_head in FP8: {quantize_lm_head}) "
+          f"{quantized:.4f} ({quantized / base - 1:+.2%})")
     assert 2 < base < 4  # the story reads as the model's own kind of text
     assert abs(quantized / base - 1) <= 0.03
 
