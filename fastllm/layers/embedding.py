@@ -20,13 +20,14 @@ from fastllm.layers.linear import copy_into, shape_of
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.vocab_size, self.tp_size = vocab_size, tp_size
         self.rows = -(-vocab_size // tp_size)  # per rank
         self.start = tp_rank * self.rows
         self.num_real = max(0, min(self.rows, vocab_size - self.start))  # rows before the padding
-        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size, dtype=dtype), requires_grad=dtype != FP8)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -54,11 +55,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     logits come from fp8_linear (the hidden states quantized per token)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp_rank: int = 0, tp_size: int = 1, fp8: bool = False):
-        super().__init__(vocab_size, hidden_size, tp_rank, tp_size)
+        super().__init__(vocab_size, hidden_size, tp_rank, tp_size, dtype=FP8 if fp8 else None)
         self.fp8 = fp8
-        if fp8:
-            self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size, dtype=FP8), requires_grad=False)
-            # NaN until loaded (fp8.check_loaded); the padding rows' logits are cut off
+        if fp8:  # NaN until loaded (fp8.check_loaded); the padding rows' logits are cut off
             self.register_buffer("weight_scale", torch.full((self.rows,), float("nan"), dtype=torch.float32))
 
     def load_weight(self, param_name: str, source) -> None:
@@ -75,6 +74,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         rows = source[self.start:self.start + self.num_real].to(self.weight.device)
         weight, scale = quantize_weight(rows, per_tensor=False)
         with torch.no_grad():
+            self.weight.view(torch.uint8)[self.num_real:].zero_()
             self.weight[:self.num_real].copy_(weight)
             self.weight_scale.fill_(1.0)
             self.weight_scale[:self.num_real].copy_(scale)
