@@ -121,10 +121,16 @@ def fp8_checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("fp8") / "ckpt", "compressed-tensors")
 
 
-@pytest.mark.parametrize("layout", ["compressed-tensors", "fp8"])
-def test_fp8_checkpoint_with_static_scales_and_kv_scales(fp8_ranks_on_cpu, fp8_checkpoint, layout, tmp_path):
+@pytest.mark.parametrize("layout,quantize_lm_head", [("compressed-tensors", False), ("fp8", False),
+                                                     ("compressed-tensors", True)])
+def test_fp8_checkpoint_with_static_scales_and_kv_scales(fp8_ranks_on_cpu, fp8_checkpoint, layout, quantize_lm_head,
+                                                         tmp_path):
+    """quantize_lm_head: each rank's vocabulary rows of the one-rank FP8 head (a scale per row), the whole hidden
+    state quantized per token on every rank as on one."""
     llm, ref = split_and_one_rank(fp8_checkpoint if layout == "compressed-tensors" else
-                                  write_checkpoint(tmp_path / "ckpt", layout))
+                                  write_checkpoint(tmp_path / "ckpt", layout), quantize_lm_head=quantize_lm_head)
+    for engine in (llm, ref):
+        assert engine.engine.worker.runner.model.lm_head.weight.dtype == (FP8 if quantize_lm_head else torch.float32)
     try:
         compared, worst = 0, 0.0
         for prompts in (FIRST, SECOND):
