@@ -1,7 +1,8 @@
 """FP8 weights on a GPU (sm_89+): the engine with quantization="fp8", eager and compiled with CUDA graphs,
-against the CPU's dequantizing reference (float32: 90% of logprobs within 1e-4, all within 0.5, tokens
-equal up to near-ties; bf16: the same story for a while, as for bf16 without FP8), and a dummy Llama-3.1-8B
-in FP8, compiled against eager, with its KV pool sized by the profiling run. Marked `gpu`: skipped without CUDA.
+against the CPU's dequantizing reference (float32: 90% of logprobs within 1e-4, all within 0.75, tokens
+equal up to near-ties; with quantize_lm_head too; bf16: the same story for a while, as for bf16 without FP8),
+and a dummy Llama-3.1-8B in FP8, compiled against eager, with its KV pool sized by the profiling run. Marked
+`gpu`: skipped without CUDA.
 
 llama2xs-279K is the tiny model here: every projection's K and N are multiples of 16, so prompts of more
 than 32 tokens run torch._scaled_mm (stories260K's 172-wide MLP would take the reference there); decode
@@ -93,6 +94,24 @@ def test_fp8_float32_matches_the_cpu_reference(cpu_reference, eager):
     compared = compare_greedy(cpu_reference, llm.generate(PROMPTS, LOGPROBS, use_tqdm=False), MAX_LOGPROB_ERR,
                               f"fp8 float32 GPU ({'eager' if eager else 'graphs'}) vs CPU reference",
                               P90_LOGPROB_ERR)
+    assert compared >= 8 * 24
+
+
+def test_fp8_lm_head_float32_matches_the_cpu_reference():
+    """quantize_lm_head: the e4m3 head (compiled, its logits in the CUDA graphs' buffers) against the CPU
+    reference with the same flag, held to the same bounds."""
+    with pytest.MonkeyPatch.context() as patch:
+        from fastllm.layers import fp8
+
+        patch.setattr(fp8, "check_device", lambda device, scheme: None)
+        want = cached_llm(DRAFT, device="cpu", dtype="float32", quantization="fp8", quantize_lm_head=True
+                          ).generate(PROMPTS, LOGPROBS, use_tqdm=False)
+    llm = cached_llm(DRAFT, device="cuda", dtype="float32", quantization="fp8", quantize_lm_head=True,
+                     max_num_seqs=64, **SMALL_POOL)
+    head = llm.engine.worker.runner.model.lm_head
+    assert head.weight.dtype == torch.float8_e4m3fn and llm.engine.worker.runner.graphs is not None
+    compared = compare_greedy(want, llm.generate(PROMPTS, LOGPROBS, use_tqdm=False), MAX_LOGPROB_ERR,
+                              "fp8 float32 with an FP8 lm_head, GPU (graphs) vs CPU reference", P90_LOGPROB_ERR)
     assert compared >= 8 * 24
 
 
