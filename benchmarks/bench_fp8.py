@@ -11,6 +11,7 @@ Each engine (compiled, CUDA graphs, the engine's defaults otherwise) runs
   warm-up; output tokens/s.
 A third engine has FP8 weights and an FP8 KV cache (kv_cache_dtype="fp8"; --no-fp8-kv leaves it out);
 --fp8-lm-head adds one with lm_head in FP8 too (quantize_lm_head), set against the plain FP8 engine.
+--profile DIR adds a profile of a few decode steps of each engine (batch --profile-batch-size), by kernel.
 Each engine runs in a process of its own.
 The last lines set FP8 against bf16 and the issue's targets: batch 1 >= 300 tok/s, batch 32 >= 1.6x,
 batch 256 >= 1.4x (FP8 weights); throughput >= 1.4x with FP8 weights and the FP8 KV cache together.
@@ -28,6 +29,7 @@ import torch
 
 from fastllm.bench import ceilings
 from fastllm.bench.latency import run_latency
+from fastllm.bench.profile import print_profile, profile_decode
 from fastllm.bench.roofline import ModelShape
 from fastllm.bench.throughput import make_prompts, run_throughput
 from fastllm.engine.llm_engine import LLMEngine
@@ -57,6 +59,8 @@ def measure(args, name: str, quantization: str | None, kv_cache_dtype: str = "au
         throughput = run_throughput(engine, prompts, args.throughput_len, progress=False)
         print(f"  {name} throughput {args.num_prompts} x {args.throughput_len}/{args.throughput_len}: "
               f"{throughput['output_tok_s']:,.0f} output tok/s", flush=True)
+        if args.profile:  # where one decode step's time goes, by kernel (after the timed runs)
+            print_profile(profile_decode(engine, args.profile_batch_size, args.input_len, f"{args.profile}/{name}"))
         engine.check_kv_pool_whole()
         return {"num_gpu_blocks": engine.worker.num_gpu_blocks, "kv_cache_gib": engine.worker.kv_cache_gib(),
                 "weight_gib": shape.weight_bytes / 2**30, "latency": latency, "throughput": throughput}
@@ -88,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-fp8-kv", action="store_true", help="no engine with an FP8 KV cache")
     p.add_argument("--fp8-lm-head", action="store_true",
                    help="one more engine: FP8 weights with lm_head in FP8 too (quantize_lm_head)")
+    p.add_argument("--profile", metavar="DIR", help="after each engine's runs, a torch-profiler trace of a few "
+                   "decode steps to DIR/<engine> and its top kernels (fastllm bench --profile's)")
+    p.add_argument("--profile-batch-size", type=int, default=32, help="batch of the profiled steps (default 32)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     engines = [("bf16", None, "auto", False), ("fp8", "fp8", "auto", False)]
