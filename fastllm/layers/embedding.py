@@ -39,13 +39,18 @@ class VocabParallelEmbedding(nn.Module):
 
     def load_weight(self, param_name: str, source) -> None:
         """This rank's rows of the whole [vocab, hidden] table."""
+        rows = self.own_rows(param_name, source)
+        with torch.no_grad():
+            self.weight[self.num_real:].zero_()
+        copy_into(self.weight[:self.num_real], rows, param_name)
+
+    def own_rows(self, param_name: str, source):
+        """This rank's rows of a whole [vocab, hidden] checkpoint tensor (a lazy slice reads just those)."""
         full = shape_of(source)
         if full != (self.vocab_size, self.weight.shape[1]):
             raise ValueError(f"{param_name}: checkpoint shape {full} != "
                              f"({self.vocab_size}, {self.weight.shape[1]})")
-        with torch.no_grad():
-            self.weight[self.num_real:].zero_()
-        copy_into(self.weight[:self.num_real], source[self.start:self.start + self.num_real], param_name)
+        return source[self.start:self.start + self.num_real]
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -68,11 +73,7 @@ class ParallelLMHead(VocabParallelEmbedding):
             raise ValueError(f"lm_head.{param_name}: an FP8 lm_head is quantized from a 16/32-bit checkpoint "
                              "tensor (quantize_lm_head); this checkpoint's is stored in FP8, which fastllm does "
                              "not load")
-        full = shape_of(source)
-        if full != (self.vocab_size, self.weight.shape[1]):
-            raise ValueError(f"{param_name}: checkpoint shape {full} != ({self.vocab_size}, {self.weight.shape[1]})")
-        rows = source[self.start:self.start + self.num_real].to(self.weight.device)
-        weight, scale = quantize_weight(rows, per_tensor=False)
+        weight, scale = quantize_weight(self.own_rows(param_name, source).to(self.weight.device), per_tensor=False)
         with torch.no_grad():
             self.weight.view(torch.uint8)[self.num_real:].zero_()
             self.weight[:self.num_real].copy_(weight)

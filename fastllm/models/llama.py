@@ -328,11 +328,11 @@ class LlamaForCausalLM(nn.Module):
             targets = [name]
             if name == "model.embed_tokens.weight" and self._lm_head_reads_embedding:
                 targets = ["lm_head.weight"] + ([name] if self.model.embed_tokens is not None else [])
-            for name in targets:
-                if name not in params and name not in scales:
-                    raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-                self.load_param(name, tensor, shard)
-                missing.get(name, set()).discard(shard or 0)
+            for target in targets:
+                if target not in params and target not in scales:
+                    raise ValueError(f"checkpoint tensor {target!r} has no matching parameter in {type(self).__name__}")
+                self.load_param(target, tensor, shard)
+                missing.get(target, set()).discard(shard or 0)
         absent = sorted(name for name, shards in missing.items() if shards)
         if absent:
             raise ValueError(f"checkpoint is missing {len(absent)} tensors, e.g. {absent[:3]}")
