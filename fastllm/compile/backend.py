@@ -48,6 +48,26 @@ def configure_dynamo() -> None:
     dynamo_config.specialize_float = True
 
 
+def register_fallback_kernels() -> None:
+    """Tell Inductor up front that every fastllm:: op runs as it is (a fallback kernel), with the layout
+    constraint it would pick itself. Left to Inductor, the first sight of each op in a graph creates its
+    fallback, and torch 2.11 formats that op's arguments into a log message whether or not the log is on;
+    an argument's text spells out the whole graph above it, repeating shared nodes, so its length doubles
+    with every layer. The FP8 Llama's final norm, the first plain fused_add_rms_norm after 32 layers of
+    FP8 ops, never finished compiling (torch 2.13 formats the message lazily)."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    for name in torch._C._dispatch_get_all_op_names():
+        namespace, _, op_name = name.partition("::")
+        if namespace != "fastllm":
+            continue
+        op = getattr(torch.ops.fastllm, op_name).default
+        if op not in lowering.lowerings:
+            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            lowering.make_fallback(op, layout_constraint=constraint)
+
+
 def compile_forward(model: torch.nn.Module, example: tuple[torch.Tensor, torch.Tensor]):
     """The compiled model.forward(input_ids [T], positions [T]) -> hidden [T, H], already run once on
     `example` (inputs from mark_tokens_unbacked, under inference mode and a forward context).
@@ -56,6 +76,7 @@ def compile_forward(model: torch.nn.Module, example: tuple[torch.Tensor, torch.T
 
     configure_inductor_cache()
     configure_dynamo()
+    register_fallback_kernels()
     if aot_cache.disabled_by_env():
         how = "compiled (FASTLLM_DISABLE_COMPILE_CACHE=1: not saved)"
     elif not aot_cache.available():
