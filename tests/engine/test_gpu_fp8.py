@@ -27,8 +27,9 @@ LOGPROBS = SamplingParams(temperature=0, max_tokens=48, logprobs=2)
 
 
 def fp8_layers(llm):
+    """The modules that run in FP8: projections hold their Fp8Scheme (None in 16/32 bits), lm_head a flag."""
     model = llm.engine.worker.runner.model
-    return [m for m in model.modules() if getattr(m, "fp8", None) is not None]
+    return [m for m in model.modules() if getattr(m, "fp8", None)]
 
 
 # An e4m3 activation now and then sits next to a rounding boundary: the smallest change in the rounding of

@@ -348,3 +348,17 @@ def test_roofline_counts_fp8_projections_at_one_byte():
     assert tied_head.decode_weight_bytes(8) == tied_fp8.decode_weight_bytes(8) - 2 * table + table + gathered
     with pytest.raises(ValueError, match="quantize_lm_head needs FP8 weights"):
         ModelShape.from_model("llama-3.1-8b", "bfloat16", None, quantize_lm_head=True)
+
+
+@pytest.mark.parametrize("quantize_lm_head", [False, True])
+def test_the_gpu_tests_count_the_fp8_modules(allow_fp8_on_cpu, quantize_lm_head):
+    """test_gpu_fp8.fp8_layers: llama2xs's 4 x 5 projections, and lm_head only when it runs in FP8 too (its
+    flag is False otherwise: the GPU test once counted 21 modules)."""
+    from tests.conftest import DRAFT
+    from tests.engine.test_gpu_fp8 import fp8_layers
+
+    llm = cached_llm(DRAFT, quantization="fp8", quantize_lm_head=quantize_lm_head)
+    layers = fp8_layers(llm)
+    head = llm.engine.worker.runner.model.lm_head
+    assert len(layers) == 4 * 5 + quantize_lm_head and (head in layers) == quantize_lm_head
+    assert all(m.weight.dtype == FP8 for m in layers)
