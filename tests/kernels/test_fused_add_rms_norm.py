@@ -44,8 +44,12 @@ def _compare(out, ref_up, ref_same, what):
 @pytest.mark.parametrize("shape", [(1, 64), (5, 123), (3, 4096), (17, 64)])
 @pytest.mark.parametrize("fused_residual", [False, True], ids=["rms_norm_fp8", "fused_add_rms_norm_fp8"])
 def test_fp8_variants_quantize_what_the_norm_writes(device, dtype, shape, fused_residual):
-    """Before an FP8 projection: bitwise the unfused pair, this kernel's output quantized by fp8_quantize.py
-    (17 x 64: 17 rows in one program; an all-zero row takes the smallest scale)."""
+    """Before an FP8 projection: the unfused pair, this kernel's output quantized by fp8_quantize.py (17 x 64:
+    17 rows in one program; an all-zero row takes the smallest scale). Bitwise on the CPU. On a GPU the e4m3
+    store lays the quantizing variant's row out otherwise (16 elements a thread, not 4), so its sum of
+    squares adds in another order and the normed row can round differently by an ulp (H200: float32 scales
+    apart at 3 x 4096 and 17 x 64, one e4m3 code in 262,144 at fp16 64 x 4096): what the norm's own test
+    allows, so each scale is within two ulps of the dtype and at most 1% of the codes one step off."""
     n = shape[-1]
     x = (2 * torch.randn(shape, device=device)).to(dtype)
     residual = torch.randn(shape, device=device).to(dtype)
@@ -60,8 +64,13 @@ def test_fp8_variants_quantize_what_the_norm_writes(device, dtype, shape, fused_
         normed = triton_impl("rms_norm")(x, weight, EPS)
     want_q, want_scale = quantize_fp8_per_token(normed.reshape(-1, n))
     assert q.dtype == FP8 and q.shape == shape and scale.shape == (*shape[:-1], 1) and scale.dtype == torch.float32
-    assert torch.equal(scale.reshape(-1, 1), want_scale)
-    assert torch.equal(q.reshape(-1, n).view(torch.uint8), want_q.view(torch.uint8))
+    codes, want_codes = q.reshape(-1, n).view(torch.uint8).int(), want_q.view(torch.uint8).int()
+    if q.device.type == "cpu":
+        assert torch.equal(scale.reshape(-1, 1), want_scale) and torch.equal(codes, want_codes)
+    else:
+        ulp = torch.finfo(dtype).eps
+        assert ((scale.reshape(-1, 1) - want_scale).abs() <= 2 * ulp * want_scale).all()
+        assert ((codes - want_codes).abs() <= 1).all() and (codes != want_codes).float().mean().item() <= 0.01
     assert scale[0].item() == reference.fp8_scale(torch.zeros(())).item() and not q[0].float().any()
 
 
