@@ -123,9 +123,9 @@ def test_quantized_activations_give_what_fp8_linear_gives(device, rows, n_out, k
     """fp8_linear_quantized (x quantized by the kernel before: a norm's or SiLU-and-mul's _fp8 variant) is
     fp8_linear with its quantizing taken out: the one-row FMA path, tl.dot, _scaled_mm, and the reference for
     shapes _scaled_mm cannot take (K = 172); a [2, rows, K] input keeps its leading dims. Bitwise on the CPU.
-    On a GPU the one-row kernel reading e4m3 x lays its lanes out otherwise than the one quantizing 32-bit x
-    (16 loads a thread, not 4), so its float32 sums add in another order (H200, 1 x 4096 x 4096: 1,929 of
-    4,096 outputs a few hundred ulps apart): the same operands, held to the kernel's float32 tolerance."""
+    On a GPU the one-row kernel sums in another order when it reads e4m3 x than when it quantizes 32-bit x
+    itself (H200, 1 x 4096 x 4096 float32: 1,929 of 4,096 outputs apart, by up to 871 ulps, FMA contraction
+    off or on): the same operands, held there to the kernel's float32 tolerance."""
     x = exact_rows(rows, k_in, device, dtype)
     weight, scale = random_weight(n_out, k_in, device)
     bias = torch.randn(n_out, device=device).to(dtype) if rows % 2 else None
