@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import pdl
-from fastllm.kernels.fp8_quantize import quantize_fp8_per_token
+from fastllm.kernels.fp8_quantize import quantize_fp8_per_token, row_scale, to_e4m3
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
 from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_splits, row_bucket, split_k_buffers,
                                           store_out)
@@ -77,7 +77,7 @@ def _fp8_skinny_linear_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k_in)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        x_scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=1), MIN_AMAX), FP8_MAX)
+        x_scale = row_scale(tl.max(amax, axis=1), input_scale_ptr, False, FP8_MAX, MIN_AMAX)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
     k_lo, k_hi = k_range(k_in, SPLIT_K, BLOCK_K)
@@ -89,7 +89,7 @@ def _fp8_skinny_linear_kernel(
         if PREQUANT:
             q = x
         else:
-            q = tl.clamp(tl.math.div_rn(x.to(tl.float32), x_scale[:, None]), -FP8_MAX, FP8_MAX).to(w.dtype)
+            q = to_e4m3(x.to(tl.float32), x_scale[:, None], FP8_MAX).to(w.dtype)
         if USE_DOT:
             acc += tl.dot(q, tl.trans(w))
         else:  # BLOCK_M == 1
