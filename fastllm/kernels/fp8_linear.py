@@ -12,7 +12,9 @@ Memory traffic: N * K bytes of W once; x read twice (the second read from L2) an
 and read back in e4m3; M * N output elements.
 
 cuBLASLt needs K and N to be multiples of 16: other shapes (tiny test models) run the reference there,
-said once in the log.
+said once in the log. So do float32 outputs, the correctness mode: Hopper's FP8 MMA keeps ~14 bits of the
+fp32 accumulator between promotions (DeepSeek-V3 report, 3.3.2), so _scaled_mm's float32 output is good to
+~2^-13 only, enough to flip the next layer's e4m3 roundings across a whole prompt.
 
 fp8_linear_quantized takes activations quantized already, by the RMSNorm or SiLU-and-mul kernel before the
 projection (their _fp8 variants): the same paths, with no quantizing launch.
@@ -75,6 +77,10 @@ def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch
     if rows <= SKINNY_MAX_ROWS:
         _log_once(f"the weight-streaming kernel up to {SKINNY_MAX_ROWS} rows")
         out = fp8_skinny_linear.launch_quantized(x2, scale2, weight, weight_scale, bias, out_dtype)
+    elif out_dtype == torch.float32:
+        _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows for float32 outputs (torch._scaled_mm "
+                  "keeps ~14 bits of its accumulator on Hopper)")
+        out = reference.fp8_linear_quantized(x2, scale2, weight, weight_scale, bias, out_dtype)
     elif _scaled_mm_fits(weight):
         out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype)
     else:

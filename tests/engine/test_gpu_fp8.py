@@ -4,9 +4,10 @@ equal up to near-ties; with quantize_lm_head too; bf16: the same story for a whi
 and a dummy Llama-3.1-8B in FP8, compiled against eager, with its KV pool sized by the profiling run. Marked
 `gpu`: skipped without CUDA.
 
-llama2xs-279K is the tiny model here: every projection's K and N are multiples of 16, so prompts of more
-than 32 tokens run torch._scaled_mm (stories260K's 172-wide MLP would take the reference there); decode
-steps run the weight-streaming kernel."""
+llama2xs-279K is the tiny model here: every projection's K and N are multiples of 16, so in bf16 prompts of
+more than 32 tokens run torch._scaled_mm (stories260K's 172-wide MLP would take the reference there); in
+float32 they take the dequantizing reference (fp8_linear.py: _scaled_mm's accumulator on Hopper is not
+float32's, and moved 90% of the logprobs by up to 0.155); decode steps run the weight-streaming kernel."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import pytest
 import torch
 
 from fastllm import LLM, SamplingParams
-from fastllm.kernels.fp8_linear import _scaled_mm_fits
 from tests.conftest import DRAFT, PROMPTS, cached_llm, release_cached_engines
 from tests.engine.test_gpu_engine import leading_agreement
 
@@ -90,7 +90,6 @@ def test_fp8_float32_matches_the_cpu_reference(cpu_reference, eager):
                      max_num_seqs=64, **SMALL_POOL)
     layers = fp8_layers(llm)
     assert len(layers) == 4 * 5 and all(m.weight.dtype == torch.float8_e4m3fn for m in layers)
-    assert all(_scaled_mm_fits(m.weight) for m in layers)  # long prompts' projections on _scaled_mm
     assert (llm.engine.worker.runner.graphs is None) == eager
     compared = compare_greedy(cpu_reference, llm.generate(PROMPTS, LOGPROBS, use_tqdm=False), MAX_LOGPROB_ERR,
                               f"fp8 float32 GPU ({'eager' if eager else 'graphs'}) vs CPU reference",
