@@ -130,6 +130,21 @@ def test_paged_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, num
 
 
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES[:2])
+def test_paged_decode_attention_fp8_fp16_queries(device, gen, seq_lens, hq, hkv, d, page):
+    """fp16 queries: the e4m3 tiles convert to fp16 for the dots, within the fp16 output's rounding of the
+    reference (bf16 queries: test_fp8_readers_gpu, as the interpreter's bf16 tl.dot is wrong)."""
+    from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
+
+    kv = _fp8_kv(seq_lens, hkv, d, page, gen, device)
+    query = torch.randn(len(seq_lens), hq, d, device=device).half()
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, max(seq_lens), d ** -0.5)
+    for num_splits in (1, 3):
+        out = paged_decode_attention_splits(*args, num_splits, **_kw())
+        assert out.dtype == torch.float16
+        assert_close(out, R.paged_decode_attention(*args, **_kw()), *TOL[torch.bfloat16], "fp16 decode")
+
+
+@pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES[:2])
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rotary_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, num_splits, qk_norm):
