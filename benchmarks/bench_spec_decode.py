@@ -15,7 +15,9 @@ around the graphs' parts.
 
 --synthetic-acceptance A makes the verifier accept each draft token with probability A whatever its
 value (a rejected position takes the target's own token): every cost stays real, only acceptance is
-set. It exists only here (LLM(...), the CLI and the server refuse it); rows that use it say so.
+set. Random-weight text never repeats, so with it an n-gram lookup that finds nothing proposes the
+request's last k tokens (its hit rate taken as 1). It exists only here (LLM(...), the CLI and the server
+refuse it); rows that use it say so.
 """
 
 from __future__ import annotations

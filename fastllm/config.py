@@ -289,9 +289,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None  # ngram only (default 2)
     # Lower k (to 0) while proposals do not pay for themselves, from measured step costs and acceptance.
     adaptive: bool = True
-    # Benchmark only (fastllm.bench.spec_decode): the verifier accepts each draft token with this
+    # Benchmark only (benchmarks/bench_spec_decode.py): the verifier accepts each draft token with this
     # probability whatever its value, so that random-weight models show the cost of speculation at a
-    # chosen acceptance rate. Not reachable from LLM(...), the CLI or the server.
+    # chosen acceptance rate (and an n-gram lookup that finds nothing proposes anyway). Not reachable from
+    # LLM(...), the CLI or the server.
     synthetic_acceptance_rate: float | None = None
 
     def __post_init__(self):

@@ -334,6 +334,33 @@ def test_the_engine_reports_lookups_that_found_nothing(monkeypatch):
     llm.engine.check_kv_pool_whole()
 
 
+def test_synthetic_acceptance_makes_every_ngram_lookup_propose(monkeypatch):
+    """Benchmarks only: with a synthetic acceptance rate, a lookup that finds nothing proposes the request's
+    last k tokens anyway (random-weight text never repeats), so n-gram rows time verify steps; accepted at
+    the rate set, here every draft."""
+    import dataclasses
+
+    from fastllm.config import EngineConfig, SpeculativeConfig
+    from fastllm.engine.llm_engine import LLMEngine
+
+    misses = []
+    monkeypatch.setattr(SpecPolicy, "record_failed_lookups", lambda self, n: misses.append(n))
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (40,), generator=generator).tolist() for _ in range(3)]
+    config = EngineConfig.from_kwargs(STORIES, dtype="float32", device="cpu", num_gpu_blocks=256)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=4, prompt_lookup_max=4,
+                             adaptive=False, synthetic_acceptance_rate=1.0)
+    engine = LLMEngine(dataclasses.replace(config, speculative=spec))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY.clone(max_tokens=13, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.scheduler.spec_stats
+    assert sum(misses) == 0 and stats.num_drafts >= 3 * 3  # (found nothing: test_the_engine_reports_...)
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    engine.check_kv_pool_whole()
+
+
 def test_speculative_steps_that_run_eagerly_are_what_speculation_costs():
     """A batch whose steps run eagerly (seeds, penalties, logprobs) pays their time: speculation stops paying
     when those steps cost more than its tokens give, though the graphs' replay times said it would pay."""
