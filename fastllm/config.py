@@ -27,6 +27,10 @@ def arg(default: Any = None, help: str = "", choices: tuple | None = None, **kwa
     return field(default=default, metadata={"help": help, "choices": choices}, **kwargs)
 
 
+QUANTIZE_LM_HEAD_NEEDS_FP8 = ("puts lm_head in FP8 beside FP8 linear weights, and this model has none: give "
+                              "quantization='fp8' too (or load an FP8 checkpoint)")
+
+
 def _check(cond: bool, name: str, message: str) -> None:
     if not cond:
         raise ValueError(f"{name} {message}")
@@ -81,8 +85,7 @@ class ModelConfig:
         if not self.hf_config:
             object.__setattr__(self, "hf_config", json.loads(config_file.read_text()))
         _check(not self.quantize_lm_head or self.quantization is not None or "quantization_config" in self.hf_config,
-               "quantize_lm_head", "puts lm_head in FP8 beside FP8 linear weights, and this model has none: give "
-               "quantization='fp8' too (or load an FP8 checkpoint)")
+               "quantize_lm_head", QUANTIZE_LM_HEAD_NEEDS_FP8)
         limit = self.max_position_embeddings
         if self.max_model_len is None:
             object.__setattr__(self, "max_model_len", limit)

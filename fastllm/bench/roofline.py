@@ -58,8 +58,6 @@ class ModelShape(LlamaArgs):
 
         path = Path(resolve_model_path(model)) / "config.json"
         cfg = json.loads(path.read_text())
-        if quantize_lm_head and quantization is None and "quantization_config" not in cfg:
-            raise ValueError("quantize_lm_head needs FP8 weights: give quantization too")
         return cls.from_hf_config(cfg, dtype, scheme_for(quantization, cfg, quantize_lm_head))
 
     # parameter counts

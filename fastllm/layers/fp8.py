@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fastllm.config import QUANTIZE_LM_HEAD_NEEDS_FP8
 from fastllm.kernels.reference import FP8, fp8_scale, quantize_fp8
 
 logger = logging.getLogger(__name__)
@@ -77,11 +78,13 @@ def quantizes_ahead(scheme: Fp8Scheme | None) -> bool:
 def scheme_for(quantization: str | None, hf_config: dict, lm_head: bool = False) -> Fp8Scheme | None:
     """The FP8 scheme of engine arguments `quantization` and `quantize_lm_head` (lm_head) and the checkpoint's
     quantization_config (an FP8 checkpoint is FP8 whatever the argument says, as in vLLM); None: 16-bit
-    weights. Raises ValueError naming `quantization` for checkpoints it cannot run."""
+    weights. Raises ValueError naming `quantization` for checkpoints it cannot run, and `quantize_lm_head`
+    without FP8 weights (ModelConfig refuses it first; fastllm.bench.roofline relies on this)."""
     config = hf_config.get("quantization_config")
     if config is None:
         if quantization is None:
-            assert not lm_head, "ModelConfig refuses quantize_lm_head without FP8 weights"
+            if lm_head:
+                raise ValueError(f"quantize_lm_head {QUANTIZE_LM_HEAD_NEEDS_FP8}")
             return None
         return Fp8Scheme(per_tensor=quantization == "fp8-per-tensor", lm_head=lm_head)
     method = config.get("quant_method")
