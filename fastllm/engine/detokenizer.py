@@ -10,9 +10,12 @@ stop string is held back (`held`): a stream never shows characters that a later 
 
 from __future__ import annotations
 
+import logging
 import re
 
 from tokenizers.decoders import DecodeStream
+
+logger = logging.getLogger(__name__)
 
 # Prompt tokens given to the stream as context (enough for any multi-token character or space).
 _CONTEXT_TOKENS = 6
@@ -35,13 +38,14 @@ class IncrementalDetokenizer:
         self.text = ""
         self.held = 0  # characters at the end of text that may yet start a stop string
         self.last_piece = ""  # the text the last token added (what it renders as, in context)
+        self.restarted = False  # the stream raised on a token and started again (_step)
 
     def add_token(self, token_id: int) -> str | None:
         """Extend the text by one token. Returns the stop string if one now appears (the text is
         then cut before it, or after it with include_stop_str_in_output)."""
         self.num_tokens += 1
+        piece = self._step(token_id) or ""
         self.context = self.context[1 - _CONTEXT_TOKENS:] + [token_id]
-        piece = self.stream.step(self.backend, token_id) or ""
         self.last_piece = piece
         if not piece:
             return None
@@ -57,6 +61,22 @@ class IncrementalDetokenizer:
         if self.stop:
             self.held = _stop_prefix_len(self.text, self.stop)
         return None
+
+    def _step(self, token_id: int) -> str | None:
+        """The stream's step. DecodeStream raises "Invalid prefix encountered" where a byte-fallback token
+        that ends no character turns text it already gave out into another (a newline, then the lead byte
+        <0xCE>, then "."), a sequence any model may sample. The stream then starts again from this token
+        alone (as vLLM's does): the text streamed so far stays as it was given."""
+        try:
+            return self.stream.step(self.backend, token_id)
+        except Exception as e:  # tokenizers raises a bare Exception
+            if "Invalid prefix" not in str(e):
+                raise
+            if not self.restarted:  # (once a request: a model can sample such tokens often)
+                logger.warning("detokenizer: %s; the stream starts again", e)
+            self.restarted = True
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        return self.stream.step(self.backend, token_id)
 
     def render(self, token_id: int) -> str:
         """The text token_id would add after the tokens so far (each top-logprob alternative): its

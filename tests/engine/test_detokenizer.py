@@ -35,6 +35,22 @@ def test_incremental_equals_full_decode(tokenizer, text):
     assert any(len(p) == 0 for p in pieces) or all(ord(c) < 128 for c in text)
 
 
+def test_a_byte_that_makes_the_text_before_it_decode_otherwise_does_not_raise(tokenizer, caplog):
+    """"\\n" then <0xCE> (a lead byte) then ".": the byte fallback turns the already streamed newline into a
+    replacement character, and DecodeStream raises "Invalid prefix encountered". A model can sample this (a
+    random-weight one did, in bench_spec_decode), so the stream starts again: the text goes on, and the
+    engine with it."""
+    newline, lead_byte, dot = tokenizer.convert_tokens_to_ids(["<0x0A>", "<0xCE>", "."])
+    prompt = tokenizer("Once upon a time")["input_ids"]
+    ids = [newline, lead_byte, dot] * 3 + tokenizer(" Lily", add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=True, stop=["Lily"])
+    stops = [detok.add_token(t) for t in ids]
+    assert stops[-1] == "Lily" and not any(stops[:-1])  # stop strings still found after the restarts
+    assert detok.text.startswith("\n") and detok.text.count(".") == 3 and detok.restarted
+    assert "Once" not in detok.text  # (the prompt is not given out again)
+    assert sum("starts again" in r.message for r in caplog.records) == 1  # warned once a request
+
+
 def test_special_tokens_skipped_or_kept(tokenizer):
     prompt = tokenizer("Once")["input_ids"]
     ids = tokenizer(" upon", add_special_tokens=False)["input_ids"] + [tokenizer.bos_token_id]
