@@ -9,6 +9,7 @@ until it no longer can or the sample ends.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ from fastllm.engine.detokenizer import IncrementalDetokenizer, render_token
 from fastllm.engine.messages import BeamSearchResult, EngineCoreOutput, sample_ids
 from fastllm.outputs import CompletionOutput, Logprob, RequestOutput
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -134,22 +137,11 @@ class OutputProcessor:
                 stopped += self._fail_group(group, core_out.error)
                 touched[group.request_id] = group
                 continue
-            sample = group.samples[core_out.request_id]
-            out = sample.output
-            if core_out.prompt_logprobs is not None:
-                self._add_prompt_logprobs(group, core_out.request_id, *core_out.prompt_logprobs)
-            if out.finish_reason is not None:  # ended here already (a stop string): the rest is dropped
-                continue
-            if group.first_token_time is None and core_out.new_token_ids:
-                group.first_token_time = time.perf_counter()
-            if sample.detokenizer is None and out.logprobs is None:  # token ids only (no tokenizer)
-                out.token_ids += core_out.new_token_ids
-                if core_out.finish_reason is not None:
-                    out.finish_reason, out.stop_reason = core_out.finish_reason, core_out.stop_reason
-            else:
-                self._add_tokens(sample, core_out, stopped)
-            if core_out.error is not None:  # its siblings end with it
-                stopped += self._fail_group(group, core_out.error)
+            try:
+                self._add_sample_output(group, core_out, stopped)
+            except Exception as e:  # this request's text or logprobs: it fails, the step's others go on
+                logger.exception("request %s: its output failed; failing the request", group.request_id)
+                stopped += self._fail_group(group, f"output processing failed: {type(e).__name__}: {e}")
             touched[group.request_id] = group
         outputs = []
         for group in touched.values():
@@ -159,6 +151,24 @@ class OutputProcessor:
             if finished:
                 self._drop(group)
         return outputs, stopped
+
+    def _add_sample_output(self, group: RequestGroup, core_out: EngineCoreOutput, stopped: list[str]) -> None:
+        sample = group.samples[core_out.request_id]
+        out = sample.output
+        if core_out.prompt_logprobs is not None:
+            self._add_prompt_logprobs(group, core_out.request_id, *core_out.prompt_logprobs)
+        if out.finish_reason is not None:  # ended here already (a stop string, a failure): the rest is dropped
+            return
+        if group.first_token_time is None and core_out.new_token_ids:
+            group.first_token_time = time.perf_counter()
+        if sample.detokenizer is None and out.logprobs is None:  # token ids only (no tokenizer)
+            out.token_ids += core_out.new_token_ids
+            if core_out.finish_reason is not None:
+                out.finish_reason, out.stop_reason = core_out.finish_reason, core_out.stop_reason
+        else:
+            self._add_tokens(sample, core_out, stopped)
+        if core_out.error is not None:  # its siblings end with it
+            stopped += self._fail_group(group, core_out.error)
 
     def _add_tokens(self, sample: SampleState, core_out: EngineCoreOutput, stopped: list[str]) -> None:
         out, detok = sample.output, sample.detokenizer

@@ -286,3 +286,33 @@ def test_failed_step_fails_only_its_requests(when, async_scheduling):
     shared.check_kv_pool_whole()
     assert cached_llm(async_scheduling=async_scheduling).generate(PROMPTS[0], greedy, use_tqdm=False)[0] \
         .outputs[0].token_ids == want[0]
+
+
+def test_a_request_whose_output_fails_fails_alone(monkeypatch):
+    """Turning a request's tokens into text or logprobs raised (a tokenizer's bug on some token sequence): that
+    request ends with finish reason "error" naming what raised, its tokens stop being computed, and the other
+    requests of the same steps give their normal text; the pool is whole."""
+    from fastllm.engine.output_processor import OutputProcessor
+
+    add_tokens = OutputProcessor._add_tokens
+
+    def failing(self, sample, core_out, stopped):
+        if core_out.request_id.startswith("poison") and sample.output.token_ids:  # (its samples: poison#i)
+            raise RuntimeError("planted detokenizer failure")
+        return add_tokens(self, sample, core_out, stopped)
+
+    llm = cached_llm()
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    want = cached_llm().generate(PROMPTS[:2], greedy, use_tqdm=False)
+    monkeypatch.setattr(OutputProcessor, "_add_tokens", failing)
+    engine = llm.engine
+    engine.add_request("before", PROMPTS[0], greedy)
+    engine.add_request("poison", PROMPTS[2], SamplingParams(temperature=0, max_tokens=40, n=2))
+    engine.add_request("after", PROMPTS[1], greedy)
+    finished = run_all(engine)
+    assert {o.finish_reason for o in finished["poison"].outputs} == {"error"}
+    assert "RuntimeError: planted detokenizer failure" in finished["poison"].error
+    assert all(len(o.token_ids) < 40 for o in finished["poison"].outputs)  # stopped in the core, not run out
+    for rid, w in zip(("before", "after"), want):
+        assert finished[rid].outputs[0].text == w.outputs[0].text and finished[rid].error is None
+    engine.check_kv_pool_whole()
