@@ -157,7 +157,7 @@ class OutputProcessor:
         out = sample.output
         if core_out.prompt_logprobs is not None:
             self._add_prompt_logprobs(group, core_out.request_id, *core_out.prompt_logprobs)
-        if out.finish_reason is not None:  # ended here already (a stop string, a failure): the rest is dropped
+        if out.finish_reason is not None:  # ended already (a stop string, a failure): the rest is dropped
             return
         if group.first_token_time is None and core_out.new_token_ids:
             group.first_token_time = time.perf_counter()

@@ -78,8 +78,8 @@ def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch
         _log_once(f"the weight-streaming kernel up to {SKINNY_MAX_ROWS} rows")
         out = fp8_skinny_linear.launch_quantized(x2, scale2, weight, weight_scale, bias, out_dtype)
     elif out_dtype == torch.float32:
-        _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows for float32 outputs (torch._scaled_mm "
-                  "keeps ~14 bits of its accumulator on Hopper)")
+        _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows for float32 outputs "
+                  "(torch._scaled_mm keeps ~14 bits of its accumulator on Hopper)")
         out = reference.fp8_linear_quantized(x2, scale2, weight, weight_scale, bias, out_dtype)
     elif _scaled_mm_fits(weight):
         out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype)

@@ -289,8 +289,8 @@ def test_failed_step_fails_only_its_requests(when, async_scheduling):
 
 
 def test_a_request_whose_output_fails_fails_alone(monkeypatch):
-    """Turning a request's tokens into text or logprobs raised (a tokenizer's bug on some token sequence): that
-    request ends with finish reason "error" naming what raised, its tokens stop being computed, and the other
+    """Turning a request's tokens into text or logprobs raised (a tokenizer's bug on some token sequence):
+    that request ends with finish reason "error" naming what raised, its tokens stop being computed, and the other
     requests of the same steps give their normal text; the pool is whole."""
     from fastllm.engine.output_processor import OutputProcessor
 

@@ -348,8 +348,8 @@ def test_synthetic_acceptance_makes_every_ngram_lookup_propose(monkeypatch):
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (40,), generator=generator).tolist() for _ in range(3)]
     config = EngineConfig.from_kwargs(STORIES, dtype="float32", device="cpu", num_gpu_blocks=256)
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=4, prompt_lookup_max=4,
-                             adaptive=False, synthetic_acceptance_rate=1.0)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=4,
+                             prompt_lookup_max=4, adaptive=False, synthetic_acceptance_rate=1.0)
     engine = LLMEngine(dataclasses.replace(config, speculative=spec))
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY.clone(max_tokens=13, ignore_eos=True))
