@@ -119,6 +119,29 @@ def test_skinny_kernel_matches_reference(device, rows, n_out, k_in, cfg):
     assert rel_err(out, reference.fp8_linear(x, weight, scale, bias)) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("rows,n_out,k_in", [(2, 64, 96), (17, 130, 256), (32, 64, 512)])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_swapped_dot_of_16bit_outputs_matches_the_unswapped_one(device, rows, n_out, k_in, split_k, monkeypatch):
+    """16-bit outputs take the dot as W @ x^T (fp8_skinny_linear.swap_ab: e4m3 wgmma on Hopper), float32 ones
+    the unswapped dot; odd N (masked tiles) and K split too. The swapped bf16 output against the unswapped
+    one: bitwise on the CPU; on a GPU wgmma's ~14-bit accumulation may move a few roundings by a bf16 step
+    (a 1% error measures ~7.5e-3 here, inside TOL's 8e-3: hence this sharper bound)."""
+    assert S.swap_ab(torch.bfloat16) and not S.swap_ab(torch.float32)
+    x = exact_rows(rows, k_in, device)
+    weight, scale = random_weight(n_out, k_in, device)
+    x_q, x_scale = fp8_quantize.quantize_fp8_per_token(x)
+    cfg = Config(64, 128, 4, 2, True, split_k=split_k)
+    swapped = S.launch_quantized(x_q, x_scale, weight, scale, None, torch.bfloat16, config=cfg)
+    exact = S.launch_quantized(x_q, x_scale, weight, scale, None, torch.float32, config=cfg)
+    assert rel_err(exact, reference.fp8_linear_quantized(x_q, x_scale, weight, scale, None, torch.float32)) \
+        <= TOL[torch.float32]
+    monkeypatch.setattr(S, "swap_ab", lambda out_dtype: False)
+    unswapped = S.launch_quantized(x_q, x_scale, weight, scale, None, torch.bfloat16, config=cfg)
+    assert swapped.dtype == unswapped.dtype == torch.bfloat16
+    assert rel_err(swapped, unswapped) <= 3e-3
+    assert rel_err(unswapped, exact) <= TOL[torch.bfloat16]
+
+
 def test_skinny_kernel_static_scale(device):
     x = exact_rows(4, 96, device, power=2.0 ** -3)
     input_scale = torch.tensor(2.0 ** -5, device=device)  # saturates the larger values, as above
