@@ -2,11 +2,12 @@
 weight-streaming kernel.
 
 The bf16 skinny kernel's plan (skinny_linear.py) on half the bytes: each program streams BLOCK_N rows of
-W over the whole K while the few rows of x stay in L2. One row takes an FMA path that quantizes x itself
-(its scale, amax / 448 over the whole row or the static input_scale, first; then x's tiles as it goes: no
-separate launch) and keeps per-lane partial sums of the e4m3 products in fp32, one cross-lane reduction at
-the end. More rows read x quantized once by fp8_quantize.py (each program would otherwise re-read all of x
-for the scales and again for the tiles) and take an e4m3 tl.dot with fp32 accumulation, padded to 16 rows.
+W over the whole K while the few rows of x stay in L2. One row in 16 bits takes an FMA path that quantizes x
+itself (its scale, amax / 448 over the whole row or the static input_scale, first; then x's tiles as it goes:
+no separate launch) and keeps per-lane partial sums of the e4m3 products in fp32, one cross-lane reduction at
+the end. x quantized ahead (by the norm before the projection), or more rows, quantized once by
+fp8_quantize.py (each program would otherwise re-read all of x for the scales and again for the tiles), take
+an e4m3 tl.dot with fp32 accumulation, padded to 16 rows (swap_ab: as W @ x^T for 16-bit outputs).
 Up to MAX_ROWS rows; fp8_linear.py hands larger batches to torch._scaled_mm.
 
 Math: reference.fp8_linear. The quantized x is bitwise the reference's on the GPU (the same IEEE division
@@ -31,25 +32,28 @@ from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_sp
 
 __all__ = ["MAX_ROWS", "choose_config", "launch", "launch_quantized"]
 
-# Launch configs from H200 sweeps of e4m3 weights (benchmarks/kernels/tune_skinny_linear.py shapes --fp8,
-# Llama-3.1-8B's projections; 16 and 32 rows also over splits of K 1, 2, 4): per row bucket a default (the
-# best on o and down at 1 and 32 rows unsplit, within 3% on qkv; bucket 8, not swept, takes 32's) and the
-# measured best where it differed. BLOCK_K counts e4m3 elements. One row mostly takes the FMA path; gate_up
-# streams faster through tl.dot even at one row. Split K pays where N = 4096 leaves SMs idle (o, down).
-_DEFAULT = {1: Config(8, 1024, 4, 2, False), 8: Config(32, 1024, 4, 3), 16: Config(32, 1024, 4, 3),
-            32: Config(32, 1024, 4, 3)}
+# Launch configs from H200 sweeps of e4m3 weights at Llama-3.1-8B's projections, x quantized ahead and the dot
+# swapped (scratch sweep over BLOCK_N 64/128, the sizes that reach wgmma; splits of K 1-4): per row bucket the
+# default, the best or within 3% of it on qkv and o, and the measured best where it differed. BLOCK_K counts
+# e4m3 elements. One row in 16 bits (o_proj, static input scales) takes the FMA path, which quantizes x as it
+# streams: a dot would need x quantized by a launch of its own first.
+_ONE_ROW_FMA = Config(8, 1024, 4, 2, False)
+_ONE_ROW_FMA_TUNED = {(6144, 4096): Config(8, 1024, 4, 3, False)}  # (N, K)
+_DOT = Config(64, 256, 4, 5)
 _TUNED = {  # (row bucket, N, K)
-    (1, 6144, 4096): Config(8, 1024, 4, 3, False), (1, 28672, 4096): Config(32, 256, 4, 3),
-    (16, 6144, 4096): Config(64, 256, 4, 4, split_k=2), (16, 4096, 4096): Config(32, 256, 4, 4, split_k=2),
-    (16, 28672, 4096): Config(128, 256, 8, 3), (16, 4096, 14336): Config(32, 256, 4, 5, split_k=2),
-    (32, 6144, 4096): Config(64, 256, 4, 5), (32, 4096, 4096): Config(64, 256, 4, 3, split_k=4),
-    (32, 28672, 4096): Config(128, 256, 4, 3), (32, 4096, 14336): Config(128, 256, 4, 4, split_k=4),
+    (1, 28672, 4096): Config(128, 256, 8, 3), (1, 4096, 14336): Config(128, 256, 4, 4, split_k=4),
+    (8, 28672, 4096): Config(128, 256, 8, 3), (8, 4096, 14336): Config(64, 512, 4, 4),
+    (16, 6144, 4096): Config(64, 512, 4, 4), (16, 4096, 4096): Config(64, 512, 4, 4),
+    (16, 28672, 4096): Config(128, 256, 8, 3), (16, 4096, 14336): Config(64, 256, 4, 5, split_k=2),
+    (32, 28672, 4096): Config(64, 256, 4, 4), (32, 4096, 14336): Config(64, 256, 4, 5, split_k=2),
 }
 
 
-def choose_config(num_rows: int, n_out: int, k_in: int) -> Config:
-    bucket = row_bucket(num_rows)
-    return _TUNED.get((bucket, n_out, k_in), _DEFAULT[bucket])
+def choose_config(num_rows: int, n_out: int, k_in: int, quantized: bool = True) -> Config:
+    """The table's config; `quantized`: x arrives in e4m3 (else one row takes the FMA path)."""
+    if num_rows == 1 and not quantized:
+        return _ONE_ROW_FMA_TUNED.get((n_out, k_in), _ONE_ROW_FMA)
+    return _TUNED.get((row_bucket(num_rows), n_out, k_in), _DOT)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -126,7 +130,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
            config: Config | None = None) -> torch.Tensor:
     """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows); weight [N, K] e4m3 contiguous,
     weight_scale [N] float32 -> [rows, N] in x's dtype."""
-    cfg = config or choose_config(x.shape[0], *weight.shape)
+    cfg = config or choose_config(x.shape[0], *weight.shape, quantized=False)
     if cfg.use_dot or x.shape[0] > 1:  # x quantized once here, not re-read for its scales by every program
         x_q, x_scale = quantize_fp8_per_token(x, input_scale)
         return launch_quantized(x_q, x_scale, weight, weight_scale, bias, x.dtype, config=cfg)
