@@ -2,11 +2,12 @@
 weight-streaming kernel.
 
 The bf16 skinny kernel's plan (skinny_linear.py) on half the bytes: each program streams BLOCK_N rows of
-W over the whole K while the few rows of x stay in L2. One row takes an FMA path that quantizes x itself
-(its scale, amax / 448 over the whole row or the static input_scale, first; then x's tiles as it goes: no
-separate launch) and keeps per-lane partial sums of the e4m3 products in fp32, one cross-lane reduction at
-the end. More rows read x quantized once by fp8_quantize.py (each program would otherwise re-read all of x
-for the scales and again for the tiles) and take an e4m3 tl.dot with fp32 accumulation, padded to 16 rows.
+W over the whole K while the few rows of x stay in L2. One row in 16 bits takes an FMA path that quantizes x
+itself (its scale, amax / 448 over the whole row or the static input_scale, first; then x's tiles as it goes:
+no separate launch) and keeps per-lane partial sums of the e4m3 products in fp32, one cross-lane reduction at
+the end. x quantized ahead (by the norm before the projection), or more rows, quantized once by
+fp8_quantize.py (each program would otherwise re-read all of x for the scales and again for the tiles), take
+an e4m3 tl.dot with fp32 accumulation, padded to 16 rows (swap_ab: as W @ x^T for 16-bit outputs).
 Up to MAX_ROWS rows; fp8_linear.py hands larger batches to torch._scaled_mm.
 
 Math: reference.fp8_linear. The quantized x is bitwise the reference's on the GPU (the same IEEE division
@@ -31,32 +32,36 @@ from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_sp
 
 __all__ = ["MAX_ROWS", "choose_config", "launch", "launch_quantized"]
 
-# Launch configs from H200 sweeps of e4m3 weights (benchmarks/kernels/tune_skinny_linear.py shapes --fp8,
-# Llama-3.1-8B's projections; 16 and 32 rows also over splits of K 1, 2, 4): per row bucket a default (the
-# best on o and down at 1 and 32 rows unsplit, within 3% on qkv; bucket 8, not swept, takes 32's) and the
-# measured best where it differed. BLOCK_K counts e4m3 elements. One row mostly takes the FMA path; gate_up
-# streams faster through tl.dot even at one row. Split K pays where N = 4096 leaves SMs idle (o, down).
-_DEFAULT = {1: Config(8, 1024, 4, 2, False), 8: Config(32, 1024, 4, 3), 16: Config(32, 1024, 4, 3),
-            32: Config(32, 1024, 4, 3)}
+# Launch configs from H200 sweeps of e4m3 weights at Llama-3.1-8B's projections, x quantized ahead and the dot
+# swapped (scratch sweep over BLOCK_N 64/128, the sizes that reach wgmma; splits of K 1-4): per row bucket the
+# default, the best or within 3% of it on qkv and o, and the measured best where it differed. BLOCK_K counts
+# e4m3 elements. One row in 16 bits (o_proj, static input scales) takes the FMA path, which quantizes x as it
+# streams: a dot would need x quantized by a launch of its own first.
+_ONE_ROW_FMA = Config(8, 1024, 4, 2, False)
+_ONE_ROW_FMA_TUNED = {(6144, 4096): Config(8, 1024, 4, 3, False)}  # (N, K)
+_DOT = Config(64, 256, 4, 5)
 _TUNED = {  # (row bucket, N, K)
-    (1, 6144, 4096): Config(8, 1024, 4, 3, False), (1, 28672, 4096): Config(32, 256, 4, 3),
-    (16, 6144, 4096): Config(64, 256, 4, 4, split_k=2), (16, 4096, 4096): Config(32, 256, 4, 4, split_k=2),
-    (16, 28672, 4096): Config(128, 256, 8, 3), (16, 4096, 14336): Config(32, 256, 4, 5, split_k=2),
-    (32, 6144, 4096): Config(64, 256, 4, 5), (32, 4096, 4096): Config(64, 256, 4, 3, split_k=4),
-    (32, 28672, 4096): Config(128, 256, 4, 3), (32, 4096, 14336): Config(128, 256, 4, 4, split_k=4),
+    (1, 28672, 4096): Config(128, 256, 8, 3), (1, 4096, 14336): Config(128, 256, 4, 4, split_k=4),
+    (8, 28672, 4096): Config(128, 256, 8, 3), (8, 4096, 14336): Config(64, 512, 4, 4),
+    (16, 6144, 4096): Config(64, 512, 4, 4), (16, 4096, 4096): Config(64, 512, 4, 4),
+    (16, 28672, 4096): Config(128, 256, 8, 3), (16, 4096, 14336): Config(64, 256, 4, 5, split_k=2),
+    (32, 28672, 4096): Config(64, 256, 4, 4), (32, 4096, 14336): Config(64, 256, 4, 5, split_k=2),
 }
 
 
-def choose_config(num_rows: int, n_out: int, k_in: int) -> Config:
-    bucket = row_bucket(num_rows)
-    return _TUNED.get((bucket, n_out, k_in), _DEFAULT[bucket])
+def choose_config(num_rows: int, n_out: int, k_in: int, quantized: bool = True) -> Config:
+    """The table's config; `quantized`: x arrives in e4m3 (else one row takes the FMA path)."""
+    if num_rows == 1 and not quantized:
+        return _ONE_ROW_FMA_TUNED.get((n_out, k_in), _ONE_ROW_FMA)
+    return _TUNED.get((row_bucket(num_rows), n_out, k_in), _DOT)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _fp8_skinny_linear_kernel(
     x_ptr, w_ptr, w_scale_ptr, bias_ptr, input_scale_ptr, out_ptr, part_ptr, counters_ptr, num_rows, n_out, k_in,
     stride_xm, HAS_BIAS: tl.constexpr, STATIC: tl.constexpr, PREQUANT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -79,6 +84,7 @@ def _fp8_skinny_linear_kernel(
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
         x_scale = row_scale(tl.max(amax, axis=1), input_scale_ptr, False, FP8_MAX, MIN_AMAX)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWAP_AB's: out^T = W @ x^T
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
     k_lo, k_hi = k_range(k_in, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -90,12 +96,16 @@ def _fp8_skinny_linear_kernel(
             q = x
         else:
             q = to_e4m3(x.to(tl.float32), x_scale[:, None], FP8_MAX).to(w.dtype)
-        if USE_DOT:
+        if USE_DOT and SWAP_AB:
+            acc_t = tl.dot(w, tl.trans(q), acc_t)  # (+= would add each tile's dot from a second accumulator)
+        elif USE_DOT:
             acc += tl.dot(q, tl.trans(w))
         else:  # BLOCK_M == 1
             acc_lanes += q.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
     if not USE_DOT:
         acc = tl.sum(acc_lanes, axis=1)[None, :]
+    elif SWAP_AB:
+        acc = tl.trans(acc_t)
     mask = row_ok[:, None] & col_ok[None, :]
     # split K: the exact e4m3 sums added first, then scaled once
     acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
@@ -104,12 +114,23 @@ def _fp8_skinny_linear_kernel(
         store_out(acc * x_scale[:, None] * w_scale[None, :], bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
 
 
+def swap_ab(out_dtype: torch.dtype) -> bool:
+    """tl.dot as W @ x^T (the weights' tile as the MMA's M side) for 16-bit outputs. Hopper runs e4m3 on its
+    tensor cores only through wgmma, whose M is 64 or more: with the few rows of x as M, Triton's dot takes
+    the MMAv2 path, which converts every e4m3 element to fp16 first (sm_90 SASS: 192 conversions a thread for
+    a 64 x 256 tile, ~half of the loop, bounding it at the conversion units' rate). Swapped, the dot is a
+    QGMMA on e4m3 (no conversions, 127 instructions in place of 388). wgmma keeps ~14 bits of its FP8
+    accumulator over the whole K (~1e-4 relative, below a 16-bit output's rounding), so float32 outputs, the
+    correctness mode, keep the MMAv2 path: exact products, fp32 sums."""
+    return out_dtype != torch.float32
+
+
 def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
            bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None, *,
            config: Config | None = None) -> torch.Tensor:
     """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows); weight [N, K] e4m3 contiguous,
     weight_scale [N] float32 -> [rows, N] in x's dtype."""
-    cfg = config or choose_config(x.shape[0], *weight.shape)
+    cfg = config or choose_config(x.shape[0], *weight.shape, quantized=False)
     if cfg.use_dot or x.shape[0] > 1:  # x quantized once here, not re-read for its scales by every program
         x_q, x_scale = quantize_fp8_per_token(x, input_scale)
         return launch_quantized(x_q, x_scale, weight, weight_scale, bias, x.dtype, config=cfg)
@@ -143,7 +164,8 @@ def _launch(x: torch.Tensor, scales: torch.Tensor | None, prequant: bool, weight
         scales if scales is not None else weight_scale, out, part, counters, num_rows, n_out, k_in, x.stride(0),
         HAS_BIAS=bias is not None, STATIC=scales is not None and not prequant, PREQUANT=prequant,
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, USE_DOT=use_dot, SPLIT_K=cfg.split_k, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+        BLOCK_K=cfg.block_k, USE_DOT=use_dot, SWAP_AB=use_dot and swap_ab(out_dtype), SPLIT_K=cfg.split_k,
+        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
     return out

@@ -50,13 +50,16 @@ def bf16_kernel(capability: int, cfg: S.Config, rows: int) -> int:
     return compile_for(capability, S._skinny_linear_kernel, signature, constexprs, cfg)
 
 
-def fp8_kernel(capability: int, cfg: S.Config, rows: int, prequant: bool = False) -> int:
+def fp8_kernel(capability: int, cfg: S.Config, rows: int, prequant: bool = False, swap_ab: bool = True) -> int:
+    """bf16 outputs (SWAP_AB where the dot runs); swap_ab=False: float32's unswapped dot."""
     dot = cfg.use_dot or rows > 1
     prequant = prequant or dot
     signature = {"x_ptr": "*fp8e4nv" if prequant else "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
                  "bias_ptr": "*fp32", "input_scale_ptr": "*fp32", "out_ptr": "*bf16", **_SPLIT_ARGS, **_SHAPE_ARGS}
-    constexprs = dict(HAS_BIAS=True, STATIC=False, PREQUANT=prequant, BLOCK_M=16 if dot else 1, BLOCK_N=cfg.block_n,
-                      BLOCK_K=cfg.block_k, USE_DOT=dot, SPLIT_K=cfg.split_k, FP8_MAX=448.0, MIN_AMAX=1e-12,
+    constexprs = dict(HAS_BIAS=True, STATIC=False, PREQUANT=prequant, BLOCK_M=max(16, rows) if dot else 1,
+                      BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, USE_DOT=dot, SWAP_AB=dot and swap_ab, SPLIT_K=cfg.split_k, FP8_MAX=448.0,
+                      MIN_AMAX=1e-12,
                       USE_PDL=capability >= 90)
     return compile_for(capability, F._fp8_skinny_linear_kernel, signature, constexprs, cfg)
 
@@ -85,7 +88,12 @@ def quantizing_norm_and_silu(capability: int) -> None:
 
 
 def table(module) -> list[tuple[int, S.Config]]:
-    return sorted({(bucket, cfg) for (bucket, _, _), cfg in module._TUNED.items()} | set(module._DEFAULT.items()))
+    """(row bucket, config) of every config the module's table can return."""
+    tuned = {(bucket, cfg) for (bucket, _, _), cfg in module._TUNED.items()}
+    if module is F:  # the dot's default at every bucket; the FMA path's at one row
+        fma = {F._ONE_ROW_FMA, *F._ONE_ROW_FMA_TUNED.values()}
+        return sorted(tuned | {(bucket, F._DOT) for bucket in S._DEFAULT} | {(1, cfg) for cfg in fma})
+    return sorted(tuned | set(module._DEFAULT.items()))
 
 
 def check_all() -> None:
@@ -96,14 +104,16 @@ def check_all() -> None:
             kernel(90, cfg, bucket)
         for cfg, rows in SPLIT_VARIANTS:
             kernel(90, cfg, rows)
+    for bucket, cfg in table(F):  # float32 outputs: the unswapped dot
+        fp8_kernel(90, cfg, bucket, swap_ab=False)
     for one_pass in (True, False):
         for static in (True, False):
             for capability in (89, 90):
                 assert quantize_kernel(capability, one_pass, static) <= SM89_SHARED_BYTES
     for capability in (89, 90):
         quantizing_norm_and_silu(capability)
-        fp8_kernel(capability, F._DEFAULT[1], 1, prequant=True)
-    print("compiled", sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)) + 14, "kernels")
+        fp8_kernel(capability, F._ONE_ROW_FMA, 1, prequant=True)
+    print("compiled", sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)) + len(table(F)) + 14, "kernels")
 
 
 def test_every_table_config_and_split_k_build_for_sm90_and_fit_sm89_shared_memory():
