@@ -153,7 +153,7 @@ def _decode_split_kernel(
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr,  # the merge's tile: query heads x splits (x BLOCK_D)
     PRECISION: tl.constexpr,
     DOT_F16: tl.constexpr,  # an FP8 cache under 16-bit queries: fp16 dots (see the loop)
-    V_IN_REGISTERS: tl.constexpr,  # an FP8 cache on a GPU: V converted before its transpose (see the loop)
+    V_IN_REGISTERS: tl.constexpr,  # DOT_F16 on a GPU: V converted before its transpose (see the loop)
     APPEND: tl.constexpr,  # rotate q and the new k here, write the new k/v, attend to them from registers
     IS_NEOX: tl.constexpr, HALF: tl.constexpr,  # APPEND's rotary layout
     QK_NORM: tl.constexpr,  # APPEND: RMS-norm q's heads and the new k before rotating them
@@ -482,6 +482,14 @@ def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: i
     return kv + qo + partials
 
 
+def fp8_dot_flags(cache_dtype: torch.dtype, query_dtype: torch.dtype, on_gpu: bool) -> dict[str, bool]:
+    """The kernel's DOT_F16 and V_IN_REGISTERS for a cache and query dtype: fp16 dots over an FP8 cache under
+    16-bit queries; V's inline PTX works on pairs of fp16 (float32's V is a register an element) and only on
+    a GPU (not in the interpreter)."""
+    dot_f16 = cache_dtype == FP8 and query_dtype != torch.float32
+    return {"DOT_F16": dot_f16, "V_IN_REGISTERS": dot_f16 and on_gpu}
+
+
 def paged_decode_attention_splits(
     query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float, num_splits: int,
     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, merge_in_kernel: bool = True,
@@ -563,8 +571,7 @@ def paged_decode_attention_splits(
         DIRECT_OUT=num_splits == 1, MERGE_IN_KERNEL=merge_in_kernel, BLOCK_GM=block_gm, BLOCK_S=block_s,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        DOT_F16=key_cache.dtype == FP8 and query.dtype != torch.float32,
-        V_IN_REGISTERS=key_cache.dtype == FP8 and query.is_cuda,  # (inline PTX: not in the interpreter)
+        **fp8_dot_flags(key_cache.dtype, query.dtype, query.is_cuda),
         APPEND=append is not None, IS_NEOX=append is None or append.is_neox, HALF=head_dim // 2,
         QK_NORM=qk_norm,
         OFFSET_64=offset_64, HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,
