@@ -32,7 +32,8 @@ and nothing orders the write before the other splits' reads. With q/k norm weigh
 the new k are RMS-normed first (rotary.py's math), so the norm costs no launch either. It replaced a rotary
 + KV-write launch per layer, which cost more than the work it adds here (README, "Kernel choices").
 
-An FP8 cache (kv_cache_dtype="fp8") is read as e4m3 and converted to q's dtype in registers, k_scale folded
+An FP8 cache (kv_cache_dtype="fp8") is read as e4m3 and converted in registers (to fp16 under 16-bit
+queries, q too; to float32 under float32 ones), k_scale folded
 into the softmax scale and v_scale into each split's output (kv_fp8.py); the APPEND step stores the new
 k/v as e4m3 and attends to them as stored.
 
@@ -151,6 +152,8 @@ def _decode_split_kernel(
     MERGE_IN_KERNEL: tl.constexpr,  # the group's last split to finish merges them (no pass 2)
     BLOCK_GM: tl.constexpr, BLOCK_S: tl.constexpr,  # the merge's tile: query heads x splits (x BLOCK_D)
     PRECISION: tl.constexpr,
+    DOT_F16: tl.constexpr,  # an FP8 cache under 16-bit queries: fp16 dots (see the loop)
+    V_IN_REGISTERS: tl.constexpr,  # DOT_F16 on a GPU: V converted before its transpose (see the loop)
     APPEND: tl.constexpr,  # rotate q and the new k here, write the new k/v, attend to them from registers
     IS_NEOX: tl.constexpr, HALF: tl.constexpr,  # APPEND's rotary layout
     QK_NORM: tl.constexpr,  # APPEND: RMS-norm q's heads and the new k before rotating them
@@ -244,6 +247,12 @@ def _decode_split_kernel(
     # for the same reason page offsets stay int32 unless the cache is too large for them (OFFSET_64).
     k_in_page = (col % PAGE)[None, :] * stride_ks + d[:, None]  # [BLOCK_D, BLOCK_N]
     v_in_page = (col % PAGE)[:, None] * stride_vs + d[None, :]  # [BLOCK_N, BLOCK_D]
+    # An FP8 cache's tiles convert to fp16 (q too): e4m3 -> fp16 is one conversion a pair of elements, ->
+    # bf16 three. e4m3 is exact in fp16, and so is a bf16 q inside fp16's range (saturated beyond +-65504,
+    # far past any model's queries); p in [0, 1] rounds finer in fp16 than in bf16.
+    q_dot = q
+    if DOT_F16:
+        q_dot = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     for n0 in range(start, keys_end, BLOCK_N):
         n = n0 + col  # [BLOCK_N] token positions; a tile may span several pages
         n_ok = n < keys_end
@@ -262,9 +271,14 @@ def _decode_split_kernel(
         k = tl.load(k_head + k_off, mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N] = K^T
         # Masked tokens must load 0, not whatever is in the slot: p = 0 times NaN is still NaN.
         v = tl.load(v_head + v_off, mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        k = k.to(q_ptr.dtype.element_ty)  # (an FP8 cache's e4m3, exactly; else a no-op)
-        v = v.to(q_ptr.dtype.element_ty)
-        s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_G, BLOCK_N], unscaled
+        k = k.to(q_dot.dtype)  # (an FP8 cache's e4m3, exactly; else a no-op)
+        v = v.to(q_dot.dtype)
+        if V_IN_REGISTERS:
+            # p @ v reads v transposed, which ldmatrix does for 16-bit elements only: left alone, Triton
+            # moves the conversion after the transpose and gathers e4m3 bytes from shared memory one at a
+            # time. An opaque identity (not pure: not moved) keeps the conversion here, in registers.
+            v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
+        s = tl.dot(q_dot, k, input_precision=PRECISION)  # [BLOCK_G, BLOCK_N], unscaled
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
         p = tl.exp2(s * scale_log2 - m_new[:, None])
@@ -468,6 +482,14 @@ def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: i
     return kv + qo + partials
 
 
+def fp8_dot_flags(cache_dtype: torch.dtype, query_dtype: torch.dtype, on_gpu: bool) -> dict[str, bool]:
+    """The kernel's DOT_F16 and V_IN_REGISTERS for a cache and query dtype: fp16 dots over an FP8 cache under
+    16-bit queries; V's inline PTX works on pairs of fp16 (float32's V is a register an element) and only on
+    a GPU (not in the interpreter)."""
+    dot_f16 = cache_dtype == FP8 and query_dtype != torch.float32
+    return {"DOT_F16": dot_f16, "V_IN_REGISTERS": dot_f16 and on_gpu}
+
+
 def paged_decode_attention_splits(
     query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float, num_splits: int,
     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, merge_in_kernel: bool = True,
@@ -549,6 +571,7 @@ def paged_decode_attention_splits(
         DIRECT_OUT=num_splits == 1, MERGE_IN_KERNEL=merge_in_kernel, BLOCK_GM=block_gm, BLOCK_S=block_s,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        **fp8_dot_flags(key_cache.dtype, query.dtype, query.is_cuda),
         APPEND=append is not None, IS_NEOX=append is None or append.is_neox, HALF=head_dim // 2,
         QK_NORM=qk_norm,
         OFFSET_64=offset_64, HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,

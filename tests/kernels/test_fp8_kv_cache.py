@@ -130,18 +130,19 @@ def test_paged_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, num
 
 
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES[:2])
-def test_paged_decode_attention_fp8_fp16_queries(device, gen, seq_lens, hq, hkv, d, page):
-    """fp16 queries: the e4m3 tiles convert to fp16 for the dots, within the fp16 output's rounding of the
-    reference (bf16 queries: test_fp8_readers_gpu, as the interpreter's bf16 tl.dot is wrong)."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_decode_attention_fp8_16bit_queries(device, gen, seq_lens, hq, hkv, d, page, dtype):
+    """16-bit queries: the e4m3 tiles and q convert to fp16 for the dots (bf16 q too, so the interpreter's
+    wrong bf16 tl.dot is not met), within the 16-bit output's rounding of the reference."""
     from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
 
     kv = _fp8_kv(seq_lens, hkv, d, page, gen, device)
-    query = torch.randn(len(seq_lens), hq, d, device=device).half()
+    query = torch.randn(len(seq_lens), hq, d, device=device).to(dtype)
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, max(seq_lens), d ** -0.5)
     for num_splits in (1, 3):
         out = paged_decode_attention_splits(*args, num_splits, **_kw())
-        assert out.dtype == torch.float16
-        assert_close(out, R.paged_decode_attention(*args, **_kw()), *TOL[torch.bfloat16], "fp16 decode")
+        assert out.dtype == dtype
+        assert_close(out, R.paged_decode_attention(*args, **_kw()), *TOL[torch.bfloat16], f"{dtype} decode")
 
 
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES[:2])

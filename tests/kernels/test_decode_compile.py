@@ -1,0 +1,57 @@
+"""The decode attention kernel over an FP8 cache compiled for sm_90 on the CPU (Triton's own ptxas, no
+device), under every query dtype, with the flags the launcher passes on a GPU (fp8_dot_flags): the inline
+PTX that keeps V's conversion in registers runs on the GPU only, so the interpreter never sees it; a wrong
+operand width there aborts the process in LLVM (float32's V took a pair-of-fp16 move once).
+
+The compile runs in a child process: under TRITON_INTERPRET=1 @triton.jit gives interpreted functions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fastllm.kernels import paged_decode_attention as P
+
+_TRITON_TYPE = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+_FLOATS = {"norm_eps", "scale_log2", "k_scale", "v_scale"}
+
+
+def compile_decode(query_dtype: torch.dtype) -> None:
+    kernel = P._decode_split_kernel
+    q = _TRITON_TYPE[query_dtype]
+    pointers = {"q_ptr": q, "out_ptr": q, "k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    constexprs = dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, DIRECT_OUT=True,
+                      MERGE_IN_KERNEL=False, BLOCK_GM=4, BLOCK_S=16, APPEND=False, IS_NEOX=True, HALF=64,
+                      QK_NORM=False, USE_PDL=True, OFFSET_64=False, HAS_KV_START=False, SLIDING=False,
+                      RETURN_LSE=False, PRECISION="ieee" if query_dtype == torch.float32 else "tf32",
+                      **P.fp8_dot_flags(P.FP8, query_dtype, on_gpu=True))
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = pointers.get(name, "*fp32" if name.startswith(("part", "lse")) else "*i32")
+        else:
+            signature[name] = "fp32" if name in _FLOATS else "i32"
+    assert set(constexprs) <= set(kernel.arg_names), set(constexprs) - set(kernel.arg_names)
+    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                   target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2})
+
+
+def test_fp8_cache_decode_builds_for_sm90_under_every_query_dtype():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.kernels.test_decode_compile"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    for dtype in _TRITON_TYPE:
+        compile_decode(dtype)
+    print("compiled", len(_TRITON_TYPE), "kernels")
