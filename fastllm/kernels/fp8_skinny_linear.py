@@ -97,7 +97,8 @@ def _fp8_skinny_linear_kernel(
         else:
             q = to_e4m3(x.to(tl.float32), x_scale[:, None], FP8_MAX).to(w.dtype)
         if USE_DOT and SWAP_AB:
-            acc_t = tl.dot(w, tl.trans(q), acc_t)  # (+= would add each tile's dot from a second accumulator)
+            # wgmma's FP8 accumulator keeps ~14 bits: promoted to acc_t's fp32 every 128 elements of K
+            acc_t = tl.dot(w, tl.trans(q), acc_t, max_num_imprecise_acc=128)
         elif USE_DOT:
             acc += tl.dot(q, tl.trans(w))
         else:  # BLOCK_M == 1
@@ -120,8 +121,9 @@ def swap_ab(out_dtype: torch.dtype) -> bool:
     the MMAv2 path, which converts every e4m3 element to fp16 first (sm_90 SASS: 192 conversions a thread for
     a 64 x 256 tile, ~half of the loop, bounding it at the conversion units' rate). Swapped, the dot is a
     QGMMA on e4m3 (no conversions, 127 instructions in place of 388). wgmma keeps ~14 bits of its FP8
-    accumulator over the whole K (~1e-4 relative, below a 16-bit output's rounding), so float32 outputs, the
-    correctness mode, keep the MMAv2 path: exact products, fp32 sums."""
+    accumulator (DeepSeek-V3 report, 3.3.2), so the sums are promoted to fp32 every 128 elements of K as
+    DeepSeek's kernels do (left in wgmma's accumulator over K = 14336 they were 3e-3 off, past an fp16
+    output's rounding). float32 outputs, the correctness mode, keep the MMAv2 path: exact products, fp32 sums."""
     return out_dtype != torch.float32
 
 
