@@ -36,9 +36,11 @@ __all__ = ["MAX_ROWS", "choose_config", "launch", "launch_quantized"]
 # swapped (scratch sweep over BLOCK_N 64/128, the sizes that reach wgmma; splits of K 1-4): per row bucket the
 # default, the best or within 3% of it on qkv and o, and the measured best where it differed. BLOCK_K counts
 # e4m3 elements. One row in 16 bits (o_proj, static input scales) takes the FMA path, which quantizes x as it
-# streams: a dot would need x quantized by a launch of its own first.
-_ONE_ROW_FMA = Config(8, 1024, 4, 2, False)
-_ONE_ROW_FMA_TUNED = {(6144, 4096): Config(8, 1024, 4, 3, False)}  # (N, K)
+# streams (a dot would need x quantized by a launch of its own first), but for gate_up, which streams faster
+# through the dot even so.
+_ONE_ROW_16BIT = Config(8, 1024, 4, 2, False)
+_ONE_ROW_16BIT_TUNED = {(6144, 4096): Config(8, 1024, 4, 3, False),  # (N, K)
+                        (28672, 4096): Config(32, 256, 4, 3)}
 _DOT = Config(64, 256, 4, 5)
 _TUNED = {  # (row bucket, N, K)
     (1, 28672, 4096): Config(128, 256, 8, 3), (1, 4096, 14336): Config(128, 256, 4, 4, split_k=4),
@@ -50,9 +52,9 @@ _TUNED = {  # (row bucket, N, K)
 
 
 def choose_config(num_rows: int, n_out: int, k_in: int, quantized: bool = True) -> Config:
-    """The table's config; `quantized`: x arrives in e4m3 (else one row takes the FMA path)."""
+    """The table's config; `quantized`: x arrives in e4m3 (else one row mostly takes the FMA path)."""
     if num_rows == 1 and not quantized:
-        return _ONE_ROW_FMA_TUNED.get((n_out, k_in), _ONE_ROW_FMA)
+        return _ONE_ROW_16BIT_TUNED.get((n_out, k_in), _ONE_ROW_16BIT)
     return _TUNED.get((row_bucket(num_rows), n_out, k_in), _DOT)
 
 
@@ -97,8 +99,8 @@ def _fp8_skinny_linear_kernel(
         else:
             q = to_e4m3(x.to(tl.float32), x_scale[:, None], FP8_MAX).to(w.dtype)
         if USE_DOT and SWAP_AB:
-            # wgmma's FP8 accumulator keeps ~14 bits: promoted to acc_t's fp32 every 128 elements of K
-            acc_t = tl.dot(w, tl.trans(q), acc_t, max_num_imprecise_acc=128)
+            # wgmma's FP8 accumulator keeps ~14 bits: each tile's sum is promoted to acc_t's fp32
+            acc_t = tl.dot(w, tl.trans(q), acc_t, max_num_imprecise_acc=BLOCK_K)
         elif USE_DOT:
             acc += tl.dot(q, tl.trans(w))
         else:  # BLOCK_M == 1
@@ -121,9 +123,10 @@ def swap_ab(out_dtype: torch.dtype) -> bool:
     the MMAv2 path, which converts every e4m3 element to fp16 first (sm_90 SASS: 192 conversions a thread for
     a 64 x 256 tile, ~half of the loop, bounding it at the conversion units' rate). Swapped, the dot is a
     QGMMA on e4m3 (no conversions, 127 instructions in place of 388). wgmma keeps ~14 bits of its FP8
-    accumulator (DeepSeek-V3 report, 3.3.2), so the sums are promoted to fp32 every 128 elements of K as
-    DeepSeek's kernels do (left in wgmma's accumulator over K = 14336 they were 3e-3 off, past an fp16
-    output's rounding). float32 outputs, the correctness mode, keep the MMAv2 path: exact products, fp32 sums."""
+    accumulator (DeepSeek-V3 report, 3.3.2), so each tile's sum (BLOCK_K elements) is promoted to fp32, as
+    DeepSeek's kernels do every 128 (left in wgmma's accumulator over K = 14336 they were 3e-3 off, past an
+    fp16 output's rounding; promoting every 128 slowed the kernel, every tile did not). float32
+    outputs, the correctness mode, keep the MMAv2 path: exact products, fp32 sums."""
     return out_dtype != torch.float32
 
 

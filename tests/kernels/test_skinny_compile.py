@@ -90,9 +90,9 @@ def quantizing_norm_and_silu(capability: int) -> None:
 def table(module) -> list[tuple[int, S.Config]]:
     """(row bucket, config) of every config the module's table can return."""
     tuned = {(bucket, cfg) for (bucket, _, _), cfg in module._TUNED.items()}
-    if module is F:  # the dot's default at every bucket; the FMA path's at one row
-        fma = {F._ONE_ROW_FMA, *F._ONE_ROW_FMA_TUNED.values()}
-        return sorted(tuned | {(bucket, F._DOT) for bucket in S._DEFAULT} | {(1, cfg) for cfg in fma})
+    if module is F:  # the dot's default at every bucket; one row in 16 bits' configs
+        one_row = {F._ONE_ROW_16BIT, *F._ONE_ROW_16BIT_TUNED.values()}
+        return sorted(tuned | {(bucket, F._DOT) for bucket in S._DEFAULT} | {(1, cfg) for cfg in one_row})
     return sorted(tuned | set(module._DEFAULT.items()))
 
 
@@ -112,7 +112,7 @@ def check_all() -> None:
                 assert quantize_kernel(capability, one_pass, static) <= SM89_SHARED_BYTES
     for capability in (89, 90):
         quantizing_norm_and_silu(capability)
-        fp8_kernel(capability, F._ONE_ROW_FMA, 1, prequant=True)
+        fp8_kernel(capability, F._ONE_ROW_16BIT, 1, prequant=True)
     print("compiled", sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)) + len(table(F)) + 14, "kernels")
 
 
