@@ -32,12 +32,12 @@ from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_sp
 
 __all__ = ["MAX_ROWS", "choose_config", "launch", "launch_quantized"]
 
-# Launch configs from H200 sweeps of e4m3 weights at Llama-3.1-8B's projections, x quantized ahead and the dot
-# swapped (scratch sweep over BLOCK_N 64/128, the sizes that reach wgmma; splits of K 1-4): per row bucket the
-# default, the best or within 3% of it on qkv and o, and the measured best where it differed. BLOCK_K counts
-# e4m3 elements. One row in 16 bits (o_proj, static input scales) takes the FMA path, which quantizes x as it
-# streams (a dot would need x quantized by a launch of its own first), but for gate_up, which streams faster
-# through the dot even so.
+# Launch configs from an H200 sweep of e4m3 weights at Llama-3.1-8B's projections, x quantized ahead and the
+# dot swapped (one-off: tune_skinny_linear.py's configs cut to BLOCK_N 64/128, the sizes that reach wgmma;
+# splits of K 1-4): the default, the best or within 3% of it on qkv and o, and the measured best where it
+# differed. BLOCK_K counts e4m3 elements. One row in 16 bits (o_proj, static input scales) takes the FMA path,
+# which quantizes x as it streams (a dot would need x quantized by a launch of its own first), but for
+# gate_up, which streams faster through the dot even so.
 _ONE_ROW_16BIT = Config(8, 1024, 4, 2, False)
 _ONE_ROW_16BIT_TUNED = {(6144, 4096): Config(8, 1024, 4, 3, False),  # (N, K)
                         (28672, 4096): Config(32, 256, 4, 3)}
