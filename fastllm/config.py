@@ -287,7 +287,7 @@ class SpeculativeConfig:
 
     method: str | None = None
     model: str | None = None  # the draft: a model directory or embedded name sharing the target's vocabulary
-    num_speculative_tokens: int = 0  # k; 0 with a method: 4
+    num_speculative_tokens: int | None = None  # k; 4 with a method when not given
     prompt_lookup_max: int | None = None  # ngram only (default 4)
     prompt_lookup_min: int | None = None  # ngram only (default 2)
     # Lower k (to 0) while proposals do not pay for themselves, from measured step costs and acceptance.
@@ -304,7 +304,7 @@ class SpeculativeConfig:
         if self.method is None:
             for name in ("model", "prompt_lookup_max", "prompt_lookup_min", "synthetic_acceptance_rate"):
                 _check(getattr(self, name) is None, f"speculative_config.{name}", "needs a method or a model")
-            _check(self.num_speculative_tokens == 0, "num_speculative_tokens",
+            _check(self.num_speculative_tokens is None, "num_speculative_tokens",
                    f"needs a speculative model or method, got {self.num_speculative_tokens}")
             return
         _check(self.method in SPECULATIVE_METHODS, "speculative_config.method",
@@ -324,7 +324,7 @@ class SpeculativeConfig:
                    f"must be an integer >= prompt_lookup_min ({lookup_min}), got {lookup_max!r}")
             object.__setattr__(self, "prompt_lookup_max", lookup_max)
             object.__setattr__(self, "prompt_lookup_min", lookup_min)
-        if self.num_speculative_tokens == 0:
+        if self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", 4)
         k = self.num_speculative_tokens
         _check(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
@@ -337,6 +337,11 @@ class SpeculativeConfig:
     @property
     def enabled(self) -> bool:
         return self.method is not None
+
+    @property
+    def lookahead(self) -> int:
+        """Draft tokens a request may hold past its newest one: k, or 0 without speculation."""
+        return self.num_speculative_tokens if self.enabled else 0
 
     @property
     def uses_draft_model(self) -> bool:
@@ -355,6 +360,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         _check(spec is None or isinstance(spec, dict), "speculative_config",
                f"must be a dict (or its JSON text), got {type(spec).__name__}")
+        _check(spec != {}, "speculative_config", "is empty: give 'model' or 'method' (None turns speculation off)")
         values = dict(spec or {})
         known = {f.name for f in dataclasses.fields(cls)} - {"synthetic_acceptance_rate"}
         unknown = sorted(set(values) - known)

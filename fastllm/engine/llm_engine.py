@@ -46,7 +46,7 @@ def tokens_a_request_holds(config: EngineConfig) -> int:
     window, block = config.model.kv_sliding_window, config.cache.block_size
     if window is None:
         return config.model.max_model_len
-    step = config.scheduler.max_num_batched_tokens + config.speculative.num_speculative_tokens
+    step = config.scheduler.max_num_batched_tokens + config.speculative.lookahead
     return min(config.model.max_model_len, (-(-(window - 2 + step) // block) + 1) * block)
 
 

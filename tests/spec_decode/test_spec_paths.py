@@ -444,6 +444,11 @@ def test_a_request_aborted_mid_speculation_frees_both_models_kv():
     (dict(speculative_config={"model": DRAFT, "num_speculative_tokens": 2}, num_speculative_tokens=3),
      "num_speculative_tokens"),
     (dict(num_speculative_tokens=3), "num_speculative_tokens"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 0}), "num_speculative_tokens"),
+    (dict(speculative_model=DRAFT, num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+    (dict(speculative_config={}), "speculative_config"),
+    (dict(speculative_config="{}"), "speculative_config"),
 ])
 def test_bad_speculative_config_is_a_value_error_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
