@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,7 @@ DEFAULT_MODEL = str(ASSETS / "stories260K")
 SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8", "fp8-per-tensor")  # None: the checkpoint's weights as they are (layers/fp8.py)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")  # any one: a tokenizer directory
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 (layers/fp8.py, kv_cache_dtype)
 
 
@@ -36,11 +40,44 @@ def _check(cond: bool, name: str, message: str) -> None:
         raise ValueError(f"{name} {message}")
 
 
+_TYPE_NAMES = {bool: "True or False", int: "an integer", float: "a finite number", str: "a string"}
+
+
+def _is(value: Any, kind: Any) -> bool:
+    """value fits the annotation `kind`: bool is not an int, a float is finite, tuple[int, ...] holds ints."""
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if typing.get_origin(kind) is tuple:
+        return isinstance(value, tuple) and all(_is(v, typing.get_args(kind)[0]) for v in value)
+    return isinstance(value, kind)
+
+
+def _check_types(config: Any) -> None:
+    """Each engine argument (an arg() field) against its annotation, before the ranges each class checks."""
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        if "help" not in f.metadata:
+            continue
+        kind, value = hints[f.name], getattr(config, f.name)
+        kinds = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+        if not any(_is(value, k) for k in kinds):
+            names = [_TYPE_NAMES.get(k, "a tuple of integers" if typing.get_origin(k) is tuple else "None")
+                     for k in kinds]
+            raise ValueError(f"{f.name} must be {' or '.join(names)}, got {value!r}")
+
+
 def resolve_model_path(model: str | None) -> str:
     """A directory path, or the name of an embedded model or config (e.g. 'llama2xs-279K',
     'llama-3.1-8b', any case)."""
     if model is None:
         return DEFAULT_MODEL
+    _check(isinstance(model, str), "model", f"must be a directory or an embedded model's name, got {model!r}")
     if os.path.isdir(model):
         return model
     if model.lower() == "default":
@@ -75,10 +112,14 @@ class ModelConfig:
     hf_config: dict = field(default_factory=dict, repr=False, compare=False)  # config.json (not an argument)
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.dtype in SUPPORTED_DTYPES, "dtype", f"must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
         _check(self.load_format in LOAD_FORMATS, "load_format", f"must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
                f"must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
+        _check(-2**63 <= self.seed < 2**64, "seed", f"must be in [-2**63, 2**64) (torch's seeds), got {self.seed}")
+        _check(self.tokenizer is None or any((Path(self.tokenizer) / f).is_file() for f in TOKENIZER_FILES),
+               "tokenizer", f"must be a directory holding a tokenizer (one of {TOKENIZER_FILES}), got {self.tokenizer!r}")
         config_file = Path(self.model) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"model directory {self.model!r} has no config.json (does the path exist?)")
@@ -149,6 +190,7 @@ class CacheConfig:
                                       "scale per layer for K and for V, twice the blocks (GPUs of sm_89+)")
 
     def __post_init__(self):
+        _check_types(self)
         _check(any(self.cascade_attention is v for v in (None, True, False)), "cascade_attention",
                f"must be None (where it pays), True or False, got {self.cascade_attention!r}")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", f"must be a power of two in [1, 128], got {self.block_size}")
@@ -156,6 +198,8 @@ class CacheConfig:
         _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "num_gpu_blocks", f"must be >= 2, got {self.num_gpu_blocks}")
         _check(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", f"must be > 0, got {self.cpu_kv_cache_gib}")
         _check(self.swap_space_gib >= 0, "swap_space_gib", f"must be >= 0, got {self.swap_space_gib}")
+        _check(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks",
+               f"must be >= 0, got {self.num_cpu_blocks}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
@@ -204,6 +248,7 @@ class SchedulerConfig:
                                       "step's beams and the next step launches before the host reads them")
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.preemption_mode in ("recompute", "swap"), "preemption_mode", f"must be 'recompute' or 'swap', got {self.preemption_mode!r}")
@@ -225,6 +270,7 @@ class ParallelConfig:
                               "next engine with the same ranks (it loads its model into them: tests, notebooks)")
 
     def __post_init__(self):
+        _check_types(self)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
             _check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
@@ -264,6 +310,7 @@ class CompileConfig:
                                            "without)")
 
     def __post_init__(self):
+        _check_types(self)
         sizes = self.cuda_graph_sizes
         _check(sizes is None or (len(sizes) > 0 and all(isinstance(s, int) and s >= 1 for s in sizes)),
                "cuda_graph_sizes", f"must be positive integers, got {sizes!r}")
@@ -386,6 +433,7 @@ class EngineConfig:
     device: str = arg("auto", "'auto' picks cuda when present", ("auto", "cpu", "cuda"))
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.device in ("auto", "cpu", "cuda"), "device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         self.parallel.check_model(self.model.hf_config)
         if self.speculative.enabled:
@@ -422,7 +470,7 @@ class EngineConfig:
                 top[key] = value
             else:
                 raise ValueError(f"unknown engine argument {key!r}")
-        if "cuda_graph_sizes" in values["compile"] and values["compile"]["cuda_graph_sizes"] is not None:
+        if isinstance(values["compile"].get("cuda_graph_sizes"), list):  # (the CLI's lists; else checked as given)
             values["compile"]["cuda_graph_sizes"] = tuple(values["compile"]["cuda_graph_sizes"])
         values["model"]["model"] = resolve_model_path(model)
         built = {name: parts[name](**values[name]) for name in parts}

@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from fastllm.config import EngineConfig
+from fastllm.config import TOKENIZER_FILES, EngineConfig
 from fastllm.core.beam_run_ahead import run_ahead_off_reason
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
@@ -31,7 +31,7 @@ __all__ = ["LLMEngine", "PromptType", "load_tokenizer"]
 def load_tokenizer(path: str):
     """The HF tokenizer of a model directory, or None when it ships none (dummy-weight configs)."""
     root = Path(path)
-    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    if not any((root / f).is_file() for f in TOKENIZER_FILES):
         logger.info("no tokenizer in %s: prompts must be token ids and outputs carry no text", path)
         return None
     from transformers import AutoTokenizer

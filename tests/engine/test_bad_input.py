@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import typing
 
 import pytest
 
@@ -114,6 +116,37 @@ def test_unknown_engine_argument():
 def test_invalid_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLMEngine.from_kwargs(None, **kwargs)
+
+
+_WRONG_TYPES = {bool: [1, "yes", None], int: [True, 1.5, "8", float("nan")],
+                float: [float("nan"), float("inf"), True, "0.5"], str: [5, b"x"]}
+
+
+def _engine_arguments():
+    from fastllm.config import CacheConfig, CompileConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+    for cls in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, CompileConfig, EngineConfig):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if "help" in f.metadata:
+                yield f.name, hints[f.name]
+
+
+@pytest.mark.parametrize("name,kind", list(_engine_arguments()), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_engine_argument_refuses_a_wrong_type_by_name(name, kind):
+    """bool for int, a float for int, nan / inf for float, a number for str, ...: each a ValueError naming the
+    argument, never a TypeError deep in the engine or a value taken as something else."""
+    optional = type(None) in typing.get_args(kind)
+    (base,) = [k for k in typing.get_args(kind) if k is not type(None)] if optional else [kind]
+    wrong = [5, (1.5,), (True,), "1,2"] if typing.get_origin(base) is tuple else _WRONG_TYPES[base]
+    for value in [v for v in wrong if not (optional and v is None)]:
+        with pytest.raises(ValueError, match=f"^{name} "):
+            LLMEngine.from_kwargs(**{name: value})
+
+
+def test_a_tokenizer_that_is_not_one_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="^tokenizer must be a directory holding a tokenizer"):
+        LLMEngine.from_kwargs(None, tokenizer=str(tmp_path))
 
 
 def test_sliding_window_models_run_to_their_full_context():
