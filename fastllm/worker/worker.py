@@ -5,6 +5,7 @@ several ranks executor.py drives one per rank."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -18,6 +19,25 @@ from fastllm.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+
+
+def available_host_bytes() -> int:
+    """Host memory a new allocation can take (Linux's MemAvailable; else the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(num_blocks: int, per_block: int, available: int, where: str, argument: str) -> None:
+    """A KV pool that cannot be allocated is the argument's error, named before the allocation fails."""
+    if num_blocks * per_block > available:
+        raise ValueError(f"{argument}: {num_blocks} KV blocks of {per_block} bytes ({num_blocks * per_block / GiB:.2f} "
+                         f"GiB) do not fit in the {available / GiB:.2f} GiB {where} has free")
 
 
 def select_device(config: EngineConfig, local_rank: int) -> torch.device:
@@ -50,7 +70,7 @@ class Worker:
     def determine_num_blocks(self) -> tuple[int, int]:
         """Device blocks: what fits under gpu_memory_utilization after the profiling run's peak
         (GPU), or cpu_kv_cache_gib (CPU); an explicit num_gpu_blocks wins. CPU swap blocks from
-        swap_space_gib."""
+        swap_space_gib. A pool that does not fit is a ValueError naming the argument that sized it."""
         cache = self.config.cache
         per_block = self.runner.kv_bytes_per_block()
         start = time.perf_counter()
@@ -72,10 +92,20 @@ class Worker:
         if num_blocks < 2:
             raise ValueError(f"no room for the KV cache ({num_blocks} blocks of {per_block} bytes); "
                              "raise gpu_memory_utilization or use a smaller model")
+        if self.device.type == "cuda" and cache.num_gpu_blocks is not None:  # (profiled: sized to fit)
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            check_fits(num_blocks, per_block, torch.cuda.mem_get_info(self.device)[0] + cached, "the GPU",
+                       "num_gpu_blocks")
+        elif self.device.type != "cuda":
+            check_fits(num_blocks, per_block, available_host_bytes(), "the host",
+                       "num_gpu_blocks" if cache.num_gpu_blocks is not None else "cpu_kv_cache_gib")
         num_cpu_blocks = 0
         if self.config.scheduler.preemption_mode == "swap":
             num_cpu_blocks = cache.num_cpu_blocks if cache.num_cpu_blocks is not None else \
                 int(cache.swap_space_gib * GiB // per_block)
+            host = available_host_bytes() - (0 if self.device.type == "cuda" else num_blocks * per_block)
+            check_fits(num_cpu_blocks, per_block, host, "the host",
+                       "num_cpu_blocks" if cache.num_cpu_blocks is not None else "swap_space_gib")
         self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         self.timings["profile"] = self._elapsed(start)
         return num_blocks, num_cpu_blocks

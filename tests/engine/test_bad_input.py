@@ -10,7 +10,7 @@ import pytest
 
 from fastllm import LLM, SamplingParams
 from fastllm.engine.llm_engine import LLMEngine
-from tests.conftest import PROMPTS, cached_llm
+from tests.conftest import PROMPTS, STORIES, cached_llm
 
 INVALID_PARAMS = [
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
@@ -147,6 +147,15 @@ def test_every_engine_argument_refuses_a_wrong_type_by_name(name, kind):
 def test_a_tokenizer_that_is_not_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="^tokenizer must be a directory holding a tokenizer"):
         LLMEngine.from_kwargs(None, tokenizer=str(tmp_path))
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(num_gpu_blocks=10**12), "num_gpu_blocks"),
+                                          (dict(cpu_kv_cache_gib=10**7), "cpu_kv_cache_gib"),
+                                          (dict(preemption_mode="swap", swap_space_gib=10**7), "swap_space_gib"),
+                                          (dict(preemption_mode="swap", num_cpu_blocks=10**12), "num_cpu_blocks")])
+def test_a_kv_pool_larger_than_memory_is_refused_by_name(kwargs, field):
+    with pytest.raises(ValueError, match=f"^{field}: .* KV blocks .* do not fit"):
+        LLM(STORIES, device="cpu", **kwargs)
 
 
 def test_sliding_window_models_run_to_their_full_context():
