@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="target (default: the embedded stories260K)")
     p.add_argument("--draft", default="llama2xs-279K", help="draft model ('none': no draft-model rows)")
+    p.add_argument("--draft-quantization", default=None, choices=["fp8", "fp8-per-tensor"],
+                   help="the draft's weights in FP8 (speculative_config's quantization); the target's stay as given")
     p.add_argument("--ngram", action="store_true", help="also n-gram prompt lookup rows")
     p.add_argument("--k", default="4", help="num_speculative_tokens values, comma-separated")
     p.add_argument("--batch-sizes", default="1,4")
@@ -146,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ks = parse_batch_sizes(args.k)
     alphas = [float(a) for a in args.synthetic_acceptance.split(",")] if args.synthetic_acceptance else [None]
     methods = ([] if args.draft == "none" else [("draft_model", args.draft)]) + ([("ngram", None)] if args.ngram else [])
+    if args.draft_quantization and args.draft == "none":
+        p.error("--draft-quantization needs a draft model (--draft)")
 
     meta = {"model": args.model or "stories260K", "dtype": args.dtype, "seed": args.seed}
 
@@ -163,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                     engine.worker.runner.spec.set_synthetic_acceptance_rate(alpha)
                 for b in batch_sizes:
                     got = measure(engine, b, args)
-                    rows.append({"method": method if method == "ngram" else f"draft {draft}", "k": k, "batch_size": b,
+                    label = f"draft {draft}" + (f" ({args.draft_quantization})" if args.draft_quantization else "")
+                    rows.append({"method": method if method == "ngram" else label, "k": k, "batch_size": b,
                                  "acceptance": "measured" if alpha is None else f"synthetic {alpha}",
                                  "plain_tok_s": baseline[b]["decode_tok_s"], "spec_tok_s": got.pop("decode_tok_s"),
                                  **got})
@@ -173,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     for method, draft in methods:
         for k in ks:
             spec = SpeculativeConfig(method=method, model=draft, num_speculative_tokens=k, adaptive=not args.no_adaptive,
-                                     synthetic_acceptance_rate=alphas[0])
+                                     synthetic_acceptance_rate=alphas[0],
+                                     quantization=args.draft_quantization if method == "draft_model" else None)
             with_engine(args, spec, speculative(method, draft, k))
     frame = pd.DataFrame(rows)
     cols = ["method", "k", "batch_size", "acceptance", "plain_tok_s", "spec_tok_s", "speedup", "spec_acceptance_rate",

@@ -337,6 +337,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None  # k; 4 with a method when not given
     prompt_lookup_max: int | None = None  # ngram only (default 4)
     prompt_lookup_min: int | None = None  # ngram only (default 2)
+    # draft_model only, vLLM's field: 'fp8' puts the draft's linear weights in e4m3 as `quantization` does the
+    # target's (a draft checkpoint in FP8 loads as one without it); None: the draft's weights as they are.
+    quantization: str | None = None
     # Lower k (to 0) while proposals do not pay for themselves, from measured step costs and acceptance.
     adaptive: bool = True
     # Benchmark only (benchmarks/bench_spec_decode.py): the verifier accepts each draft token with this
@@ -349,7 +352,7 @@ class SpeculativeConfig:
         if self.method is None and self.model is not None:
             object.__setattr__(self, "method", "draft_model")
         if self.method is None:
-            for name in ("model", "prompt_lookup_max", "prompt_lookup_min", "synthetic_acceptance_rate"):
+            for name in ("model", "prompt_lookup_max", "prompt_lookup_min", "quantization", "synthetic_acceptance_rate"):
                 _check(getattr(self, name) is None, f"speculative_config.{name}", "needs a method or a model")
             _check(self.num_speculative_tokens is None, "num_speculative_tokens",
                    f"needs a speculative model or method, got {self.num_speculative_tokens}")
@@ -361,8 +364,11 @@ class SpeculativeConfig:
             object.__setattr__(self, "model", resolve_model_path(self.model))
             for name in ("prompt_lookup_max", "prompt_lookup_min"):
                 _check(getattr(self, name) is None, f"speculative_config.{name}", "applies to method 'ngram' only")
+            _check(self.quantization is None or self.quantization in QUANTIZATIONS, "speculative_config.quantization",
+                   f"must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
         else:
-            _check(self.model is None, "speculative_config.model", "applies to method 'draft_model' only")
+            for name in ("model", "quantization"):
+                _check(getattr(self, name) is None, f"speculative_config.{name}", "applies to method 'draft_model' only")
             lookup_max = 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
             lookup_min = min(2, lookup_max) if self.prompt_lookup_min is None else self.prompt_lookup_min
             _check(isinstance(lookup_min, int) and lookup_min >= 1, "speculative_config.prompt_lookup_min",

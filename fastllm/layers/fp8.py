@@ -138,11 +138,11 @@ def _compressed_tensors_static_input(config: dict) -> bool:
     return static.pop()
 
 
-def check_device(device: torch.device, scheme: Fp8Scheme) -> None:
-    """FP8 weights run on GPUs of sm_89 or newer only: anything else is a ValueError naming `quantization`
-    (no silent 16-bit run)."""
+def check_device(device: torch.device, scheme: Fp8Scheme, field: str = "quantization") -> None:
+    """FP8 weights run on GPUs of sm_89 or newer only: anything else is a ValueError naming the argument that
+    asked for them (no silent 16-bit run)."""
     what = "the checkpoint's FP8 weights need" if scheme.checkpoint else "FP8 weights need"
-    _require_fp8_gpu(device, "quantization", what, "FP8 matmuls")
+    _require_fp8_gpu(device, field, what, "FP8 matmuls")
 
 
 def check_kv_cache_device(device: torch.device) -> None:

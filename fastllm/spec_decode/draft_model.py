@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from fastllm.config import EngineConfig, ModelConfig
+from fastllm.layers import fp8
 from fastllm.layers.sampler import SamplingMetadata, SamplingRow, exponential_noise, filtered_probs
 from fastllm.models.loader import load_model
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
@@ -30,10 +31,12 @@ logger = logging.getLogger(__name__)
 
 
 def draft_model_config(config: EngineConfig, dtype: torch.dtype) -> ModelConfig:
-    """The draft's ModelConfig: the target's dtype, load format and context length. A draft trained
-    on shorter contexts gets a longer rotary table: past its training length it only drafts worse."""
+    """The draft's ModelConfig: the target's dtype, load format and context length, and
+    speculative_config's quantization. A draft trained on shorter contexts gets a longer rotary table: past
+    its training length it only drafts worse."""
     target = config.model
-    draft = ModelConfig(model=config.speculative.model, load_format=target.load_format)
+    draft = ModelConfig(model=config.speculative.model, load_format=target.load_format,
+                        quantization=config.speculative.quantization)
     hf_config = dict(draft.hf_config)
     if draft.max_position_embeddings < target.max_model_len:
         logger.info("draft model: max_position_embeddings %d < max_model_len %d; its rotary table is extended "
@@ -64,11 +67,16 @@ class DraftModel:
         if vocab_size != target_vocab_size:  # before any weights load
             raise ValueError(f"speculative_config.model: the draft's vocabulary ({vocab_size} tokens) differs from "
                              f"the target's ({target_vocab_size}); speculative decoding needs the same tokenizer")
+        scheme = fp8.scheme_for(self.model_config.quantization, self.model_config.hf_config)
+        if scheme is not None:
+            fp8.check_device(device, scheme, "speculative_config.quantization")
         self.model = load_model(self.model_config, device)
         if config.model.quantization is not None or config.cache.kv_cache_dtype == "fp8":
             # (a draft checkpoint that is FP8 itself loads as one: its weights, not this argument, say so)
             logger.info("draft model: quantization=%r and kv_cache_dtype=%r apply to the target only; the draft's "
-                        "KV cache is %s", config.model.quantization, config.cache.kv_cache_dtype, target_dtype)
+                        "KV cache is %s (its weights: speculative_config.quantization=%r)",
+                        config.model.quantization, config.cache.kv_cache_dtype, target_dtype,
+                        self.model_config.quantization)
         self.args = self.model.args
         self.dtype = target_dtype
         self.attention_layers = self.model.attention_layers()

@@ -106,16 +106,20 @@ def test_preempted_requests_give_the_unpreempted_tokens(mode, spec):
 
 
 @pytest.mark.parametrize("spec", [dict(speculative_model=DRAFT, num_speculative_tokens=3),
+                                  dict(speculative_config={"model": DRAFT, "num_speculative_tokens": 3,
+                                                           "quantization": "fp8"}),
                                   dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3})],
-                         ids=["draft", "ngram"])
+                         ids=["draft", "draft-fp8", "ngram"])
 def test_speculative_decoding_gives_the_targets_tokens(spec):
+    """The draft's cache stays 16/32-bit; its weights too unless speculative_config's quantization says FP8."""
     prompts = SHARED + ["Tom had a dog. Tom had a dog. Tom had a"]
     want = tokens(fp8_llm().generate(prompts, greedy(16), use_tqdm=False))
     llm = fp8_llm(**spec)
     runner = llm.engine.worker.runner
-    if runner.drafter is not None:  # the draft's cache and weights stay 16/32-bit
+    if runner.drafter is not None:
         assert runner.drafter.cache.gpu.dtype == runner.dtype
-        assert not any(getattr(m, "fp8", None) for m in runner.drafter.model.modules())
+        fp8_draft = "quantization" in spec.get("speculative_config", {})
+        assert any(getattr(m, "fp8", None) for m in runner.drafter.model.modules()) == fp8_draft
     stats = llm.engine.scheduler.spec_stats
     before = stats.num_accepted_tokens
     assert tokens(llm.generate(prompts, greedy(16), use_tqdm=False)) == want
@@ -273,6 +277,7 @@ GPU_MARGIN = 2 * MAX_LOGPROB_ERR
 GPU_FEATURES = {
     "cascade": dict(cascade_attention=True, block_size=4),
     "draft": dict(speculative_model=STORIES, num_speculative_tokens=3),
+    "draft-fp8": dict(speculative_config={"model": STORIES, "num_speculative_tokens": 3, "quantization": "fp8"}),
     "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
     # 24 blocks of 4 hold fewer than the ~34 blocks the five requests reach even with their shared prefix
     "swap": dict(num_gpu_blocks=24, block_size=4, max_model_len=64, preemption_mode="swap", num_cpu_blocks=64),

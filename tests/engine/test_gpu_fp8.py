@@ -77,7 +77,7 @@ def cpu_reference():
     with pytest.MonkeyPatch.context() as patch:
         from fastllm.layers import fp8
 
-        patch.setattr(fp8, "check_device", lambda device, scheme: None)
+        patch.setattr(fp8, "check_device", lambda *args: None)
         llm = cached_llm(DRAFT, device="cpu", dtype="float32", quantization="fp8")
     return llm.generate(PROMPTS, LOGPROBS, use_tqdm=False)
 
@@ -103,7 +103,7 @@ def test_fp8_lm_head_float32_matches_the_cpu_reference():
     with pytest.MonkeyPatch.context() as patch:
         from fastllm.layers import fp8
 
-        patch.setattr(fp8, "check_device", lambda device, scheme: None)
+        patch.setattr(fp8, "check_device", lambda *args: None)
         want = cached_llm(DRAFT, device="cpu", dtype="float32", quantization="fp8", quantize_lm_head=True
                           ).generate(PROMPTS, LOGPROBS, use_tqdm=False)
     llm = cached_llm(DRAFT, device="cuda", dtype="float32", quantization="fp8", quantize_lm_head=True,
