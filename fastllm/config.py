@@ -173,6 +173,9 @@ def sliding_windows(hf_config: dict) -> tuple[int | None, ...]:
     return tuple(w if w is not None and w < limit else None for w in windows)
 
 
+DEFAULT_SWAP_SPACE_GIB = 1.0
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = arg(16, "tokens per KV block")
@@ -180,7 +183,8 @@ class CacheConfig:
     num_gpu_blocks: int | None = arg(None, "KV blocks, overriding the profiling run (default: as many as "
                                            "fit)")
     cpu_kv_cache_gib: float = arg(0.25, "KV pool size in GiB when the model runs on the CPU")
-    swap_space_gib: float = arg(1.0, "CPU pool in GiB for preemption_mode swap")
+    swap_space_gib: float | None = arg(None, "CPU pool in GiB for preemption_mode swap (default: "
+                                             f"{DEFAULT_SWAP_SPACE_GIB})")
     num_cpu_blocks: int | None = arg(None, "CPU swap blocks (default: as many as swap_space_gib holds)")
     enable_prefix_caching: bool = arg(True, "reuse the KV of prompt blocks seen before (prefix caching)")
     # Requests that share leading KV blocks attend to that prefix once per group (worker/cascade.py).
@@ -197,7 +201,8 @@ class CacheConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 2, "num_gpu_blocks", f"must be >= 2, got {self.num_gpu_blocks}")
         _check(self.cpu_kv_cache_gib > 0, "cpu_kv_cache_gib", f"must be > 0, got {self.cpu_kv_cache_gib}")
-        _check(self.swap_space_gib >= 0, "swap_space_gib", f"must be >= 0, got {self.swap_space_gib}")
+        _check(self.swap_space_gib is None or self.swap_space_gib >= 0, "swap_space_gib",
+               f"must be >= 0, got {self.swap_space_gib}")
         _check(self.num_cpu_blocks is None or self.num_cpu_blocks >= 0, "num_cpu_blocks",
                f"must be >= 0, got {self.num_cpu_blocks}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
@@ -442,6 +447,11 @@ class EngineConfig:
         _check_types(self)
         _check(self.device in ("auto", "cpu", "cuda"), "device", f"must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         self.parallel.check_model(self.model.hf_config)
+        if self.scheduler.preemption_mode != "swap":  # (the swap pool's size, where nothing swaps)
+            for name in ("num_cpu_blocks", "swap_space_gib"):
+                _check(getattr(self.cache, name) is None, name,
+                       f"sizes the CPU swap pool, which only preemption_mode='swap' uses (it is "
+                       f"{self.scheduler.preemption_mode!r})")
         if self.speculative.enabled:
             _check(self.parallel.pipeline_parallel_size == 1, "pipeline_parallel_size",
                    "must be 1 with speculative decoding (not supported across pipeline stages yet)")

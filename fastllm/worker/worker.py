@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from fastllm.config import EngineConfig
+from fastllm.config import DEFAULT_SWAP_SPACE_GIB, EngineConfig
 from fastllm.core.scheduler_output import SchedulerOutput
 from fastllm.distributed.parallel_state import ParallelRank
 from fastllm.worker.async_output import AsyncRunnerOutput
@@ -102,7 +102,8 @@ class Worker:
         num_cpu_blocks = 0
         if self.config.scheduler.preemption_mode == "swap":
             num_cpu_blocks = cache.num_cpu_blocks if cache.num_cpu_blocks is not None else \
-                int(cache.swap_space_gib * GiB // per_block)
+                int((cache.swap_space_gib if cache.swap_space_gib is not None else DEFAULT_SWAP_SPACE_GIB) * GiB
+                    // per_block)
             host = available_host_bytes() - (0 if self.device.type == "cuda" else num_blocks * per_block)
             check_fits(num_cpu_blocks, per_block, host, "the host",
                        "num_cpu_blocks" if cache.num_cpu_blocks is not None else "swap_space_gib")

@@ -144,6 +144,13 @@ def test_every_engine_argument_refuses_a_wrong_type_by_name(name, kind):
             LLMEngine.from_kwargs(**{name: value})
 
 
+@pytest.mark.parametrize("name,value", [("num_cpu_blocks", 8), ("swap_space_gib", 2.0)])
+def test_the_swap_pool_sized_without_swapping_is_refused(name, value):
+    with pytest.raises(ValueError, match=f"^{name} sizes the CPU swap pool, which only preemption_mode='swap' uses"):
+        LLMEngine.from_kwargs(None, **{name: value})
+    LLMEngine.from_kwargs(None, preemption_mode="swap", **{name: value})
+
+
 def test_a_tokenizer_that_is_not_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="^tokenizer must be a directory holding a tokenizer"):
         LLMEngine.from_kwargs(None, tokenizer=str(tmp_path))
