@@ -41,7 +41,7 @@ from fastllm.entrypoints.cli import add_engine_args, engine_kwargs
 
 def build(args: argparse.Namespace, tp: int, pp: int) -> LLMEngine:
     kwargs = engine_kwargs(args) | {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
-    if args.batch_sizes and args.mode == "latency":
+    if args.batch_sizes and args.mode == "latency" and not kwargs.get("enforce_eager"):
         kwargs["cuda_graph_sizes"] = parse_batch_sizes(args.batch_sizes)
     return LLMEngine(EngineConfig.from_kwargs(args.model, **kwargs))
 

@@ -319,6 +319,8 @@ class CompileConfig:
         sizes = self.cuda_graph_sizes
         _check(sizes is None or (len(sizes) > 0 and all(isinstance(s, int) and s >= 1 for s in sizes)),
                "cuda_graph_sizes", f"must be positive integers, got {sizes!r}")
+        _check(sizes is None or not self.enforce_eager, "cuda_graph_sizes",
+               "are the batch sizes of CUDA graphs, which enforce_eager=True turns off")
         tokens = self.mixed_cuda_graph_max_tokens
         _check(isinstance(tokens, int) and (tokens == 0 or tokens >= 16), "mixed_cuda_graph_max_tokens",
                f"must be 0 (off) or at least 16, got {tokens!r}")

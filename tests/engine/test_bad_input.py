@@ -112,7 +112,8 @@ def test_unknown_engine_argument():
 @pytest.mark.parametrize("kwargs,field", [(dict(dtype="int8"), "dtype"), (dict(block_size=3), "block_size"),
                                           (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
                                           (dict(max_model_len=100000), "max_model_len"),
-                                          (dict(preemption_mode="drop"), "preemption_mode")])
+                                          (dict(preemption_mode="drop"), "preemption_mode"),
+                                          (dict(enforce_eager=True, cuda_graph_sizes=(1, 2)), "cuda_graph_sizes")])
 def test_invalid_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLMEngine.from_kwargs(None, **kwargs)

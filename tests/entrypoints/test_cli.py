@@ -85,11 +85,13 @@ def test_bench_takes_serve_defaults_in_serving_mode_only(mode):
 @pytest.mark.parametrize("command", COMMANDS)
 def test_flag_values_reach_the_engine_config(command):
     args = parse(command, "--block-size", "8", "--no-enable-prefix-caching", "--cuda-graph-sizes", "1,2,4",
-                 "--preemption-mode", "swap", "--no-async-scheduling", "--enforce-eager",
+                 "--preemption-mode", "swap", "--no-async-scheduling",
                  "--max-num-seqs", "7", "--dtype", "float32", "--gpu-memory-utilization", "0.5")
     config = EngineConfig.from_kwargs(args.model, **engine_kwargs(args))
     assert config.cache.block_size == 8 and not config.cache.enable_prefix_caching
-    assert config.compile.cuda_graph_sizes == (1, 2, 4) and config.compile.enforce_eager
+    assert config.compile.cuda_graph_sizes == (1, 2, 4) and not config.compile.enforce_eager
+    eager = parse(command, "--enforce-eager")
+    assert EngineConfig.from_kwargs(eager.model, **engine_kwargs(eager)).compile.enforce_eager
     assert config.scheduler.preemption_mode == "swap" and not config.scheduler.async_scheduling
     assert config.scheduler.max_num_seqs == 7 and config.model.dtype == "float32"
     assert config.cache.gpu_memory_utilization == 0.5
