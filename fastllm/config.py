@@ -278,7 +278,7 @@ class ParallelConfig:
         _check_types(self)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             value = getattr(self, name)
-            _check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+            _check(value >= 1, name, f"must be an integer >= 1, got {value!r}")
         _check(self.distributed_timeout_s > 0, "distributed_timeout_s",
                f"must be > 0, got {self.distributed_timeout_s}")
         _check(not self.reuse_workers or self.world_size > 1, "reuse_workers", "needs more than one rank")
@@ -317,12 +317,12 @@ class CompileConfig:
     def __post_init__(self):
         _check_types(self)
         sizes = self.cuda_graph_sizes
-        _check(sizes is None or (len(sizes) > 0 and all(isinstance(s, int) and s >= 1 for s in sizes)),
+        _check(sizes is None or (len(sizes) > 0 and all(s >= 1 for s in sizes)),
                "cuda_graph_sizes", f"must be positive integers, got {sizes!r}")
         _check(sizes is None or not self.enforce_eager, "cuda_graph_sizes",
                "are the batch sizes of CUDA graphs, which enforce_eager=True turns off")
         tokens = self.mixed_cuda_graph_max_tokens
-        _check(isinstance(tokens, int) and (tokens == 0 or tokens >= 16), "mixed_cuda_graph_max_tokens",
+        _check(tokens == 0 or tokens >= 16, "mixed_cuda_graph_max_tokens",
                f"must be 0 (off) or at least 16, got {tokens!r}")
 
 
