@@ -367,7 +367,8 @@ class SpeculativeConfig:
         _check(self.method in SPECULATIVE_METHODS, "speculative_config.method",
                f"must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         if self.method == "draft_model":
-            _check(self.model is not None, "speculative_config.model", "is required by method 'draft_model'")
+            _check(isinstance(self.model, str), "speculative_config.model",
+                   f"is required by method 'draft_model': a directory or an embedded model's name, got {self.model!r}")
             object.__setattr__(self, "model", resolve_model_path(self.model))
             for name in ("prompt_lookup_max", "prompt_lookup_min"):
                 _check(getattr(self, name) is None, f"speculative_config.{name}", "applies to method 'ngram' only")

@@ -448,6 +448,8 @@ def test_a_request_aborted_mid_speculation_frees_both_models_kv():
     (dict(speculative_model=DRAFT, num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(num_speculative_tokens=0), "num_speculative_tokens"),
     (dict(speculative_config={}), "speculative_config"),
+    (dict(speculative_config={"model": 5}), "speculative_config.model"),
+    (dict(speculative_config={"method": "draft_model"}), "speculative_config.model"),
     (dict(speculative_config={"method": "ngram", "quantization": "fp8"}), "speculative_config.quantization"),
     (dict(speculative_config={"model": DRAFT, "quantization": "int8"}), "speculative_config.quantization"),
     (dict(speculative_config={"model": DRAFT, "quantization": "fp8"}), "speculative_config.quantization"),
