@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -160,3 +162,11 @@ def decode_oracle(query: torch.Tensor, kv: PagedKV, max_seq_len: int) -> torch.T
     scale = query.shape[-1] ** -0.5
     decode = reference_impl("paged_decode_attention")
     return decode(query.float(), k, v, table, kv.seq_lens, max_seq_len, scale)
+
+
+def compiles_in_a_child(module: str) -> None:
+    """Run `python -m module`, which compiles kernels for real GPUs on the CPU and prints "compiled": in a
+    child without TRITON_INTERPRET, under which @triton.jit gives interpreted functions that do not compile."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", module], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

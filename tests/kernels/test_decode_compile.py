@@ -7,16 +7,13 @@ The compile runs in a child process: under TRITON_INTERPRET=1 @triton.jit gives 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fastllm.kernels import paged_decode_attention as P
+from tests.kernels.kernel_testing import compiles_in_a_child
 
 _TRITON_TYPE = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 _FLOATS = {"norm_eps", "scale_log2", "k_scale", "v_scale"}
@@ -45,10 +42,7 @@ def compile_decode(query_dtype: torch.dtype) -> None:
 
 
 def test_fp8_cache_decode_builds_for_sm90_under_every_query_dtype():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.test_decode_compile"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compiles_in_a_child("tests.kernels.test_decode_compile")
 
 
 if __name__ == "__main__":

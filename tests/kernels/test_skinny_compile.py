@@ -11,11 +11,6 @@ interpreted functions, which do not compile."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-import pytest
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -25,6 +20,7 @@ from fastllm.kernels import fp8_skinny_linear as F
 from fastllm.kernels import fused_add_rms_norm as N
 from fastllm.kernels import silu_and_mul as A
 from fastllm.kernels import skinny_linear as S
+from tests.kernels.kernel_testing import compiles_in_a_child
 
 SM89_SHARED_BYTES = 99 * 1024
 _SHAPE_ARGS = {"num_rows": "i32", "n_out": "i32", "k_in": "i32", "stride_xm": "i32"}
@@ -117,10 +113,7 @@ def check_all() -> None:
 
 
 def test_every_table_config_and_split_k_build_for_sm90_and_fit_sm89_shared_memory():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.kernels.test_skinny_compile"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compiles_in_a_child("tests.kernels.test_skinny_compile")
 
 
 if __name__ == "__main__":
