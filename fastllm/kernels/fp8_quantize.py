@@ -1,6 +1,7 @@
 """FP8 activations per token: each row of x [M, K] to e4m3 with its float32 scale amax / 448 (or a static
 input_scale for every row), as reference.quantize_fp8_per_token. One program a row: the row's amax over
-K, then x / scale rounded to e4m3 (IEEE division, round to nearest even: bitwise the reference's on GPUs).
+K, then x times the scale's IEEE reciprocal (one division a row, not one an element) rounded to e4m3 (nearest
+even): bitwise the reference's on GPUs.
 Rows up to ONE_PASS_MAX_K wide are loaded once and held in registers for both (a decode step's rows are a
 few KB: the kernel's time is its chain of dependent loads, not bytes); wider rows loop over K twice.
 Memory traffic: x read once (wide rows: twice, the second time from L2), M * K bytes of e4m3 and M scales
@@ -64,7 +65,8 @@ def row_scale(amax, static_scale_ptr, STATIC: tl.constexpr, FP8_MAX: tl.constexp
 
 @triton.jit
 def to_e4m3(x, scale, FP8_MAX: tl.constexpr):
-    return tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
+    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # once a row
+    return tl.clamp(x * inverse, -FP8_MAX, FP8_MAX)
 
 
 def num_warps(block_k: int) -> int:
