@@ -1,10 +1,11 @@
 """FP8 projections, y = x @ (W x weight_scale)^T with W in e4m3, on the FP8 tensor cores (sm_89+).
 
 Up to SKINNY_MAX_ROWS rows (decode batches) the weight-streaming kernel runs (fp8_skinny_linear.py).
-Larger batches: the activations are quantized per token (fp8_quantize.py: the row's amax, then x * (1 / scale)
-rounded to e4m3; or the static input_scale for every row), and the product runs in cuBLASLt through torch._scaled_mm with row-wise scales: scale_a [M, 1] per token
-and scale_b [1, N] per output channel, both float32, the weight column-major (W [N, K] row-major,
-transposed), accumulation in fp32 and one rounding to the output dtype.
+Larger batches: the activations are quantized per token (fp8_quantize.py: the row's amax, then
+x * (1 / scale) rounded to e4m3; or the static input_scale for every row), and the product runs in cuBLASLt
+through torch._scaled_mm with row-wise scales: scale_a [M, 1] per token and scale_b [1, N] per output
+channel, both float32, the weight column-major (W [N, K] row-major, transposed), accumulation in fp32 and one
+rounding to the output dtype.
 
 Math: reference.fp8_linear. The quantized activations are bitwise the reference's (the same IEEE
 reciprocal, product and round-to-nearest-even cast); the products differ by the order of the fp32 sums only.

@@ -10,9 +10,9 @@ fp8_quantize.py (each program would otherwise re-read all of x for the scales an
 an e4m3 tl.dot with fp32 accumulation, padded to 16 rows (swap_ab: as W @ x^T for 16-bit outputs).
 Up to MAX_ROWS rows; fp8_linear.py hands larger batches to torch._scaled_mm.
 
-Math: reference.fp8_linear. The quantized x is bitwise the reference's on the GPU (the same IEEE reciprocal of
-the scale, product and round-to-nearest-even cast); e4m3 products are exact in fp32, summed in another order, then scaled by
-x's and W's scales and rounded once to the output dtype.
+Math: reference.fp8_linear. The quantized x is bitwise the reference's on the GPU (the same IEEE
+reciprocal of the scale, product and round-to-nearest-even cast); e4m3 products are exact in fp32, summed in
+another order, then scaled by x's and W's scales and rounded once to the output dtype.
 Memory traffic: N * K bytes of W once; x from L2 by every program (one row: twice, in its dtype; more: once,
 in e4m3, after fp8_quantize.py's pass); M * N written.
 Launch configs: a table of its own (below), from an e4m3 sweep; skinny_linear's row buckets.

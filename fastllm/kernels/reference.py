@@ -376,8 +376,8 @@ def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = N
         scale = fp8_scale(x.abs().amax(dim=-1, keepdim=True))
     else:
         scale = input_scale.float().expand(*x.shape[:-1], 1).contiguous()
-    # x times the scale's IEEE reciprocal, as the kernels do: a multiply an element where a division costs
-    # the quantizing kernels half their time (vLLM's dynamic quantization multiplies by it too)
+    # x times the scale's IEEE reciprocal, as the kernels do: a multiply an element, not a division (the
+    # quantizing kernels' main cost; README's FP8 section), as vLLM's dynamic quantization does
     inverse = torch.ones_like(scale) / scale
     return (x.float() * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 

@@ -279,8 +279,8 @@ GPU_FEATURES = {
     "draft": dict(speculative_model=STORIES, num_speculative_tokens=3),
     # adaptive=False: every step speculates (the policy stops proposing where the tiny pair or the prompts'
     # few n-gram matches would not pay, and then the graphs' speculative steps go untested)
-    "draft-fp8": dict(speculative_config={"model": STORIES, "num_speculative_tokens": 3, "quantization": "fp8",
-                                          "adaptive": False}),
+    "draft-fp8": dict(speculative_config={"model": STORIES, "num_speculative_tokens": 3,
+                                          "quantization": "fp8", "adaptive": False}),
     "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}),
     # 24 blocks of 4 hold fewer than the ~34 blocks the five requests reach even with their shared prefix
     "swap": dict(num_gpu_blocks=24, block_size=4, max_model_len=64, preemption_mode="swap", num_cpu_blocks=64),

@@ -3,9 +3,10 @@ weight-streaming kernel up to 32 rows (fp8_skinny_linear.py), quantization + tor
 outputs: the reference there, as _scaled_mm's accumulator on Hopper is not float32's).
 
 The activation quantization is bitwise the reference's on the GPU (the same IEEE reciprocal of the scale,
-product and round to nearest even). Triton's interpreter rounds float32 -> e4m3 wrongly at binade edges (1.99 -> 1), so on the CPU
-the inputs are exactly representable: e4m3 values times a power of two, each row's amax 448 x that power,
-so that x * (1 / scale) is exact and no rounding happens (the GPU tests cover rounding).
+product and round to nearest even). Triton's interpreter rounds float32 -> e4m3 wrongly at binade edges
+(1.99 -> 1), so on the CPU the inputs are exactly representable: e4m3 values times a power of two, each
+row's amax 448 x that power, so that x * (1 / scale) is exact and no rounding happens (the GPU tests cover
+rounding).
 
 Tolerances for the whole op (||out - ref|| / ||ref||, the same quantized operands on both sides):
     float32 out   1e-5   the same e4m3 products summed in float32 in another order
