@@ -192,6 +192,9 @@ class CacheConfig:
                                          "such group, off never (default: where its cost model says it pays)")
     kv_cache_dtype: str = arg("auto", "'auto': the KV cache in the model's dtype; 'fp8': float8 e4m3 with a "
                                       "scale per layer for K and for V, twice the blocks (GPUs of sm_89+)")
+    calculate_kv_scales: bool = arg(False, "with kv_cache_dtype='fp8': each layer's K and V scales from a "
+                                           "calibration forward at startup (amax / 200, / 100, as vLLM), in "
+                                           "place of the checkpoint's or 1.0")
 
     def __post_init__(self):
         _check_types(self)
@@ -207,6 +210,8 @@ class CacheConfig:
                f"must be >= 0, got {self.num_cpu_blocks}")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _check(not self.calculate_kv_scales or self.kv_cache_dtype == "fp8", "calculate_kv_scales",
+               f"scales an FP8 KV cache: it does nothing with kv_cache_dtype={self.kv_cache_dtype!r}")
 
 
 # Requests per step when max_num_seqs is not given. vLLM runs larger batches by default on GPUs of

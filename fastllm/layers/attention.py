@@ -15,6 +15,7 @@ from torch import nn
 
 from fastllm.compile import custom_ops  # noqa: F401  (registers torch.ops.fastllm)
 from fastllm.kernels import dispatch as ops
+from fastllm.kernels import reference
 from fastllm.kernels.side_stream import fork_join
 from fastllm.layers.norm import RMSNorm
 from fastllm.layers.rotary import RotaryEmbedding
@@ -33,14 +34,16 @@ class Attention(nn.Module):
         # An FP8 cache's per-tensor scales (the cache holds K / k_scale, V / v_scale in e4m3): the checkpoint's
         # (k_scale, v_scale) where it has them (set by the model's load_weights), else 1.0, as in vLLM.
         self.checkpoint_kv_scales: tuple[float, float] | None = None
+        self.calculated_kv_scales: tuple[float, float] | None = None  # calculate_kv_scales's, before the above
         self.kv_scales = {}  # k_scale, v_scale for the kernels; empty with a 16/32-bit cache
+        self.kv_amax: torch.Tensor | None = None  # [2]: K's and V's amax, recorded in a calibration forward
         self.layer_index = layer_index  # its place in the model's attention_layers() (the forward context)
 
     def bind_kv_cache(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Attend over this cache from now on (its dtype decides whether the scales apply)."""
         self.kv_cache = kv_cache
         if kv_cache[0].dtype == torch.float8_e4m3fn:
-            k_scale, v_scale = self.checkpoint_kv_scales or (1.0, 1.0)
+            k_scale, v_scale = self.calculated_kv_scales or self.checkpoint_kv_scales or (1.0, 1.0)
             self.kv_scales = dict(k_scale=k_scale, v_scale=v_scale)
         else:
             self.kv_scales = {}
@@ -63,8 +66,10 @@ class Attention(nn.Module):
         attend (the inputs stay as they are)."""
         metadata = get_attn_metadata()
         if metadata is None or self.kv_cache is None:
-            # Profiling run (no cache yet): the output only needs the right shape.
-            return query.clone()
+            if self.kv_amax is not None:  # calculate_kv_scales's forward: one sequence, no cache
+                return self._calibration_attention(positions, query, key, value, q_norm_weight, k_norm_weight,
+                                                   norm_eps)
+            return query.clone()  # profiling run (no cache yet): the output only needs the right shape
         key_cache, value_cache = self.kv_cache
         cos_sin, is_neox = self.rotary.cos_sin_cache, self.rotary.is_neox
         window = self.sliding_window
@@ -92,6 +97,24 @@ class Attention(nn.Module):
         return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
                                      metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
                                      self.scale, window, tile_map=metadata.tile_map, **scales)
+
+    def _calibration_attention(self, positions, query, key, value, q_norm_weight, k_norm_weight, norm_eps):
+        """Causal attention of one sequence with no cache, in plain PyTorch (a startup forward: no kernel to
+        keep in step), recording the amax of K as the cache would store it (normed, rotated) and of V into
+        kv_amax (worker/kv_scales.py). The output feeds the next layer, so its K/V are text-like too."""
+        query, key = query.clone(), key.clone()
+        reference.rotary_embedding(positions, query, key, self.rotary.cos_sin_cache, self.rotary.is_neox,
+                                   q_norm_weight, k_norm_weight, norm_eps)
+        amax = torch.stack([key.abs().amax(), value.abs().amax()]).float()
+        torch.maximum(self.kv_amax, amax, out=self.kv_amax)
+        mask = None
+        if self.sliding_window is not None:
+            pos = torch.arange(len(positions), device=query.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < self.sliding_window)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask,
+            is_causal=mask is None, scale=self.scale, enable_gqa=True)
+        return out.transpose(0, 1).contiguous()
 
     def _cascade(self, positions, query, key, value, metadata, norm: dict) -> torch.Tensor:
         """Cascade attention: each request's suffix (keys from kv_start) through the paged kernels, with their

@@ -27,6 +27,7 @@ from fastllm.worker.beam_slots import BeamSlotRunner
 from fastllm.worker.cache_engine import CacheEngine
 from fastllm.worker.cascade import CascadePlanner
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
+from fastllm.worker.kv_scales import calculate_kv_scales
 from fastllm.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fastllm.worker.staging import StepInputStager
 from fastllm.worker.step_warmup import warm_up_compiled_steps, warm_up_sizes
@@ -82,12 +83,23 @@ class ModelRunner:
         return target + (self.drafter.kv_bytes_per_block() if self.drafter is not None else 0)
 
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
+        if self.config.cache.calculate_kv_scales:
+            scales = calculate_kv_scales(self.model, self.attention_layers, self.args.vocab_size,
+                                         self.config.scheduler.max_num_batched_tokens,
+                                         self.config.model.max_model_len, self.device)
+            for layer, layer_scales in zip(self.attention_layers, scales):
+                layer.calculated_kv_scales = layer_scales
         self.cache = CacheEngine(*self.model.kv_cache_shape(), self.block_size, self.kv_dtype, self.device,
                                  num_blocks, num_cpu_blocks)
         for layer, kv in zip(self.attention_layers, self.cache.layer_caches()):
             layer.bind_kv_cache(kv)
         has_scales = any(l.checkpoint_kv_scales for l in self.attention_layers)
-        if self.kv_dtype == FP8:
+        if self.config.cache.calculate_kv_scales:
+            k_scales, v_scales = zip(*(l.calculated_kv_scales for l in self.attention_layers))
+            logger.info("KV cache: float8 e4m3, per-tensor scales per layer calculated at startup%s: k_scale "
+                        "%.3g..%.3g, v_scale %.3g..%.3g", " (in place of the checkpoint's)" if has_scales else "",
+                        min(k_scales), max(k_scales), min(v_scales), max(v_scales))
+        elif self.kv_dtype == FP8:
             logger.info("KV cache: float8 e4m3, per-tensor scales per layer (%s)",
                         "from the checkpoint" if has_scales else "1.0: the checkpoint has none")
         elif has_scales:

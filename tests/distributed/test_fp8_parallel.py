@@ -97,6 +97,24 @@ def test_dynamic_activation_scales(fp8_ranks_on_cpu):
         shutdown_parallel_llm(llm)
 
 
+def test_calculated_kv_scales_per_rank(fp8_ranks_on_cpu):
+    """calculate_kv_scales on two ranks: each calibrates its own KV heads in the same forward (the same random
+    tokens, the row-parallel sums all-reduced as in any forward), so rank 0's scales are at most the layer's
+    (its heads' amax) and the cache rounds differently from one rank's: held to one rank's perplexity."""
+    kw = dict(SETTINGS, max_model_len=256, num_gpu_blocks=64, calculate_kv_scales=True)
+    llm = start_parallel_llm(STORIES, tensor_parallel_size=2, reuse_workers=True, **kw)
+    try:
+        ref = cached_llm(STORIES, **kw)
+        one, two = perplexity(ref, TEXT), perplexity(llm, TEXT)
+        print(f"\nperplexity with calculated KV scales: one rank {one:.4f}, two ranks {two:.4f}")
+        assert abs(two / one - 1) <= 0.01
+        pairs = [(a.calculated_kv_scales, b.calculated_kv_scales) for a, b in
+                 zip(llm.engine.worker.runner.attention_layers, ref.engine.worker.runner.attention_layers)]
+        assert all(x <= y * (1 + 1e-4) for rank0, whole in pairs for x, y in zip(rank0, whole))
+    finally:
+        shutdown_parallel_llm(llm)
+
+
 def write_checkpoint(path, layout: str) -> str:
     """stories260K as an FP8 checkpoint with static input scales and KV-cache scales: compressed-tensors
     with per-channel weight scales and k_scale / v_scale, or "fp8" with per-tensor ones and one kv_scale.

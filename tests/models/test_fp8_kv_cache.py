@@ -1,10 +1,11 @@
 """An FP8 KV cache (kv_cache_dtype="fp8") in the engine, through the dequantizing references (the engine
 refuses it on the CPU; conftest's allow_fp8_kv_cache_on_cpu lifts that).
 
-Quality: teacher-forced perplexity of stories260K on test_fp8_perplexity's fixed story within 2% of the
-float32 cache's (issue #26's target); the scales are 1.0 (no checkpoint scales), as vLLM's default. Also:
-the engine decodes with it, its blocks hold half the bytes (twice the blocks in the same memory), the
-refusals, and checkpoint scales."""
+Quality: teacher-forced perplexity of stories260K on test_fp8_perplexity's eight stories (pooled: one
+story's ratio has a standard error of ~1.2%, the eight's ~0.5%) within 2% of the float32 cache's (issue #26's
+target) with calculate_kv_scales; with the default scales of 1.0 (vLLM's, no checkpoint scales) it is +2.2%.
+Also: the calibration itself, the engine decodes with the cache, its blocks hold half the bytes (twice the
+blocks in the same memory), the refusals, and checkpoint scales."""
 
 from __future__ import annotations
 
@@ -18,17 +19,58 @@ from fastllm import LLM, SamplingParams
 from fastllm.kernels.reference import FP8
 from fastllm.worker.cache_engine import CacheEngine
 from tests.conftest import PROMPTS, STORIES, cached_llm
-from tests.models.test_fp8_perplexity import TEXT, perplexity
+from fastllm.worker import kv_scales
+from tests.models.test_llama_vs_hf import make_tiny_model
+from tests.models.test_fp8_perplexity import MORE_TEXTS, TEXT, perplexity
+
+TEXTS = [TEXT, *MORE_TEXTS]
 
 
 def test_stories260k_perplexity_within_2_percent(allow_fp8_kv_cache_on_cpu):
-    base = perplexity(cached_llm(STORIES), TEXT)
-    llm = cached_llm(STORIES, kv_cache_dtype="fp8")
-    fp8_kv = perplexity(llm, TEXT)
-    print(f"\nstories260K perplexity: float32 KV {base:.4f}, fp8 KV {fp8_kv:.4f} ({fp8_kv / base - 1:+.2%})")
+    base = perplexity(cached_llm(STORIES), *TEXTS)
+    default = perplexity(cached_llm(STORIES, kv_cache_dtype="fp8"), *TEXTS)
+    llm = cached_llm(STORIES, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    fp8_kv = perplexity(llm, *TEXTS)
+    print(f"\nstories260K perplexity over {len(TEXTS)} stories: float32 KV {base:.4f}, fp8 KV {fp8_kv:.4f} "
+          f"({fp8_kv / base - 1:+.2%}; scales of 1.0: {default / base - 1:+.2%})")
     assert llm.engine.worker.runner.cache.gpu.dtype == FP8
-    assert 2 < base < 4 and fp8_kv != base  # the cache really is quantized
+    assert 2 < base < 5 and fp8_kv != base  # the cache really is quantized
     assert abs(fp8_kv / base - 1) <= 0.02
+    # scales of 1.0 leave most of V's values (amax 1.5-3.6) in e4m3's subnormals: +2.2% here
+    assert abs(default / base - 1) <= 0.03
+
+
+def _kv_amax_of_a_prefill(model: str, num_tokens: int, **kw) -> list[tuple[float, float]]:
+    """Each layer's K and V amax in a float32 cache after a prefill of calculate_kv_scales's tokens."""
+    ids = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(kv_scales.SEED)).tolist()
+    llm = LLM(model, dtype="float32", num_gpu_blocks=256, enable_prefix_caching=False, **kw)
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+    return [(k.abs().max().item(), v.abs().max().item())
+            for k, v in (layer.kv_cache for layer in llm.engine.worker.runner.attention_layers)]
+
+
+@pytest.mark.parametrize("feature", ["llama", "qwen3", "mistral-window"])
+def test_calculate_kv_scales_measures_what_the_cache_would_hold(allow_fp8_kv_cache_on_cpu, feature, tmp_path_factory):
+    """The calibration forward's amax per layer are those of a prefill of the same tokens (float32; its
+    attention is plain PyTorch's, the prefill's the reference kernels': equal up to rounding), so every layer
+    sees text-like input, not the profiling run's stand-in; the scales are amax / 200 (K) and / 100 (V).
+    Qwen3: K after its k_norm; the window (16) shorter than the 64 tokens."""
+    model = STORIES if feature == "llama" else make_tiny_model(tmp_path_factory, feature)
+    kw = dict(max_num_batched_tokens=64, max_model_len=128)
+    want = _kv_amax_of_a_prefill(model, 64, **kw)
+    llm = LLM(model, dtype="float32", num_gpu_blocks=256, kv_cache_dtype="fp8", calculate_kv_scales=True, **kw)
+    layers = llm.engine.worker.runner.attention_layers
+    got = [(k * kv_scales.K_SCALE_CONSTANT, v * kv_scales.V_SCALE_CONSTANT) for k, v in
+           (layer.calculated_kv_scales for layer in layers)]
+    assert len(got) == len(want) >= 2
+    assert [x for pair in got for x in pair] == pytest.approx([x for pair in want for x in pair], rel=1e-4)
+    assert all(layer.kv_scales == dict(zip(("k_scale", "v_scale"), layer.calculated_kv_scales)) for layer in layers)
+    assert all(layer.kv_amax is None for layer in layers)
+
+
+def test_calculate_kv_scales_needs_an_fp8_cache():
+    with pytest.raises(ValueError, match="calculate_kv_scales"):
+        LLM(STORIES, device="cpu", calculate_kv_scales=True)
 
 
 def test_decodes_with_an_fp8_cache(allow_fp8_kv_cache_on_cpu):
@@ -140,9 +182,13 @@ def test_gpu_engine_with_cuda_graphs(dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_perplexity_within_2_percent(dtype):
-    """Issue #26's quality target on the GPU: an FP8 cache within 2% of the 16/32-bit cache's perplexity.
-    (bf16 missed it on an H200: +2.41%; the CPU references give +2.95%, float32 +1.64% on both.)"""
-    llm, base_llm, _ = _gpu_llms(dtype)
-    base, fp8_kv = perplexity(base_llm, TEXT), perplexity(llm, TEXT)
-    print(f"\nGPU {dtype}: perplexity {base:.4f}, fp8 KV {fp8_kv:.4f} ({fp8_kv / base - 1:+.2%})")
+    """Issue #26's quality target on the GPU: an FP8 cache with calculate_kv_scales within 2% of the
+    16/32-bit cache's perplexity over the eight stories (the CPU references: float32 +1.6%, bf16 +1.9%). (On
+    the first story alone with scales of 1.0, an H200 gave bf16 +2.41%, float32 +1.64%.)"""
+    _, base_llm, _ = _gpu_llms(dtype)
+    llm = cached_llm(STORIES, kv_cache_dtype="fp8", calculate_kv_scales=True, dtype=dtype, device="cuda",
+                     num_gpu_blocks=2048)
+    base, fp8_kv = perplexity(base_llm, *TEXTS), perplexity(llm, *TEXTS)
+    print(f"\nGPU {dtype}: perplexity over {len(TEXTS)} stories {base:.4f}, fp8 KV {fp8_kv:.4f} "
+          f"({fp8_kv / base - 1:+.2%})")
     assert abs(fp8_kv / base - 1) <= 0.02
