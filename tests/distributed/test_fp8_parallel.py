@@ -97,12 +97,15 @@ def test_dynamic_activation_scales(fp8_ranks_on_cpu):
         shutdown_parallel_llm(llm)
 
 
-def test_calculated_kv_scales_per_rank(fp8_ranks_on_cpu):
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_calculated_kv_scales_per_rank(fp8_ranks_on_cpu, layout):
     """calculate_kv_scales on two ranks: each calibrates its own KV heads in the same forward (the same random
-    tokens, the row-parallel sums all-reduced as in any forward), so rank 0's scales are at most the layer's
-    (its heads' amax) and the cache rounds differently from one rank's: held to one rank's perplexity."""
+    tokens; the row-parallel sums all-reduced, or the stages' activations handed on, as in any forward), so
+    rank 0's scales are at most the layer's (tensor parallel: its heads' amax) and the cache may round
+    differently from one rank's: held to one rank's perplexity."""
     kw = dict(SETTINGS, max_model_len=256, num_gpu_blocks=64, calculate_kv_scales=True)
-    llm = start_parallel_llm(STORIES, tensor_parallel_size=2, reuse_workers=True, **kw)
+    split = dict(tensor_parallel_size=2) if layout == "tp2" else dict(pipeline_parallel_size=2)
+    llm = start_parallel_llm(STORIES, reuse_workers=True, **split, **kw)
     try:
         ref = cached_llm(STORIES, **kw)
         one, two = perplexity(ref, TEXT), perplexity(llm, TEXT)
