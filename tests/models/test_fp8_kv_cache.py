@@ -68,6 +68,25 @@ def test_calculate_kv_scales_measures_what_the_cache_would_hold(allow_fp8_kv_cac
     assert all(layer.kv_amax is None for layer in layers)
 
 
+def test_calculated_kv_scales_take_the_place_of_the_checkpoints(allow_fp8_kv_cache_on_cpu, tmp_path, caplog):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(STORIES, tmp_path / "ckpt")
+    tensors = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    tensors["model.layers.0.self_attn.kv_scale"] = torch.tensor(0.5)
+    save_file(tensors, str(tmp_path / "ckpt" / "model.safetensors"))
+    kw = dict(device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks=40, kv_cache_dtype="fp8")
+    assert LLM(str(tmp_path / "ckpt"), **kw).engine.worker.runner.attention_layers[0].kv_scales == \
+        dict(k_scale=0.5, v_scale=0.5)
+    with caplog.at_level("INFO", logger="fastllm"):
+        layer = LLM(str(tmp_path / "ckpt"), calculate_kv_scales=True, **kw).engine.worker.runner.attention_layers[0]
+    assert layer.checkpoint_kv_scales == (0.5, 0.5) and layer.kv_scales["k_scale"] != 0.5
+    assert layer.kv_scales == dict(zip(("k_scale", "v_scale"), layer.calculated_kv_scales))
+    assert "calculated at startup (in place of the checkpoint's)" in caplog.text
+
+
 def test_calculate_kv_scales_needs_an_fp8_cache():
     with pytest.raises(ValueError, match="calculate_kv_scales"):
         LLM(STORIES, device="cpu", calculate_kv_scales=True)
