@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastllm.kernels import pdl
+from fastllm.kernels import pdl, sm_count
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token, row_scale, to_e4m3
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
 from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_splits, row_bucket, split_k_buffers,
@@ -51,11 +51,26 @@ _TUNED = {  # (row bucket, N, K)
 }
 
 
-def choose_config(num_rows: int, n_out: int, k_in: int, quantized: bool = True) -> Config:
-    """The table's config; `quantized`: x arrives in e4m3 (else one row mostly takes the FMA path)."""
+def choose_config(num_rows: int, n_out: int, k_in: int, quantized: bool = True, num_sms: int = 0) -> Config:
+    """The table's config; `quantized`: x arrives in e4m3 (else one row mostly takes the FMA path). An untuned
+    shape takes the default, split to fill num_sms where it has few column tiles (split_to_fill)."""
     if num_rows == 1 and not quantized:
         return _ONE_ROW_16BIT_TUNED.get((n_out, k_in), _ONE_ROW_16BIT)
-    return _TUNED.get((row_bucket(num_rows), n_out, k_in), _DOT)
+    tuned = _TUNED.get((row_bucket(num_rows), n_out, k_in))
+    return tuned if tuned is not None else split_to_fill(_DOT, n_out, k_in, num_sms)
+
+
+def split_to_fill(cfg: Config, n_out: int, k_in: int, num_sms: int) -> Config:
+    """cfg with K split (in powers of two) while its programs fill under half of num_sms, for shapes with fewer
+    column tiles than a quarter of them, each split keeping two BLOCK_K tiles or more. The default's 64-wide
+    tiles give a small model's narrow projections few programs (Qwen3-0.6B's o and down: 16 on 132 SMs); the
+    swept shapes (Llama-3.1-8B's) have 64 or more and stay as they are. Not yet timed on these shapes."""
+    tiles = triton.cdiv(n_out, cfg.block_n)
+    split = 1
+    if tiles < num_sms // 4:
+        while tiles * split < num_sms // 2 and k_in // (2 * split) >= 2 * cfg.block_k:
+            split *= 2
+    return cfg._replace(split_k=split) if split > 1 else cfg
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -135,7 +150,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
            config: Config | None = None) -> torch.Tensor:
     """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows); weight [N, K] e4m3 contiguous,
     weight_scale [N] float32 -> [rows, N] in x's dtype."""
-    cfg = config or choose_config(x.shape[0], *weight.shape, quantized=False)
+    cfg = config or choose_config(x.shape[0], *weight.shape, quantized=False,
+                                  num_sms=sm_count.num_sms(x.device))
     if cfg.use_dot or x.shape[0] > 1:  # x quantized once here, not re-read for its scales by every program
         x_q, x_scale = quantize_fp8_per_token(x, input_scale)
         return launch_quantized(x_q, x_scale, weight, weight_scale, bias, x.dtype, config=cfg)
@@ -146,7 +162,7 @@ def launch_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Ten
                      bias: torch.Tensor | None, out_dtype: torch.dtype, *, config: Config | None = None
                      ) -> torch.Tensor:
     """The kernel on activations quantized already: x_q [rows, K] e4m3 with float32 scales x_scale [rows, 1]."""
-    cfg = config or choose_config(x_q.shape[0], *weight.shape)
+    cfg = config or choose_config(x_q.shape[0], *weight.shape, num_sms=sm_count.num_sms(x_q.device))
     return _launch(x_q, x_scale.view(x_q.shape[0]), True, weight, weight_scale, bias, out_dtype, cfg)
 
 

@@ -120,6 +120,27 @@ def test_skinny_kernel_matches_reference(device, rows, n_out, k_in, cfg):
     assert rel_err(out, reference.fp8_linear(x, weight, scale, bias)) <= TOL[torch.float32]
 
 
+def test_untuned_narrow_shapes_split_k_to_fill_the_sms(device):
+    """Few column tiles (Qwen3-0.6B's o and down: 16 at 64 wide): K split in powers of two until the programs
+    reach half the SMs, two BLOCK_K tiles a split at least; Llama-3.1-8B's shapes (swept) keep the table's."""
+    block_k = S.choose_config(2, 1024, 3072).block_k
+    assert S.choose_config(2, 1024, 3072, num_sms=132).split_k == 4  # 64 programs; 8 would leave 1.5 tiles
+    assert S.choose_config(2, 1024, 2048, num_sms=132).split_k == 4
+    assert S.choose_config(2, 1024, 4 * block_k - 1, num_sms=132).split_k == 1  # under two tiles a split
+    for rows in (1, 8, 32):
+        for n_out, k_in in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            assert S.choose_config(rows, n_out, k_in, num_sms=132) == S.choose_config(rows, n_out, k_in)
+    assert S.choose_config(2, 1024, 3072, num_sms=4) == S.choose_config(2, 1024, 3072)  # the interpreter's 4
+    # the chosen split on a small shape (one column tile, 1024 of K: split 2 of two tiles each at 132 SMs)
+    cfg = S.choose_config(3, 64, 4 * block_k, num_sms=132)
+    assert cfg.split_k == 2
+    x = exact_rows(3, 4 * block_k, device)
+    weight, scale = random_weight(64, 4 * block_k, device)
+    x_q, x_scale = fp8_quantize.quantize_fp8_per_token(x)
+    out = S.launch_quantized(x_q, x_scale, weight, scale, None, torch.float32, config=cfg)
+    assert rel_err(out, reference.fp8_linear(x, weight, scale, None)) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("rows,n_out,k_in", [(2, 64, 96), (17, 130, 256), (32, 64, 512)])
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_swapped_dot_of_16bit_outputs_matches_the_unswapped_one(device, rows, n_out, k_in, split_k, monkeypatch):
