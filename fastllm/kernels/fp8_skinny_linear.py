@@ -61,10 +61,11 @@ def choose_config(num_rows: int, n_out: int, k_in: int, quantized: bool = True, 
 
 
 def split_to_fill(cfg: Config, n_out: int, k_in: int, num_sms: int) -> Config:
-    """cfg with K split (in powers of two) while its programs fill under half of num_sms, for shapes with fewer
-    column tiles than a quarter of them, each split keeping two BLOCK_K tiles or more. The default's 64-wide
-    tiles give a small model's narrow projections few programs (Qwen3-0.6B's o and down: 16 on 132 SMs); the
-    swept shapes (Llama-3.1-8B's) have 64 or more and stay as they are. Not yet timed on these shapes."""
+    """cfg with K split (in powers of two) while its programs fill under half of num_sms, for shapes with
+    fewer column tiles than a quarter of them, each split keeping two BLOCK_K tiles or more. The default's
+    64-wide tiles give a small model's narrow projections few programs (Qwen3-0.6B's o and down: 16 on 132
+    SMs); the swept shapes (Llama-3.1-8B's) have 64 or more and stay as they are. Not yet timed on these
+    shapes."""
     tiles = triton.cdiv(n_out, cfg.block_n)
     split = 1
     if tiles < num_sms // 4:

@@ -34,7 +34,7 @@ class Attention(nn.Module):
         # An FP8 cache's per-tensor scales (the cache holds K / k_scale, V / v_scale in e4m3): the checkpoint's
         # (k_scale, v_scale) where it has them (set by the model's load_weights), else 1.0, as in vLLM.
         self.checkpoint_kv_scales: tuple[float, float] | None = None
-        self.calculated_kv_scales: tuple[float, float] | None = None  # calculate_kv_scales: wins over the above
+        self.calculated_kv_scales: tuple[float, float] | None = None  # calculate_kv_scales: wins over those
         self.kv_scales = {}  # k_scale, v_scale for the kernels; empty with a 16/32-bit cache
         self.kv_amax: torch.Tensor | None = None  # [2]: K's and V's amax, recorded in a calibration forward
         self.layer_index = layer_index  # its place in the model's attention_layers() (the forward context)

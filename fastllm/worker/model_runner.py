@@ -96,9 +96,10 @@ class ModelRunner:
         has_scales = any(l.checkpoint_kv_scales for l in self.attention_layers)
         if self.config.cache.calculate_kv_scales:
             k_scales, v_scales = zip(*(l.calculated_kv_scales for l in self.attention_layers))
+            instead = " (in place of the checkpoint's)" if has_scales else ""
             logger.info("KV cache: float8 e4m3, per-tensor scales per layer calculated at startup%s: k_scale "
-                        "%.3g..%.3g, v_scale %.3g..%.3g", " (in place of the checkpoint's)" if has_scales else "",
-                        min(k_scales), max(k_scales), min(v_scales), max(v_scales))
+                        "%.3g..%.3g, v_scale %.3g..%.3g", instead, min(k_scales), max(k_scales),
+                        min(v_scales), max(v_scales))
         elif self.kv_dtype == FP8:
             logger.info("KV cache: float8 e4m3, per-tensor scales per layer (%s)",
                         "from the checkpoint" if has_scales else "1.0: the checkpoint has none")

@@ -17,11 +17,11 @@ import torch
 import fastllm.kernels.dispatch as dispatch
 from fastllm import LLM, SamplingParams
 from fastllm.kernels.reference import FP8
+from fastllm.worker import kv_scales
 from fastllm.worker.cache_engine import CacheEngine
 from tests.conftest import PROMPTS, STORIES, cached_llm
-from fastllm.worker import kv_scales
-from tests.models.test_llama_vs_hf import make_tiny_model
 from tests.models.test_fp8_perplexity import MORE_TEXTS, TEXT, perplexity
+from tests.models.test_llama_vs_hf import make_tiny_model
 
 TEXTS = [TEXT, *MORE_TEXTS]
 
@@ -42,15 +42,18 @@ def test_stories260k_perplexity_within_2_percent(allow_fp8_kv_cache_on_cpu):
 
 def _kv_amax_of_a_prefill(model: str, num_tokens: int, **kw) -> list[tuple[float, float]]:
     """Each layer's K and V amax in a float32 cache after a prefill of calculate_kv_scales's tokens."""
-    ids = torch.randint(0, 512, (num_tokens,), generator=torch.Generator().manual_seed(kv_scales.SEED)).tolist()
+    draw = torch.Generator().manual_seed(kv_scales.SEED)
+    ids = torch.randint(0, 512, (num_tokens,), generator=draw).tolist()
     llm = LLM(model, dtype="float32", num_gpu_blocks=256, enable_prefix_caching=False, **kw)
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.engine.check_kv_pool_whole()
     return [(k.abs().max().item(), v.abs().max().item())
             for k, v in (layer.kv_cache for layer in llm.engine.worker.runner.attention_layers)]
 
 
 @pytest.mark.parametrize("feature", ["llama", "qwen3", "mistral-window"])
-def test_calculate_kv_scales_measures_what_the_cache_would_hold(allow_fp8_kv_cache_on_cpu, feature, tmp_path_factory):
+def test_calculate_kv_scales_measures_what_the_cache_would_hold(allow_fp8_kv_cache_on_cpu, feature,
+                                                                tmp_path_factory):
     """The calibration forward's amax per layer are those of a prefill of the same tokens (float32; its
     attention is plain PyTorch's, the prefill's the reference kernels': equal up to rounding), so every layer
     sees text-like input, not the profiling run's stand-in; the scales are amax / 200 (K) and / 100 (V).
@@ -58,13 +61,15 @@ def test_calculate_kv_scales_measures_what_the_cache_would_hold(allow_fp8_kv_cac
     model = STORIES if feature == "llama" else make_tiny_model(tmp_path_factory, feature)
     kw = dict(max_num_batched_tokens=64, max_model_len=128)
     want = _kv_amax_of_a_prefill(model, 64, **kw)
-    llm = LLM(model, dtype="float32", num_gpu_blocks=256, kv_cache_dtype="fp8", calculate_kv_scales=True, **kw)
+    llm = LLM(model, dtype="float32", num_gpu_blocks=256, kv_cache_dtype="fp8", calculate_kv_scales=True,
+              **kw)
     layers = llm.engine.worker.runner.attention_layers
     got = [(k * kv_scales.K_SCALE_CONSTANT, v * kv_scales.V_SCALE_CONSTANT) for k, v in
            (layer.calculated_kv_scales for layer in layers)]
     assert len(got) == len(want) >= 2
     assert [x for pair in got for x in pair] == pytest.approx([x for pair in want for x in pair], rel=1e-4)
-    assert all(layer.kv_scales == dict(zip(("k_scale", "v_scale"), layer.calculated_kv_scales)) for layer in layers)
+    assert all(layer.kv_scales == dict(zip(("k_scale", "v_scale"), layer.calculated_kv_scales))
+               for layer in layers)
     assert all(layer.kv_amax is None for layer in layers)
 
 
@@ -81,7 +86,8 @@ def test_calculated_kv_scales_take_the_place_of_the_checkpoints(allow_fp8_kv_cac
     assert LLM(str(tmp_path / "ckpt"), **kw).engine.worker.runner.attention_layers[0].kv_scales == \
         dict(k_scale=0.5, v_scale=0.5)
     with caplog.at_level("INFO", logger="fastllm"):
-        layer = LLM(str(tmp_path / "ckpt"), calculate_kv_scales=True, **kw).engine.worker.runner.attention_layers[0]
+        llm = LLM(str(tmp_path / "ckpt"), calculate_kv_scales=True, **kw)
+    layer = llm.engine.worker.runner.attention_layers[0]
     assert layer.checkpoint_kv_scales == (0.5, 0.5) and layer.kv_scales["k_scale"] != 0.5
     assert layer.kv_scales == dict(zip(("k_scale", "v_scale"), layer.calculated_kv_scales))
     assert "calculated at startup (in place of the checkpoint's)" in caplog.text

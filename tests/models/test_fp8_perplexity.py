@@ -28,40 +28,41 @@ TEXT = (
 # Seven more stories in TEXT's style, written for the FP8 KV cache's test (test_fp8_kv_cache.py): one story's
 # ~200 tokens give a perplexity ratio with a standard error of ~1.2%, the eight pooled ~0.5%.
 MORE_TEXTS = [
-    "Lily had a little cat named Mittens. Mittens was white and soft. Every morning, Lily gave Mittens a bowl of "
-    "milk. One day, Mittens did not come to drink her milk. Lily looked under the bed and in the garden, but she "
-    "could not find her cat. She felt sad and started to cry. Her mom said, \"Let's look together.\" They looked "
-    "in the big box by the door. There was Mittens, sleeping with three tiny kittens! Lily was so happy. She "
-    "gave the kittens names and took care of them every day.",
-    "Ben wanted to build a big tower with his blocks. He put one block on top of another. The tower grew tall. "
-    "Then his little sister Sue came and wanted to play too. Ben said, \"No, it is my tower!\" Sue was sad and "
-    "walked away. Ben looked at his tower and did not feel happy. He called Sue and said, \"I am sorry. Do you "
-    "want to help me?\" Sue smiled and they built the tower together. It was the biggest tower ever. Mom took a "
-    "picture of them, and they laughed.",
-    "Once upon a time, there was a small bird who lived in a tree. The bird liked to sing every morning. One "
-    "day, it was very cold and the bird could not find any food. A kind girl named Anna saw the bird. She put "
-    "some seeds on the window. The bird flew down and ate the seeds. It sang a happy song for Anna. Every day, "
-    "Anna gave the bird seeds, and every day the bird sang for her. They became best friends, and Anna was "
-    "never lonely again.",
+    "Lily had a little cat named Mittens. Mittens was white and soft. Every morning, Lily gave Mittens a "
+    "bowl of milk. One day, Mittens did not come to drink her milk. Lily looked under the bed and in the "
+    "garden, but she could not find her cat. She felt sad and started to cry. Her mom said, \"Let's look "
+    "together.\" They looked in the big box by the door. There was Mittens, sleeping with three tiny "
+    "kittens! Lily was so happy. She gave the kittens names and took care of them every day.",
+    "Ben wanted to build a big tower with his blocks. He put one block on top of another. The tower grew "
+    "tall. Then his little sister Sue came and wanted to play too. Ben said, \"No, it is my tower!\" Sue was "
+    "sad and walked away. Ben looked at his tower and did not feel happy. He called Sue and said, \"I am "
+    "sorry. Do you want to help me?\" Sue smiled and they built the tower together. It was the biggest "
+    "tower ever. Mom took a picture of them, and they laughed.",
+    "Once upon a time, there was a small bird who lived in a tree. The bird liked to sing every morning. "
+    "One day, it was very cold and the bird could not find any food. A kind girl named Anna saw the bird. "
+    "She put some seeds on the window. The bird flew down and ate the seeds. It sang a happy song for "
+    "Anna. Every day, Anna gave the bird seeds, and every day the bird sang for her. They became best "
+    "friends, and Anna was never lonely again.",
     "Sam and his dad went to the beach. The sun was hot and the water was blue. Sam made a big sand castle "
     "with a bucket and a shovel. Then a big wave came and broke the castle. Sam was sad. His dad said, \"Do "
-    "not be sad. We can make a new one.\" They made a new castle far from the water. Sam found a pretty shell "
-    "and put it on top. When the sun went down, they went home. Sam told his mom about the shell and the "
-    "castle.",
-    "There was a little girl named Mia who loved to draw. She drew the sun, the trees and her dog. One day, "
-    "her crayons were gone. Mia looked everywhere. She asked her brother, \"Did you take my crayons?\" Her "
-    "brother said, \"No, but I saw the dog with them.\" Mia found the dog in the garden. The crayons were in "
-    "the grass, and the dog was lying next to them. Mia laughed and hugged the dog. Then she drew a picture of "
-    "the dog with the crayons.",
-    "Tom had a toy car that was red and fast. He liked to race it on the floor. One day, the car went under the "
-    "couch and Tom could not reach it. He asked his grandpa for help. Grandpa got a long stick and pushed the "
-    "car out. Tom said, \"Thank you, Grandpa!\" Grandpa smiled and said, \"Let's race together.\" They raced "
-    "the car all afternoon. Tom won three times and Grandpa won two times. It was a fun day.",
-    "One day, a little bear named Bob went to the forest to find honey. He walked and walked, but he could not "
-    "find any. He met a rabbit and asked, \"Do you know where the honey is?\" The rabbit said, \"Yes, it is in "
-    "the big tree by the river.\" Bob thanked the rabbit and went to the tree. He found the honey, but there "
-    "were many bees. Bob was careful and took only a little. He shared the honey with the rabbit, and they "
-    "were both happy.",
+    "not be sad. We can make a new one.\" They made a new castle far from the water. Sam found a pretty "
+    "shell and put it on top. When the sun went down, they went home. Sam told his mom about the shell and "
+    "the castle.",
+    "There was a little girl named Mia who loved to draw. She drew the sun, the trees and her dog. One "
+    "day, her crayons were gone. Mia looked everywhere. She asked her brother, \"Did you take my crayons?\" "
+    "Her brother said, \"No, but I saw the dog with them.\" Mia found the dog in the garden. The crayons "
+    "were in the grass, and the dog was lying next to them. Mia laughed and hugged the dog. Then she drew "
+    "a picture of the dog with the crayons.",
+    "Tom had a toy car that was red and fast. He liked to race it on the floor. One day, the car went "
+    "under the couch and Tom could not reach it. He asked his grandpa for help. Grandpa got a long stick "
+    "and pushed the car out. Tom said, \"Thank you, Grandpa!\" Grandpa smiled and said, \"Let's race "
+    "together.\" They raced the car all afternoon. Tom won three times and Grandpa won two times. It was a "
+    "fun day.",
+    "One day, a little bear named Bob went to the forest to find honey. He walked and walked, but he could "
+    "not find any. He met a rabbit and asked, \"Do you know where the honey is?\" The rabbit said, \"Yes, it "
+    "is in the big tree by the river.\" Bob thanked the rabbit and went to the tree. He found the honey, "
+    "but there were many bees. Bob was careful and took only a little. He shared the honey with the "
+    "rabbit, and they were both happy.",
 ]
 
 TINY_CONFIG = {
