@@ -36,7 +36,8 @@ def _quantize_rows_kernel(
         x = tl.load(x_row + ks, mask=ks < k_in, other=0.0).to(tl.float32)
         scale = row_scale(tl.max(tl.abs(x), axis=0), static_scale_ptr, STATIC, FP8_MAX, MIN_AMAX)
         tl.store(scale_ptr + row, scale)
-        tl.store(q_row + ks, to_e4m3(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=ks < k_in)
+        q = to_e4m3(x, reciprocal(scale), FP8_MAX)
+        tl.store(q_row + ks, q.to(q_ptr.dtype.element_ty), mask=ks < k_in)
     else:
         amax = tl.zeros([BLOCK_K], tl.float32)
         if not STATIC:
@@ -46,10 +47,11 @@ def _quantize_rows_kernel(
                 amax = tl.maximum(amax, tl.abs(x))
         scale = row_scale(tl.max(amax, axis=0), static_scale_ptr, STATIC, FP8_MAX, MIN_AMAX)
         tl.store(scale_ptr + row, scale)
+        inverse = reciprocal(scale)
         for k0 in range(0, k_in, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + ks, mask=ks < k_in, other=0.0).to(tl.float32)
-            tl.store(q_row + ks, to_e4m3(x, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=ks < k_in)
+            tl.store(q_row + ks, to_e4m3(x, inverse, FP8_MAX).to(q_ptr.dtype.element_ty), mask=ks < k_in)
 
 
 # Shared with the kernels that quantize their own outputs for an FP8 projection (fused_add_rms_norm.py,
@@ -64,9 +66,14 @@ def row_scale(amax, static_scale_ptr, STATIC: tl.constexpr, FP8_MAX: tl.constexp
 
 
 @triton.jit
-def to_e4m3(x, scale, FP8_MAX: tl.constexpr):
-    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)  # once a row
-    return tl.clamp(x * inverse, -FP8_MAX, FP8_MAX)
+def reciprocal(scale):
+    """The scale's IEEE reciprocal (the reference's): computed once a row, before any loop over the row."""
+    return tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def to_e4m3(x, inverse_scale, FP8_MAX: tl.constexpr):
+    return tl.clamp(x * inverse_scale, -FP8_MAX, FP8_MAX)
 
 
 def num_warps(block_k: int) -> int:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import pdl, sm_count
-from fastllm.kernels.fp8_quantize import quantize_fp8_per_token, row_scale, to_e4m3
+from fastllm.kernels.fp8_quantize import quantize_fp8_per_token, reciprocal, row_scale, to_e4m3
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
 from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_splits, row_bucket, split_k_buffers,
                                           store_out)
@@ -101,6 +101,8 @@ def _fp8_skinny_linear_kernel(
             x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k_in)[None, :], other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
         x_scale = row_scale(tl.max(amax, axis=1), input_scale_ptr, False, FP8_MAX, MIN_AMAX)
+    if not PREQUANT:
+        x_inverse = reciprocal(x_scale)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWAP_AB's: out^T = W @ x^T
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
@@ -113,7 +115,7 @@ def _fp8_skinny_linear_kernel(
         if PREQUANT:
             q = x
         else:
-            q = to_e4m3(x.to(tl.float32), x_scale[:, None], FP8_MAX).to(w.dtype)
+            q = to_e4m3(x.to(tl.float32), x_inverse[:, None], FP8_MAX).to(w.dtype)
         if USE_DOT and SWAP_AB:
             # wgmma's FP8 accumulator keeps ~14 bits: each tile's sum is promoted to acc_t's fp32
             acc_t = tl.dot(w, tl.trans(q), acc_t, max_num_imprecise_acc=BLOCK_K)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import pdl
-from fastllm.kernels.fp8_quantize import row_scale, to_e4m3
+from fastllm.kernels.fp8_quantize import reciprocal, row_scale, to_e4m3
 from fastllm.kernels.reference import FP8, FP8_MAX, MIN_AMAX
 
 
@@ -63,7 +63,8 @@ def _rms_norm_kernel(
         y = y.to(x.dtype).to(tl.float32)
         scale = row_scale(tl.max(tl.abs(y), axis=1), scale_ptr, False, FP8_MAX, MIN_AMAX)  # [BLOCK_R]
         tl.store(scale_ptr + rows, scale, mask=rows < num_rows)
-        tl.store(out_ptr + out_off, to_e4m3(y, scale[:, None], FP8_MAX).to(out_ptr.dtype.element_ty), mask=mask)
+        q = to_e4m3(y, reciprocal(scale)[:, None], FP8_MAX)
+        tl.store(out_ptr + out_off, q.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + out_off, y.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import fp8_quantize, pdl
-from fastllm.kernels.fp8_quantize import row_scale, to_e4m3
+from fastllm.kernels.fp8_quantize import reciprocal, row_scale, to_e4m3
 from fastllm.kernels.reference import FP8, FP8_MAX, MIN_AMAX
 
 logger = logging.getLogger("fastllm.kernels")
@@ -60,7 +60,8 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_xt, inter, BLOCK: t
     out = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)  # as silu_and_mul writes it
     scale = row_scale(tl.max(tl.abs(out), axis=0), scale_ptr, False, FP8_MAX, MIN_AMAX)
     tl.store(scale_ptr + t, scale)
-    tl.store(q_ptr + t * inter + c, to_e4m3(out, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
+    q = to_e4m3(out, reciprocal(scale), FP8_MAX)
+    tl.store(q_ptr + t * inter + c, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def bytes_moved(x: torch.Tensor) -> int:
