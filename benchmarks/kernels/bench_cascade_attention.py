@@ -1,11 +1,12 @@
 """Cascade attention at Llama-3-8B shapes (32 q heads, 8 kv heads, dim 128, bf16, block size 16): a group of
 decode requests on a shared prefix (the same block ids at the head of every table) plus their own tokens.
 
-Ours ('triton') is the engine's cascade path over the cached K/V: the shared-prefix kernel (the group's rows
-as one tile, split over the prefix) beside paged decode over each request's own tokens (kv_start) with its
-LSE (two streams, as the engine runs them), then the LSE merge, three launches timed together in steady
-state (kbench.steady_ms). The baseline is the plain paged decode kernel on the same data
-('paged_decode_attention': every request reads the whole prefix), our own kernel, not torch's: the row's speedup_vs_paged_decode is the target (>= 3x at B64 x 2,048 + 128).
+Ours ('triton') is the engine's decode path over the cached K/V (cascade_decode_attention): the shared-prefix
+kernel (the group's rows as one tile, split over the prefix) beside paged decode over each request's own
+tokens (kv_start), on two streams, each row merged by log-sum-exp where its last part finishes; two launches
+timed together in steady state (kbench.steady_ms). The baseline is the plain paged decode kernel on the same
+data ('paged_decode_attention': every request reads the whole prefix), our own kernel, not torch's: the row's
+speedup_vs_paged_decode is the target (>= 3x at B64 x 2,048 + 128).
 GB/s counts the bytes cascade must move (the prefix once, the suffixes, q/out, partial states).
 
     pytest benchmarks/kernels/bench_cascade_attention.py      (or run_all.py --only cascade_attention)
@@ -43,20 +44,10 @@ def shared_prefix_problem(batch: int, prefix: int, own: int):
 
 
 def cascade(query, key_cache, value_cache, block_tables, seq_lens, plan, prefix: int, own: int, scale: float):
-    from fastllm.kernels.cascade_attention import cascade_prefix_attention
-    from fastllm.kernels.merge_attn_states import merge_attn_states
-    from fastllm.kernels.paged_decode_attention import paged_decode_attention
-    from fastllm.kernels.side_stream import fork_join
+    from fastllm.kernels.cascade_attention import cascade_decode_attention
 
-    kv_start, prefix_rows, prefix_lens, rows, row_start = plan
-    (prefix_o, prefix_lse), (out, lse) = fork_join(
-        lambda: cascade_prefix_attention(query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens, rows,
-                                         row_start, query.shape[0], prefix, scale),
-        lambda: paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, own, scale, None,
-                                       kv_start, True),
-        query.device)
-    merge_attn_states(out, lse, prefix_o, prefix_lse, rows)
-    return out
+    return cascade_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, *plan,
+                                    query.shape[0], prefix, own, scale)
 
 
 def cascade_bytes(batch: int, prefix: int, own: int, splits: int) -> int:

@@ -8,6 +8,12 @@ head, as prefill_attention does, so each prefix K/V tile is read once per row ti
 per request. Each row's attention to its own suffix (the keys after the prefix) is the paged kernels' with
 kv_start; merge_attn_states.py folds the two parts together by their log-sum-exp.
 
+A decode step takes cascade_decode_attention: this kernel, then paged decode over the suffixes, which folds
+each grouped row's prefix states into its output as it finishes the row, so no merge launch. Under PDL the
+prefix kernel lets the suffix kernel start at once (TRIGGER), and the suffix kernel waits for it only before
+those merges, so the two overlap as two streams would. A mixed step's suffix is the prefill kernel's: the
+prefix kernel runs beside it on a side stream, then merge_attn_states.
+
 Math, for query row t of group g over its prefix keys k_0 .. k_{P-1} (P = prefix_lens[g]):
     o_s = sum_{j in split s} softmax(scale q_t . k_j) v_j (normalized within the split),
     lse_s = log2 sum_{j in split s} 2^(scale log2(e) q_t . k_j)
@@ -27,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastllm.kernels import prefill_tiles, sm_count
+from fastllm.kernels import pdl, prefill_tiles, sm_count
+from fastllm.kernels.paged_decode_attention import CascadeSuffix, launch_chosen
 from fastllm.kernels.prefill_attention import _prefix_tile
 from fastllm.kernels.reference import FP8, check_kv_scales
 
@@ -47,7 +54,10 @@ def _cascade_prefix_kernel(
     num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    TRIGGER: tl.constexpr,  # a decode cascade on a PDL GPU: let the suffix kernel start now (see pdl.py)
 ):
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # query rows per tile
     tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -135,9 +145,10 @@ def cascade_prefix_attention(
 def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens, rows,
                                     row_start, max_group_rows: int, max_prefix_len: int, scale: float,
                                     num_splits: int | None = None, block_m: int | None = None,
-                                    num_warps: int | None = None, k_scale: float = 1.0,
-                                    v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """cascade_prefix_attention with an explicit launch config (None: the chosen one); tests and tuning."""
+                                    num_warps: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                                    trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cascade_prefix_attention with an explicit launch config (None: the chosen one); tests and tuning.
+    trigger: let the next kernel (a PDL launch) start beside this one (cascade_decode_attention)."""
     num_rows = rows.shape[0]
     _, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
@@ -172,5 +183,38 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps or (8 if head_dim > 128 else 4), num_stages=3 if query.element_size() <= 2 else 2,
+        TRIGGER=trigger,
     )
     return o, lse
+
+
+def cascade_decode_attention(
+    query: torch.Tensor,  # [B, Hq, D], rotated: one decode row per request
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    kv_start: torch.Tensor,  # [B] int32: each request's suffix start (its group's prefix length; 0 alone)
+    prefix_rows: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    rows: torch.Tensor,  # [R] int32 (-1: padding)
+    row_start: torch.Tensor,
+    max_group_rows: int,
+    max_prefix_len: int,
+    max_suffix_len: int,  # host-side bound on seq_len - kv_start
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """A decode step's cascade attention (see the reference) in two launches: the prefix kernel, then paged
+    decode over the suffixes, which folds each grouped row's prefix states into its out as it finishes the
+    row (no merge launch). With PDL (pdl.py) the suffix kernel starts while the prefix kernel runs, and waits
+    for it only before those merges."""
+    prefix_o, prefix_lse = cascade_prefix_attention_splits(
+        query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens, rows, row_start,
+        max_group_rows, max_prefix_len, scale, k_scale=k_scale, v_scale=v_scale,
+        trigger=pdl.enabled(query.device))
+    out, _ = launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_suffix_len, scale,
+                           kv_start=kv_start, return_lse=True, k_scale=k_scale, v_scale=v_scale,
+                           cascade=CascadeSuffix(rows, prefix_o, prefix_lse))
+    return out

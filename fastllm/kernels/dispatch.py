@@ -36,6 +36,7 @@ KERNEL_NAMES = (
     "linear",
     "cascade_prefix_attention",
     "merge_attn_states",
+    "cascade_decode_attention",
     "fp8_linear",
     "fp8_linear_quantized",
     "rms_norm_fp8",
@@ -56,6 +57,7 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "linear": "skinny_linear",
     "cascade_prefix_attention": "cascade_attention",
     "merge_attn_states": "merge_attn_states",
+    "cascade_decode_attention": "cascade_attention",
     "fp8_linear": "fp8_linear",
     "fp8_linear_quantized": "fp8_linear",
     "rms_norm_fp8": "fused_add_rms_norm",
@@ -154,6 +156,18 @@ def cascade_prefix_attention(
 
 def merge_attn_states(out: Tensor, lse: Tensor, prefix_o: Tensor, prefix_lse: Tensor, rows: Tensor) -> None:
     return _select("merge_attn_states", out.device)(out, lse, prefix_o, prefix_lse, rows)
+
+
+def cascade_decode_attention(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, block_tables: Tensor, seq_lens: Tensor,
+    kv_start: Tensor, prefix_rows: Tensor, prefix_lens: Tensor, rows: Tensor, row_start: Tensor,
+    max_group_rows: int, max_prefix_len: int, max_suffix_len: int, scale: float, k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> Tensor:
+    return _select("cascade_decode_attention", query.device)(
+        query, key_cache, value_cache, block_tables, seq_lens, kv_start, prefix_rows, prefix_lens, rows,
+        row_start, max_group_rows, max_prefix_len, max_suffix_len, scale, k_scale, v_scale,
+    )
 
 
 def fused_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:

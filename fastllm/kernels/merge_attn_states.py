@@ -8,6 +8,10 @@ over the S + 1 states; an empty part (lse = -inf) weighs 0 and its o is never re
 only at the listed rows (a row of -1 is padding). Grid: (R, Hq), one (row, head) a program, its S + 1 states of D floats.
 
 Memory traffic: R * Hq * (S * (D + 1) * 4 + 2 * D * out.element_size() + 4) bytes.
+
+A decode step's cascade (cascade_attention.cascade_decode_attention) runs no merge launch: its suffix kernel
+folds each row's prefix states in as it finishes the row (`merge_prefix_states`, the same math online over
+the splits).
 """
 
 from __future__ import annotations
@@ -40,6 +44,33 @@ def _merge_kernel(out_ptr, lse_ptr, prefix_o_ptr, prefix_lse_ptr, rows_ptr, stri
                      mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)  # an empty part's o is never read
     merged = (tl.sum(w[:, None] * part_o, axis=0) + own_w * own) / (tl.sum(w, axis=0) + own_w)
     tl.store(out_row, merged.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+@triton.jit
+def merge_prefix_states(out_rows, lse_rows, prefix_o_ptr, prefix_lse_ptr, states, num_splits, mask,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """For each masked row i: out_rows[i] (HEAD_DIM values; its suffix attention, lse at lse_rows[i]) <- the
+    merge with its prefix states states[i] .. states[i] + num_splits - 1 of prefix_o / prefix_lse: the
+    _merge_kernel's math, online over the splits."""
+    d = tl.arange(0, BLOCK_D)
+    io_mask = mask[:, None] & (d < HEAD_DIM)[None, :]
+    own_lse = tl.load(lse_rows, mask=mask, other=float("-inf"))
+    own = tl.load(out_rows[:, None] + d[None, :], mask=io_mask, other=0.0).to(tl.float32)
+    m = tl.maximum(own_lse, -1.0e30)  # finite, so that no weight is exp2(-inf + inf) = NaN
+    den = tl.exp2(own_lse - m)
+    acc = own * den[:, None]
+    for s in range(num_splits):
+        part_lse = tl.load(prefix_lse_ptr + states + s, mask=mask, other=float("-inf"))
+        m_new = tl.maximum(m, part_lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(part_lse - m_new)  # 0 for an empty split, whose o is never read
+        part_o = tl.load(prefix_o_ptr + (states + s)[:, None] * HEAD_DIM + d[None, :],
+                         mask=io_mask & (w > 0.0)[:, None], other=0.0)
+        acc = acc * alpha[:, None] + w[:, None] * part_o
+        den = den * alpha + w
+        m = m_new
+    merged = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+    tl.store(out_rows[:, None] + d[None, :], merged.to(out_rows.dtype.element_ty), mask=io_mask)
 
 
 def merge_attn_states(

@@ -62,6 +62,7 @@ import triton.language as tl
 
 from fastllm.kernels import pdl, sm_count
 from fastllm.kernels.kv_fp8 import to_cache
+from fastllm.kernels.merge_attn_states import merge_prefix_states
 from fastllm.kernels.reference import FP8, check_kv_scales
 from fastllm.kernels.rotary import check_qk_norm, head_rms_norm
 from fastllm.kernels.split_counters import split_counters
@@ -105,6 +106,15 @@ class DecodeConfig(NamedTuple):
     min_split_len: int = 0  # a request shorter than num_splits x this uses fewer splits (0: one tile)
 
 
+class CascadeSuffix(NamedTuple):
+    """A decode cascade's suffix launch (cascade_attention.cascade_decode_attention): each request with prefix
+    states folds them into its out once its suffix is done, after the prefix kernel (the kernel before this
+    one) has finished (pdl.wait; this launch skips the usual wait at its start)."""
+    rows: torch.Tensor  # [R] int32: the request of each prefix state row (-1: padding)
+    prefix_o: torch.Tensor  # [R, Hq, S, D] float32
+    prefix_lse: torch.Tensor  # [R, Hq, S] float32
+
+
 class NewTokens(NamedTuple):
     """rotary_decode_attention's step: each request's new token before rotary, and where it goes."""
     positions: torch.Tensor  # [B] int
@@ -138,6 +148,8 @@ def _decode_split_kernel(
     q_norm_ptr, k_norm_ptr, norm_eps,  # APPEND and QK_NORM: each head's RMSNorm weight [HEAD_DIM] for q and k
     kv_start_ptr,  # int32 [B] (HAS_KV_START): request b attends no key before kv_start[b]
     lse_ptr,  # float32 [B, Hq] (RETURN_LSE): log2 of each row's softmax denominator
+    # CASCADE: CascadeSuffix's rows (and their count), prefix states and S
+    cascade_rows_ptr, num_cascade_rows, prefix_o_ptr, prefix_lse_ptr, num_prefix_splits,
     window,  # SLIDING: keys seq_len - window .. seq_len - 1 only
     scale_log2,  # scale * k_scale * log2(e): softmax runs in base 2 (k_scale: 1.0 but for an FP8 cache)
     k_scale, v_scale,  # an FP8 cache's scales (the new k/v are divided by them; outputs times v_scale)
@@ -160,12 +172,14 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): seq_lens (staged step input) is read before the wait
     OFFSET_64: tl.constexpr,  # a cache of 2^31 elements or more: page offsets in int64, else int32
     HAS_KV_START: tl.constexpr, SLIDING: tl.constexpr, RETURN_LSE: tl.constexpr,
+    CASCADE: tl.constexpr, BLOCK_CR: tl.constexpr,  # a decode cascade's suffix (CascadeSuffix); BLOCK_CR >= R
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    pdl.wait(USE_PDL)
+    if not CASCADE:  # (a cascade's suffix follows the prefix kernel, which started after the step's writes)
+        pdl.wait(USE_PDL)
     # Keys [kv_lo, seq_len) are attended; the splits cut [kv_base, seq_len), kv_base the tile boundary at or
     # below kv_lo, so that tiles stay aligned (see k_in_page below) and the keys before kv_lo are masked.
     kv_lo = _first_key(seq_len, kv_start_ptr, b, window, HAS_KV_START, SLIDING)
@@ -305,6 +319,10 @@ def _decode_split_kernel(
         if RETURN_LSE:
             tl.store(lse_ptr + b * tl.num_programs(1) * GROUP + heads,
                      tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")), mask=g_ok)
+        if CASCADE:
+            _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, cascade_rows_ptr,
+                                 num_cascade_rows, prefix_o_ptr, prefix_lse_ptr, num_prefix_splits, GROUP,
+                                 HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_CR, USE_PDL)
     else:
         # partials: part_o [B, Hq, splits, HEAD_DIM] fp32, part_lse [B, Hq, splits] fp32
         row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BLOCK_G]
@@ -324,6 +342,32 @@ def _decode_split_kernel(
                               (b * tl.num_programs(1) * GROUP + kv_head * GROUP) * num_splits, num_splits,
                               n_active, kv_head * GROUP, lse_ptr + b * tl.num_programs(1) * GROUP, GROUP,
                               HEAD_DIM, BLOCK_GM, BLOCK_S, BLOCK_D, RETURN_LSE)
+                if CASCADE:
+                    _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, cascade_rows_ptr,
+                                         num_cascade_rows, prefix_o_ptr, prefix_lse_ptr, num_prefix_splits,
+                                         GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_CR, USE_PDL)
+
+
+@triton.jit
+def _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, rows_ptr, num_rows, prefix_o_ptr,
+                         prefix_lse_ptr, num_prefix_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CR: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    """Request b's suffix attention is in out and lse (its KV group's heads): once the prefix kernel's writes
+    are visible, fold b's prefix states in if it has any (row r of the cascade's rows). Every request waits,
+    so this grid ends after the prefix kernel (whose buffers may be freed once it does)."""
+    tl.debug_barrier()  # this program's out and lse stores, read back below
+    pdl.wait(USE_PDL)
+    i = tl.arange(0, BLOCK_CR)
+    found = tl.load(rows_ptr + i, mask=i < num_rows, other=-1) == b
+    if tl.sum(found.to(tl.int32), axis=0) > 0:
+        r = tl.sum(tl.where(found, i, 0), axis=0).to(tl.int64)
+        g = tl.arange(0, BLOCK_G)
+        heads = kv_head * GROUP + g
+        num_q_heads = tl.num_programs(1) * GROUP
+        merge_prefix_states(out_ptr + b * stride_ob + heads * stride_oh, lse_ptr + b * num_q_heads + heads,
+                            prefix_o_ptr, prefix_lse_ptr, (r * num_q_heads + heads) * num_prefix_splits,
+                            num_prefix_splits, g < GROUP, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -495,7 +539,7 @@ def paged_decode_attention_splits(
     block_n: int | None = None, num_warps: int = 4, num_stages: int = 2, merge_in_kernel: bool = True,
     min_split_len: int = 0, append: NewTokens | None = None, offset_64: bool | None = None,
     window: int | None = None, kv_start: torch.Tensor | None = None, return_lse: bool = False,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, cascade: CascadeSuffix | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """paged_decode_attention with an explicit launch config (tests and tuning); max_seq_len is unused here.
     merge_in_kernel=False merges the splits in a second kernel (the layout before the in-kernel merge).
@@ -503,7 +547,7 @@ def paged_decode_attention_splits(
     fewer of the num_splits. append: rotary_decode_attention's step (query is then before rotary).
     offset_64: int64 page offsets; None decides from the cache size (tests force True on small caches).
     window, kv_start, return_lse: as in the reference (the splits cut only the keys a request attends).
-    k_scale, v_scale: an FP8 cache's scales."""
+    k_scale, v_scale: an FP8 cache's scales. cascade: a decode cascade's suffix (CascadeSuffix)."""
     batch, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
     assert key_cache.shape == value_cache.shape and key_cache.shape[3] == head_dim
@@ -522,6 +566,10 @@ def paged_decode_attention_splits(
     assert kv_start is None or (kv_start.shape == (batch,) and kv_start.dtype == torch.int32
                                 and kv_start.is_contiguous())
     group = num_q_heads // num_kv_heads
+    if cascade is not None:
+        assert return_lse and merge_in_kernel and append is None, "a cascade's suffix merges in the kernel"
+        assert cascade.rows.dtype == torch.int32 and cascade.prefix_o.is_contiguous()
+        assert cascade.prefix_lse.is_contiguous() and cascade.prefix_o.shape[1] == num_q_heads
     out = torch.empty((batch, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     lse = torch.empty((batch, num_q_heads), dtype=torch.float32, device=query.device) if return_lse else out
     if batch == 0:
@@ -558,9 +606,11 @@ def paged_decode_attention_splits(
     block_gm = triton.next_power_of_2(group)
     block_s = max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS // (block_gm * block_d)))  # the merge's tile
     kv_start_arg = kv_start if kv_start is not None else seq_lens  # unused without it
+    cascade_args = (cascade.rows, cascade.rows.shape[0], cascade.prefix_o, cascade.prefix_lse,
+                    cascade.prefix_o.shape[2]) if cascade is not None else (seq_lens, 0, out, lse, 0)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_o, part_lse, block_tables, seq_lens, counters, *new_args,
-        kv_start_arg, lse, window or 0, scale * k_scale * _LOG2E, k_scale, v_scale,
+        kv_start_arg, lse, *cascade_args, window or 0, scale * k_scale * _LOG2E, k_scale, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
@@ -575,6 +625,8 @@ def paged_decode_attention_splits(
         APPEND=append is not None, IS_NEOX=append is None or append.is_neox, HALF=head_dim // 2,
         QK_NORM=qk_norm,
         OFFSET_64=offset_64, HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,
+        CASCADE=cascade is not None,
+        BLOCK_CR=max(16, triton.next_power_of_2(cascade.rows.shape[0])) if cascade is not None else 16,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(query.device),
     )
     if num_splits > 1 and not merge_in_kernel:
@@ -602,13 +654,15 @@ def paged_decode_attention(
     k_scale: float = 1.0,  # an FP8 cache's scales
     v_scale: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale,
-                          window=window, kv_start=kv_start, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+    return launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale,
+                         window=window, kv_start=kv_start, return_lse=return_lse, k_scale=k_scale,
+                         v_scale=v_scale)
 
 
-def _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float,
-                   append: NewTokens | None = None, window: int | None = None, kv_start: torch.Tensor | None = None,
-                   return_lse: bool = False, k_scale: float = 1.0, v_scale: float = 1.0):
+def launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len: int, scale: float,
+                  append: NewTokens | None = None, window: int | None = None,
+                  kv_start: torch.Tensor | None = None, return_lse: bool = False, k_scale: float = 1.0,
+                  v_scale: float = 1.0, cascade: CascadeSuffix | None = None):
     """paged_decode_attention_splits with the host table's launch config (choose_config). A window bounds
     the keys a request attends, and so the splits and tiles its launch walks, whatever the context."""
     if window is not None:  # (plus up to a tile below the window's first key: splits start on tiles)
@@ -619,6 +673,7 @@ def _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_se
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,
         append=append, window=window, kv_start=kv_start, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale,
+        cascade=cascade,
     )
 
 
@@ -648,5 +703,5 @@ def rotary_decode_attention(
     q's round trip through memory."""
     append = NewTokens(positions, key, value, cos_sin_cache, is_neox, slot_mapping, q_norm_weight,
                        k_norm_weight, norm_eps)
-    return _launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, append,
-                          window=window, k_scale=k_scale, v_scale=v_scale)
+    return launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, append,
+                         window=window, k_scale=k_scale, v_scale=v_scale)

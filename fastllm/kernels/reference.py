@@ -218,6 +218,35 @@ def merge_attn_states(
     out[idx] = merged.to(out.dtype)
 
 
+def cascade_decode_attention(
+    query: torch.Tensor,  # [B, Hq, D], rotated: one decode row per request
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,  # [B] int32
+    kv_start: torch.Tensor,  # [B] int32: each request's suffix start (its group's prefix length; 0 alone)
+    prefix_rows: torch.Tensor,  # as cascade_prefix_attention
+    prefix_lens: torch.Tensor,
+    rows: torch.Tensor,  # [R] int32: the requests of group 0, then of group 1, ... (-1: padding)
+    row_start: torch.Tensor,
+    max_group_rows: int,
+    max_prefix_len: int,
+    max_suffix_len: int,  # host-side bound on seq_len - kv_start
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """A decode step's cascade attention, whole: each request's suffix (keys from kv_start), its group's
+    shared prefix, the two merged by log-sum-exp. Equals paged_decode_attention over the whole sequences."""
+    out, lse = paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, max_suffix_len,
+                                      scale, None, kv_start, True, k_scale, v_scale)
+    prefix_o, prefix_lse = cascade_prefix_attention(query, key_cache, value_cache, block_tables, prefix_rows,
+                                                    prefix_lens, rows, row_start, max_group_rows,
+                                                    max_prefix_len, scale, k_scale, v_scale)
+    merge_attn_states(out, lse, prefix_o, prefix_lse, rows)
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

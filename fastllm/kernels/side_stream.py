@@ -1,8 +1,9 @@
 """Two independent launch sequences side by side: one on a side stream, the other on the current stream.
 
-Cascade attention's shared-prefix kernel and its suffix kernel read the same inputs and write different
-outputs, and each alone leaves SMs idle (few programs, short loops); as two branches (of the CUDA graph,
-when captured: the side stream joins the capture through the fork's event) they overlap.
+A mixed step's cascade attention: the shared-prefix kernel and the suffix (prefill) kernel read the same
+inputs and write different outputs, and each alone leaves SMs idle (few programs, short loops); as two
+branches (of the CUDA graph, when captured: the side stream joins the capture through the fork's event)
+they overlap.
 
 The side branch's tensors come from the side stream's pool and are used on the current stream after the
 join, with no record_stream: safe because every fork first waits for the current stream, so the side

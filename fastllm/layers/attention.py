@@ -118,18 +118,21 @@ class Attention(nn.Module):
 
     def _cascade(self, positions, query, key, value, metadata, norm: dict) -> torch.Tensor:
         """Cascade attention: each request's suffix (keys from kv_start) through the paged kernels, with their
-        log-sum-exp; each group's rows against its shared prefix in one pass, beside it; the two merged by LSE."""
+        log-sum-exp; each group's rows against its shared prefix in one pass, beside it; the two merged by LSE
+        (in a decode step by the suffix kernel itself)."""
         key_cache, value_cache = self.kv_cache
         cascade, scales = metadata.cascade, self.kv_scales
         query, key = ops.rotary_kv_cache_write(positions, query, key, value, self.rotary.cos_sin_cache,
                                                self.rotary.is_neox, key_cache, value_cache, metadata.slot_mapping,
                                                return_key=True, **norm, **scales)
 
+        if metadata.is_decode_only:  # two launches: the suffix kernel merges (cascade_decode_attention)
+            return ops.cascade_decode_attention(
+                query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, cascade.kv_start,
+                cascade.prefix_rows, cascade.prefix_lens, cascade.rows, cascade.row_start,
+                cascade.max_group_rows, cascade.max_prefix_len, cascade.max_suffix_len, self.scale, **scales)
+
         def suffix():
-            if metadata.is_decode_only:
-                return ops.paged_decode_attention(query, key_cache, value_cache, metadata.block_tables,
-                                                  metadata.seq_lens, cascade.max_suffix_len, self.scale, None,
-                                                  cascade.kv_start, True, **scales)
             return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
                                          metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
                                          self.scale, None, cascade.kv_start, True, **scales)

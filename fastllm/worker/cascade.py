@@ -9,12 +9,12 @@ pass (the prefix K/V read once per group instead of once per request), each requ
 merges the two by log-sum-exp (layers/attention.py).
 
 Cost model: a request's plain decode reads its whole context once a layer, so a group of n requests over a
-P-token prefix saves about (n - 1) x P tokens of K/V reads a layer, against three more launches a layer (the
-rotary write apart from attention, the prefix kernel, the merge). A group cascades when it has MIN_GROUP_SIZE
-requests on a prefix of MIN_PREFIX_TOKENS, and a step when its groups save MIN_SAVED_TOKENS; at most
-MAX_GROUPS groups a step, those that save the most. These are estimates to be tuned with `fastllm bench
-prefix`, which times the same workload with cascade on and off. cascade_attention=True cascades every group
-(any size, any shared block), False never.
+P-token prefix saves about (n - 1) x P tokens of K/V reads a layer, against two more launches a layer (the
+rotary write apart from attention, the prefix kernel; a mixed step's merge a third). A group cascades when
+it has MIN_GROUP_SIZE requests on a prefix of MIN_PREFIX_TOKENS, and a step when its groups save
+MIN_SAVED_TOKENS; at most MAX_GROUPS groups a step, those that save the most. These are estimates to be
+tuned with `fastllm bench prefix`, which times the same workload with cascade on and off.
+cascade_attention=True cascades every group (any size, any shared block), False never.
 
 CUDA graphs: the plan is O(B) integers (no block table of its own: a group's prefix is its first member's
 table row), so a decode step's plan fits bounded static buffers (CascadeGraphInputs: MAX_GROUPS groups, a

@@ -116,6 +116,38 @@ def test_cascade_decode_equals_whole_attention(device, gen, dtype, groups, prefi
     _decode(device, gen, dtype, groups, prefix_lens, own_lens, hq, hkv, d, page)
 
 
+def cascade_decode(impl, query, skv: SharedPrefixKV, scale, pad_rows: int = 0):
+    """A decode step's cascade as the engine runs it (cascade_decode_attention: the prefix kernel, then the
+    suffix kernel, which merges), pad_rows -1 rows after the plan's (a CUDA graph's padding)."""
+    kv = skv.kv
+    kv_start, prefix_rows, prefix_lens, rows, row_start, max_rows, max_prefix = skv.plan()
+    rows = torch.cat([rows, rows.new_full((pad_rows,), -1)])
+    get = triton_impl if impl == "triton" else reference_impl
+    return get("cascade_decode_attention")(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                           kv_start, prefix_rows, prefix_lens, rows, row_start, max_rows,
+                                           max_prefix, int((kv.seq_lens - kv_start).max()), scale)
+
+
+# a suffix long enough to split (the decode kernel merges its splits, then the prefix's states)
+SPLIT_SUFFIX = ([3], [40], [700, 5, 600, 9], 8, 2, 64, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("groups,prefix_lens,own_lens,hq,hkv,d,page", [*CASES, SPLIT_SUFFIX])
+def test_decode_cascade_merges_in_the_suffix_kernel(device, gen, dtype, groups, prefix_lens, own_lens, hq,
+                                                    hkv, d, page):
+    # the engine's decode cascade (no merge launch) and its reference equal attention over the whole sequences
+    skv = SharedPrefixKV(groups, prefix_lens, own_lens, hkv, d, page, dtype, device, gen)
+    kv = skv.kv
+    query = torch.randn(len(own_lens), hq, d, device=device).to(dtype)
+    k, v, table = kv.compact_float()
+    whole = reference_impl("paged_decode_attention")(query.float(), k, v, table, kv.seq_lens, 1, d**-0.5)
+    out = cascade_decode("triton", query, skv, d**-0.5, pad_rows=3)
+    assert_close(out, whole, *TOL[dtype], what=f"cascade decode groups={groups} prefix={prefix_lens}")
+    reference = cascade_decode("reference", query.float(), skv, d**-0.5, pad_rows=2)
+    assert_close(reference, whole, *TOL[torch.float32], what="reference cascade decode")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cascade_prefill_rows_equal_whole_attention(device, gen, dtype):
     # a mixed step: chunks of several rows (whose own keys are partly this step's) and decode rows

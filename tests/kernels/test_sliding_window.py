@@ -92,8 +92,8 @@ def test_decode_window_bounds_the_launch():
         try:
             q = torch.zeros(1, 8, 64)
             kv = torch.zeros(4, 16, 2, 64)
-            pda._launch_chosen(q, kv, kv, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
-                               bound, 0.125, window=4096)
+            pda.launch_chosen(q, kv, kv, torch.zeros(1, 1, dtype=torch.int32),
+                              torch.zeros(1, dtype=torch.int32), bound, 0.125, window=4096)
         finally:
             pda.choose_config = real
         chosen.append(choose_config(captured["bound"], 1, 8, 128, num_sms=132))
