@@ -210,6 +210,9 @@ def cascade_decode_attention(
     decode over the suffixes, which folds each grouped row's prefix states into its out as it finishes the
     row (no merge launch). With PDL (pdl.py) the suffix kernel starts while the prefix kernel runs, and waits
     for it only before those merges."""
+    if rows.shape[0] == 0 or prefix_lens.shape[0] == 0:  # no prefix launch: the suffix must not skip its wait
+        return launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_suffix_len, scale,
+                             kv_start=kv_start, k_scale=k_scale, v_scale=v_scale)
     prefix_o, prefix_lse = cascade_prefix_attention_splits(
         query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens, rows, row_start,
         max_group_rows, max_prefix_len, scale, k_scale=k_scale, v_scale=v_scale,

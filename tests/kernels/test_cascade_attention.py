@@ -148,6 +148,23 @@ def test_decode_cascade_merges_in_the_suffix_kernel(device, gen, dtype, groups, 
     assert_close(reference, whole, *TOL[torch.float32], what="reference cascade decode")
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_decode_cascade_without_groups_is_the_suffix_attention(device, gen, impl):
+    # no group (no prefix launch): each request attends from its kv_start alone, as the reference says
+    skv = SharedPrefixKV([], [], [9, 30, 17], 2, 32, 8, torch.float32, device, gen)
+    kv = skv.kv
+    query = torch.randn(3, 8, 32, device=device)
+    kv_start = torch.tensor([0, 16, 5], dtype=torch.int32, device=device)
+    none = torch.zeros(0, dtype=torch.int32, device=device)
+    get = triton_impl if impl == "triton" else reference_impl
+    row_start = torch.zeros(1, dtype=torch.int32, device=device)
+    out = get("cascade_decode_attention")(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                          kv_start, none, none, none, row_start, 0, 0, 30, 0.2)
+    suffix = reference_impl("paged_decode_attention")(query, kv.key_cache, kv.value_cache, kv.block_tables,
+                                                      kv.seq_lens, 30, 0.2, None, kv_start)
+    assert_close(out, suffix, *TOL[torch.float32], what=f"{impl} cascade decode without groups")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cascade_prefill_rows_equal_whole_attention(device, gen, dtype):
     # a mixed step: chunks of several rows (whose own keys are partly this step's) and decode rows
