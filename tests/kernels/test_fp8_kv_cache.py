@@ -221,6 +221,22 @@ def test_cascade_prefix_attention_fp8(device, gen, hq, hkv, d, page):
     assert_close(out, ref, *TOL[torch.float32], "cascade prefix")
 
 
+@pytest.mark.parametrize("hq,hkv,d,page", [(8, 2, 64, 16), (4, 4, 128, 8)])
+def test_cascade_decode_attention_fp8(device, gen, hq, hkv, d, page):
+    # a decode step's cascade: requests 0 and 1 share a 37-token prefix, request 2 shares nothing; both
+    # kernels read e4m3 with the scales, and the suffix kernel merges
+    prefix = 37
+    kv = _fp8_kv([prefix + 5, prefix + 9, 20], hkv, d, page, gen, device)
+    kv.block_tables[1, : prefix // page] = kv.block_tables[0, : prefix // page]  # (reads the leader's table)
+    i32 = dict(dtype=torch.int32, device=device)
+    query = torch.randn(3, hq, d, device=device)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+            torch.tensor([prefix, prefix, 0], **i32), torch.tensor([0], **i32), torch.tensor([prefix], **i32),
+            torch.tensor([0, 1], **i32), torch.tensor([0, 2], **i32), 2, prefix, 20, d ** -0.5)
+    out = triton_impl("cascade_decode_attention")(*args, **_kw())
+    assert_close(out, R.cascade_decode_attention(*args, **_kw()), *TOL[torch.float32], "cascade decode")
+
+
 def test_scales_with_a_16bit_cache_are_an_error(device):
     cache = torch.zeros(2, 4, 1, 8, device=device)
     with pytest.raises(ValueError, match="k_scale"):
