@@ -24,8 +24,10 @@ def patch() -> None:
     if getattr(original, "_fastllm_fp8", False):
         return
     sources = {tl.float32: (np.float32, None), tl.float16: (np.float16, None), tl.bfloat16: (np.int16, torch.bfloat16)}
-    targets = {tl.float32: (torch.float32, torch.int32, np.uint32), tl.float16: (torch.float16, torch.int16, np.uint16),
-               tl.bfloat16: (torch.bfloat16, torch.int16, np.uint16)}  # (as the interpreter returns: the bits)
+    # e4m3 read as: torch dtype, its bits, and the bits' numpy dtype (the interpreter returns bits)
+    targets = {tl.float32: (torch.float32, torch.int32, np.uint32),
+               tl.float16: (torch.float16, torch.int16, np.uint16),
+               tl.bfloat16: (torch.bfloat16, torch.int16, np.uint16)}
 
     def convert(input, input_dtype, output_dtype, rounding_mode):
         if input_dtype == tl.float8e4nv and output_dtype in targets:
