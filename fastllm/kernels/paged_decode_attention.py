@@ -22,7 +22,9 @@ A request may attend only keys kv_lo .. L - 1: kv_lo = L - window under a slidin
 (cascade attention's suffix, whose shared prefix another kernel reads). The splits then cut kv_base .. L - 1,
 kv_base = kv_lo rounded down to a tile, and the keys below kv_lo are masked (their blocks may be freed): the
 work a request costs, and the split count chosen for a window, follow the keys it attends, not its context.
-return_lse also writes each row's lse (base 2), which merge_attn_states needs to fold in another part.
+return_lse also writes each row's lse (base 2), which merge_attn_states needs to fold in another part. A
+decode cascade's suffix launch (CascadeSuffix) folds in its requests' prefix states itself, at the end
+(cascade_attention.cascade_decode_attention).
 
 rotary_decode_attention (APPEND) is the engine's decode step in one launch: q and the step's new key are
 rotated in the kernel (rotary.py's math at full width, each element with its pair partner), split 0 of each
