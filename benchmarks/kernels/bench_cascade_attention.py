@@ -67,7 +67,7 @@ def measure(case: str):
     batch, prefix, own = CASES[case]
     scale = HEAD_DIM**-0.5
     group = HQ // HKV
-    splits = choose_num_splits(batch, 1, HKV, query_tile_size(group), prefix, num_sms())
+    splits = choose_num_splits(batch, HKV, query_tile_size(group), prefix, num_sms())
     nbytes = cascade_bytes(batch, prefix, own, splits)
     sets = input_sets(lambda: shared_prefix_problem(batch, prefix, own), lambda args: nbytes)
     ours = [functools.partial(cascade, *args, prefix, own, scale) for args in sets]

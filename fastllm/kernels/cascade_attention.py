@@ -110,11 +110,13 @@ def _cascade_prefix_kernel(
     tl.store(lse_ptr + state, m_i + tl.log2(l_i), mask=row_ok)  # a non-empty split: l_i >= 1
 
 
-def choose_num_splits(max_group_rows: int, num_groups: int, num_kv_heads: int, block_q: int, max_prefix_len: int,
+def choose_num_splits(max_group_rows: int, num_kv_heads: int, block_q: int, max_prefix_len: int,
                       num_sms: int) -> int:
-    """Splits so that the grid is ~_WAVES programs per SM, each split >= _MIN_SPLIT_TOKENS keys; host-side
-    ints only."""
-    programs = triton.cdiv(max_group_rows, block_q) * num_groups * num_kv_heads
+    """Splits so that one group's programs are ~_WAVES per SM, each split >= _MIN_SPLIT_TOKENS keys; host-side
+    ints only. Sized for one group: a CUDA graph's plan pads to MAX_GROUPS groups (worker/cascade.py), most
+    steps have one, and sizing for the padded count left that one group's grid a few splits on a fraction of
+    the SMs (3 splits for a group of 64 rows on 132 SMs, where 8 fill them); more groups add programs."""
+    programs = triton.cdiv(max_group_rows, block_q) * num_kv_heads
     want = triton.cdiv(_WAVES * num_sms, max(1, programs))
     cap = max(1, min(_MAX_SPLITS, max_prefix_len // _MIN_SPLIT_TOKENS))
     return max(1, min(want, cap))
@@ -165,7 +167,7 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
     group = num_q_heads // num_kv_heads
     block_m = block_m or prefill_tiles.block_m(group)  # the prefill kernel's row tile, as the docstring says
     if num_splits is None:
-        num_splits = choose_num_splits(max_group_rows, num_groups, num_kv_heads, block_m // group, max_prefix_len,
+        num_splits = choose_num_splits(max_group_rows, num_kv_heads, block_m // group, max_prefix_len,
                                        sm_count.num_sms(query.device))
     f32 = dict(dtype=torch.float32, device=query.device)
     o = torch.empty((num_rows, num_q_heads, num_splits, head_dim), **f32)

@@ -243,9 +243,12 @@ def test_merge_ignores_empty_states(device, impl):
 def test_prefix_split_count_is_host_only():
     from fastllm.kernels.cascade_attention import choose_num_splits
 
-    assert choose_num_splits(64, 1, 8, 16, 2048, num_sms=132) == 8  # 32 programs: spread 2048 keys over 8 splits
-    assert choose_num_splits(64, 1, 8, 16, 200, num_sms=132) == 1  # too short to split
-    assert choose_num_splits(512, 8, 8, 16, 4096, num_sms=132) == 1  # the groups already fill the GPU
+    assert choose_num_splits(64, 8, 16, 2048, num_sms=132) == 8  # 32 programs: spread 2048 keys over 8 splits
+    assert choose_num_splits(64, 8, 16, 200, num_sms=132) == 1  # too short to split
+    assert choose_num_splits(512, 8, 16, 4096, num_sms=132) == 2  # 256 programs: about the 2 waves already
+    # a graph's bounds (64 rows, 4096 keys; its padded groups do not count): 9 splits, of which a 2,048-token
+    # prefix fills 8 (whole 64-key tiles: 256 keys each); sized for 4 groups it was 3
+    assert choose_num_splits(64, 8, 16, 4096, num_sms=132) == 9
 
 
 # ---- on a real GPU ----
