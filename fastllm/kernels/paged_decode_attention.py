@@ -134,6 +134,7 @@ class NewTokens(NamedTuple):
 # at 4 warps), BLOCK_S splits a step.
 _MERGE_TILE_ELEMENTS = 8192
 _MAX_MERGE_BLOCK_S = 16
+_CASCADE_ROWS_BLOCK = 64  # a cascade suffix program looks for its request among the plan's rows, 64 a step
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -174,7 +175,7 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): seq_lens (staged step input) is read before the wait
     OFFSET_64: tl.constexpr,  # a cache of 2^31 elements or more: page offsets in int64, else int32
     HAS_KV_START: tl.constexpr, SLIDING: tl.constexpr, RETURN_LSE: tl.constexpr,
-    CASCADE: tl.constexpr, BLOCK_CR: tl.constexpr,  # a decode cascade's suffix (CascadeSuffix); BLOCK_CR >= R
+    CASCADE: tl.constexpr, BLOCK_CR: tl.constexpr,  # a decode cascade's suffix (CascadeSuffix)
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -360,10 +361,12 @@ def _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, row
     so this grid ends after the prefix kernel (whose buffers may be freed once it does)."""
     tl.debug_barrier()  # this program's out and lse stores, read back below
     pdl.wait(USE_PDL)
-    i = tl.arange(0, BLOCK_CR)
-    found = tl.load(rows_ptr + i, mask=i < num_rows, other=-1) == b
-    if tl.sum(found.to(tl.int32), axis=0) > 0:
-        r = tl.sum(tl.where(found, i, 0), axis=0).to(tl.int64)
+    r = b * 0 - 1  # b's row among the cascade's (-1: none), BLOCK_CR rows a step (no variant per row count)
+    for i0 in range(0, num_rows, BLOCK_CR):
+        i = i0 + tl.arange(0, BLOCK_CR)
+        found = tl.load(rows_ptr + i, mask=i < num_rows, other=-1) == b
+        r = tl.maximum(r, tl.max(tl.where(found, i, -1), axis=0).to(tl.int64))
+    if r >= 0:
         g = tl.arange(0, BLOCK_G)
         heads = kv_head * GROUP + g
         num_q_heads = tl.num_programs(1) * GROUP
@@ -628,7 +631,7 @@ def paged_decode_attention_splits(
         QK_NORM=qk_norm,
         OFFSET_64=offset_64, HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,
         CASCADE=cascade is not None,
-        BLOCK_CR=max(16, triton.next_power_of_2(cascade.rows.shape[0])) if cascade is not None else 16,
+        BLOCK_CR=_CASCADE_ROWS_BLOCK,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(query.device),
     )
     if num_splits > 1 and not merge_in_kernel:

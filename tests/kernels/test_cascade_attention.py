@@ -130,10 +130,12 @@ def cascade_decode(impl, query, skv: SharedPrefixKV, scale, pad_rows: int = 0):
 
 # a suffix long enough to split (the decode kernel merges its splits, then the prefix's states)
 SPLIT_SUFFIX = ([3], [40], [700, 5, 600, 9], 8, 2, 64, 16)
+# more grouped requests than a suffix program's search reads at once (_CASCADE_ROWS_BLOCK), two lone ones last
+MANY_ROWS = ([40, 30], [8, 21], [1, 2, 3] * 24, 2, 1, 16, 4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("groups,prefix_lens,own_lens,hq,hkv,d,page", [*CASES, SPLIT_SUFFIX])
+@pytest.mark.parametrize("groups,prefix_lens,own_lens,hq,hkv,d,page", [*CASES, SPLIT_SUFFIX, MANY_ROWS])
 def test_decode_cascade_merges_in_the_suffix_kernel(device, gen, dtype, groups, prefix_lens, own_lens, hq,
                                                     hkv, d, page):
     # the engine's decode cascade (no merge launch) and its reference equal attention over the whole sequences

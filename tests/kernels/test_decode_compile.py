@@ -26,7 +26,7 @@ def compile_decode(query_dtype: torch.dtype) -> None:
     constexprs = dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, DIRECT_OUT=True,
                       MERGE_IN_KERNEL=False, BLOCK_GM=4, BLOCK_S=16, APPEND=False, IS_NEOX=True, HALF=64,
                       QK_NORM=False, USE_PDL=True, OFFSET_64=False, HAS_KV_START=False, SLIDING=False,
-                      RETURN_LSE=False, CASCADE=False, BLOCK_CR=16,
+                      RETURN_LSE=False, CASCADE=False, BLOCK_CR=64,
                       PRECISION="ieee" if query_dtype == torch.float32 else "tf32",
                       **P.fp8_dot_flags(P.FP8, query_dtype, on_gpu=True))
     compile_sm90(P._decode_split_kernel, constexprs,
