@@ -4,9 +4,10 @@ decode requests on a shared prefix (the same block ids at the head of every tabl
 Ours ('triton') is the engine's decode path over the cached K/V (cascade_decode_attention): the shared-prefix
 kernel (the group's rows as one tile, split over the prefix), then paged decode over each request's own
 tokens (kv_start), started beside it by programmatic dependent launch, which merges each request's prefix
-states into its row by log-sum-exp; two launches timed together in steady state (kbench.steady_ms). The baseline is the plain paged decode kernel on the same
-data ('paged_decode_attention': every request reads the whole prefix), our own kernel, not torch's: the row's
-speedup_vs_paged_decode is the target (>= 3x at B64 x 2,048 + 128).
+states into its row by log-sum-exp; two launches timed together in steady state (kbench.steady_ms). The
+baseline is the plain paged decode kernel on the same data ('paged_decode_attention': every request reads the
+whole prefix), our own kernel, not torch's: the row's speedup_vs_paged_decode is the target (>= 3x at B64 x
+2,048 + 128).
 GB/s counts the bytes cascade must move (the prefix once, the suffixes, q/out, partial states).
 
     pytest benchmarks/kernels/bench_cascade_attention.py      (or run_all.py --only cascade_attention)
