@@ -41,10 +41,9 @@ from fastllm.kernels.reference import FP8, check_kv_scales
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, partial write, merge input)
 _MAX_SPLITS = 32
-_WAVES = 2  # row tiles x G x Hkv x splits ~ this many programs per SM
 
 
-@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
+@triton.jit(do_not_specialize=["stride_bt", "num_splits", "min_split_len"])
 def _cascade_prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_tables_ptr, prefix_rows_ptr, prefix_lens_ptr, rows_ptr,
     row_start_ptr,
@@ -52,6 +51,7 @@ def _cascade_prefix_kernel(
     v_scale,  # an FP8 cache's value scale (1.0 else), applied to the output
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     num_splits,
+    min_split_len,  # keys a split covers at least: a prefix shorter than the grid's bound fills fewer splits
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TRIGGER: tl.constexpr,  # a decode cascade on a PDL GPU: let the suffix kernel start now (see pdl.py)
@@ -70,7 +70,7 @@ def _cascade_prefix_kernel(
     if tok0 >= num_rows:
         return
     prefix_len = tl.load(prefix_lens_ptr + g)
-    part_len = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+    part_len = tl.cdiv(tl.maximum(tl.cdiv(prefix_len, num_splits), min_split_len), BLOCK_N) * BLOCK_N
     start = split * part_len
     end = tl.minimum(start + part_len, prefix_len)
 
@@ -112,14 +112,15 @@ def _cascade_prefix_kernel(
 
 def choose_num_splits(max_group_rows: int, num_kv_heads: int, block_q: int, max_prefix_len: int,
                       num_sms: int) -> int:
-    """Splits so that one group's programs are ~_WAVES per SM, each split >= _MIN_SPLIT_TOKENS keys; host-side
-    ints only. Sized for one group: a CUDA graph's plan pads to MAX_GROUPS groups (worker/cascade.py), most
-    steps have one, and sizing for the padded count left that one group's grid a few splits on a fraction of
-    the SMs (3 splits for a group of 64 rows on 132 SMs, where 8 fill them); more groups add programs."""
+    """Splits so that one group's programs fill the SMs once, one program an SM, each split >=
+    _MIN_SPLIT_TOKENS keys; host-side ints only. The kernel after it (a decode step's suffix, started beside
+    it by PDL) or beside it (a mixed step's prefill, on the main stream) runs its programs on the same SMs:
+    a second prefix program on an SM leaves them no room until it ends (README, "Kernel choices"). Sized
+    for one group: a CUDA graph's plan pads to MAX_GROUPS groups (worker/cascade.py), most steps have one,
+    and its padding groups' programs return at once; more groups add programs."""
     programs = triton.cdiv(max_group_rows, block_q) * num_kv_heads
-    want = triton.cdiv(_WAVES * num_sms, max(1, programs))
     cap = max(1, min(_MAX_SPLITS, max_prefix_len // _MIN_SPLIT_TOKENS))
-    return max(1, min(want, cap))
+    return max(1, min(num_sms // programs, cap))
 
 
 def cascade_prefix_attention(
@@ -150,7 +151,10 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
                                     num_warps: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                                     trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cascade_prefix_attention with an explicit launch config (None: the chosen one); tests and tuning.
-    trigger: let the next kernel (a PDL launch) start beside this one (cascade_decode_attention)."""
+    trigger: let the next kernel (a PDL launch) start beside this one (cascade_decode_attention).
+    The chosen split count is sized for max_prefix_len (a graph's bound): its splits keep >= _MIN_SPLIT_TOKENS
+    keys, so a shorter prefix fills fewer of them and the rest return at once. An explicit count splits any
+    prefix that many ways (whole tiles)."""
     num_rows = rows.shape[0]
     _, num_q_heads, head_dim = query.shape
     _, page, num_kv_heads, _ = key_cache.shape
@@ -166,7 +170,9 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
     assert row_start.shape == (num_groups + 1,) and rows.is_contiguous() and prefix_lens.is_contiguous()
     group = num_q_heads // num_kv_heads
     block_m = block_m or prefill_tiles.block_m(group)  # the prefill kernel's row tile, as the docstring says
+    min_split_len = 1
     if num_splits is None:
+        min_split_len = _MIN_SPLIT_TOKENS
         num_splits = choose_num_splits(max_group_rows, num_kv_heads, block_m // group, max_prefix_len,
                                        sm_count.num_sms(query.device))
     f32 = dict(dtype=torch.float32, device=query.device)
@@ -180,6 +186,7 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
         scale * k_scale * _LOG2E, v_scale,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0), num_splits,
+        min_split_len,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=32 if head_dim > 128 else 64,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.

@@ -199,10 +199,35 @@ def test_prefix_kernel_splits(device, gen, num_splits):
             max_rows, max_prefix, 0.2)
     o, lse = cascade_prefix_attention_splits(*args, num_splits=num_splits)
     assert o.shape == (5, 8, num_splits, 32) and lse.shape == (5, 8, num_splits)
-    ref_o, ref_lse = reference_impl("cascade_prefix_attention")(*args)
+    _assert_splits_fold_to_reference(o, lse, args)
+
+
+def test_prefix_splits_sized_for_a_bound_keep_their_minimum_length(device, gen):
+    # a graph sizes the split count for its bound (8,192 keys): a 300-token prefix then fills two 256-key
+    # splits (whole tiles) and the other programs return at once, rather than cutting it into slivers
+    from fastllm.kernels import sm_count
+    from fastllm.kernels.cascade_attention import cascade_prefix_attention_splits, choose_num_splits
+    from fastllm.kernels.prefill_tiles import query_tile_size
+
+    skv = SharedPrefixKV([2], [300], [1, 1], 1, 32, 16, torch.float32, device, gen)
+    _, prefix_rows, prefix_lens, rows, row_start, max_rows, _ = skv.plan()
+    kv = skv.kv
+    query = torch.randn(2, 2, 32, device=device)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, prefix_rows, prefix_lens, rows, row_start,
+            max_rows, 8192, 0.2)
+    o, lse = cascade_prefix_attention_splits(*args)
+    splits = choose_num_splits(max_rows, 1, query_tile_size(2), 8192, sm_count.num_sms(query.device))
+    assert splits > 2 and lse.shape == (2, 2, splits)
+    assert torch.isfinite(lse[:, :, :2]).all() and (lse[:, :, 2:] == float("-inf")).all(), lse
+    _assert_splits_fold_to_reference(o, lse, args)
+
+
+def _assert_splits_fold_to_reference(o, lse, args):
     # folding the splits into one state: what the merge computes with a suffix that weighs nothing
-    merged = torch.zeros(10, 8, 32, device=device)
-    none = torch.full((10, 8), float("-inf"), device=device)
+    query, rows = args[0], args[6]
+    ref_o, ref_lse = reference_impl("cascade_prefix_attention")(*args)
+    merged = torch.zeros(2 * query.shape[0], *query.shape[1:], device=query.device)
+    none = torch.full(merged.shape[:2], float("-inf"), device=query.device)
     triton_impl("merge_attn_states")(merged, none, o, lse, rows)
     assert_close(merged[rows.long()], ref_o[:, :, 0], *TOL[torch.float32], what="prefix splits")
     assert_lse_close(torch.logsumexp(lse * 0.6931471805599453, -1) * 1.4426950408889634, ref_lse[:, :, 0])
@@ -245,12 +270,13 @@ def test_merge_ignores_empty_states(device, impl):
 def test_prefix_split_count_is_host_only():
     from fastllm.kernels.cascade_attention import choose_num_splits
 
-    assert choose_num_splits(64, 8, 16, 2048, num_sms=132) == 8  # 32 programs: spread 2048 keys over 8 splits
+    # one program an SM: the suffix (or prefill) kernel's programs run beside them
+    assert choose_num_splits(64, 8, 16, 2048, num_sms=132) == 4  # 32 programs a split: 128 of 132 SMs
     assert choose_num_splits(64, 8, 16, 200, num_sms=132) == 1  # too short to split
-    assert choose_num_splits(512, 8, 16, 4096, num_sms=132) == 2  # 256 programs: about the 2 waves already
-    # a graph's bounds (64 rows, 4096 keys; its padded groups do not count): 9 splits, of which a 2,048-token
-    # prefix fills 8 (whole 64-key tiles: 256 keys each); sized for 4 groups it was 3
-    assert choose_num_splits(64, 8, 16, 4096, num_sms=132) == 9
+    assert choose_num_splits(512, 8, 16, 4096, num_sms=132) == 1  # 256 programs: past the SMs already
+    assert choose_num_splits(8, 8, 16, 8192, num_sms=132) == 16  # 8 programs; the bound allows 32
+    # a graph's bounds (64 rows, 4096 keys; its padded groups do not count): 4 splits, as for the real length
+    assert choose_num_splits(64, 8, 16, 4096, num_sms=132) == 4
 
 
 # ---- on a real GPU ----
