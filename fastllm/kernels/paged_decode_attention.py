@@ -85,6 +85,9 @@ _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM: the fastest split counts at 
 TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2)]
 # B x Hkv from this many per SM: the small tile (TILE_CONFIGS[3]); e.g. B128 at 8 KV heads on 132 SMs
 _MANY_PROGRAMS_PER_SM = 7
+# The same for a decode cascade's suffix, whose programs share each SM with a prefix program (README,
+# "Kernel choices": the small tile won at ~3.9 programs a SM, lost at ~1.9)
+_MANY_PROGRAMS_PER_SM_BESIDE_PREFIX = 3
 _MIN_BUSY_SPLIT_TOKENS = 512  # min_split_len once B x Hkv >= the SM count
 # From this bound on, a request that splits takes 128-key tiles in ~2 programs a SM (TILE_CONFIGS[1]): its
 # splits hold >= 8 such tiles, which then beat more splits of 64-key tiles and match cuDNN's SDPA on the same
@@ -497,20 +500,22 @@ def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: 
 
 
 def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int,
-                  element_size: int = 2) -> DecodeConfig:
+                  element_size: int = 2, beside_prefix: bool = False) -> DecodeConfig:
     """Split count, tile and minimum split length for one launch; host-side ints only (CUDA-graph safe).
 
     Many programs (>= 7 a SM) take 16-key tiles with 2 warps: more of them fit on an SM to hide the loads'
     latency; they beat 64- and 32-key tiles from B128 (at 8 KV heads) and lose at B64. max_seq_len is only
     a bound (a graph is captured at max_model_len), so the split count is sized for it, and min_split_len
     keeps short requests from being cut into one-tile splits once B x Hkv alone covers the SMs, where one
-    or two splits time the same (README, "Kernel choices", has the measurements).
+    or two splits time the same (README, "Kernel choices", has the measurements). beside_prefix: a decode
+    cascade's suffix launch, which runs beside the prefix kernel's programs (fewer free slots an SM).
     """
     programs = batch * num_kv_heads
     splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
+    many = _MANY_PROGRAMS_PER_SM_BESIDE_PREFIX if beside_prefix else _MANY_PROGRAMS_PER_SM
     if head_dim > 128:
         tile = TILE_CONFIGS[2]
-    elif programs >= _MANY_PROGRAMS_PER_SM * num_sms and element_size <= 2:
+    elif programs >= many * num_sms and element_size <= 2:
         tile = TILE_CONFIGS[3]
     elif max_seq_len >= _LONG_CONTEXT and programs < num_sms and element_size <= 2:
         tile = TILE_CONFIGS[1]
@@ -673,7 +678,8 @@ def launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq
     if window is not None:  # (plus up to a tile below the window's first key: splits start on tiles)
         max_seq_len = min(max_seq_len, window + TILE_CONFIGS[1][0])
     cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2],
-                        sm_count.num_sms(query.device), query.element_size())
+                        sm_count.num_sms(query.device), query.element_size(),
+                        beside_prefix=cascade is not None)
     return paged_decode_attention_splits(
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,

@@ -146,6 +146,17 @@ def test_decode_loose_bound_max_splits(device, gen):
          tile=cfg[1:])
 
 
+def test_cascade_suffix_takes_the_small_tile_from_fewer_programs():
+    # beside the prefix kernel's programs the 16-key tile pays from ~3 programs a SM, alone from 7
+    from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
+
+    small = TILE_CONFIGS[3]
+    assert choose_config(8192, 64, 8, 128, num_sms=132, beside_prefix=True)[1:4] == small  # 3.9 a SM
+    assert choose_config(8192, 64, 8, 128, num_sms=132)[1:4] != small
+    assert choose_config(8192, 32, 8, 128, num_sms=132, beside_prefix=True)[1:4] != small  # 1.9 a SM
+    assert choose_config(8192, 128, 8, 128, num_sms=132)[1:4] == small
+
+
 def test_decode_merge_in_second_kernel(device, gen):
     # the two-pass layout (a separate merge kernel) that tune.py still times against the in-kernel merge
     from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
