@@ -1,0 +1,94 @@
+"""Time the decode cascade's launch choices at Llama-3-8B shapes (GPU only): the prefix kernel's split count
+and the suffix kernel's tile, against plain paged decode on the same data.
+
+    python benchmarks/kernels/tune_cascade.py
+    python benchmarks/kernels/tune_cascade.py --shapes 64x2048x128,16x4096x512 --bound 8192
+
+Shapes are requests x shared prefix x own tokens (one group, bench_cascade_attention's problem). Each shape is
+timed with the chosen launch, with the prefix split twice as many ways, and with each candidate suffix tile;
+the host bounds are --bound (a CUDA graph's max_model_len), then the exact lengths. Times are kbench.steady_ms
+(CUDA-graph replays over input sets that span the L2), in us; the ratio is plain decode's time over it.
+README's "Kernel choices" rows for the cascade come from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parents[1]))
+
+import kbench
+from bench_cascade_attention import shared_prefix_problem
+
+import fastllm.kernels.cascade_attention as cascade_kernels
+import fastllm.kernels.paged_decode_attention as decode_kernels
+
+SUFFIX_TILES = [(64, 4, 2), (16, 2, 2), (32, 2, 2), (64, 2, 2)]  # (block_n, num_warps, num_stages)
+SHAPES = "64x2048x128,16x4096x512,128x2048x128,32x1024x256,8x2048x128,64x512x64"
+
+
+def time_us(calls) -> float:
+    return kbench.steady_ms(calls) * 1e3
+
+
+def launches():
+    """(name, patches) of each launch to time: the chosen one, then one change at a time."""
+    chosen_splits = cascade_kernels.choose_num_splits
+    yield "chosen", {}
+    yield "prefix splits x2", {"splits": lambda *a, **k: 2 * chosen_splits(*a, **k)}
+    for tile in SUFFIX_TILES:
+        yield f"suffix tile {tile}", {"tile": tile}
+
+
+def _with_tile(choose_config, tile, *args, **kwargs):
+    block_n, warps, stages = tile
+    return choose_config(*args, **kwargs)._replace(block_n=block_n, num_warps=warps, num_stages=stages)
+
+
+def run_shape(batch: int, prefix: int, own: int, bounds: list[int | None]) -> list[str]:
+    scale = kbench.HEAD_DIM**-0.5
+    sets = kbench.input_sets(lambda: shared_prefix_problem(batch, prefix, own),
+                             lambda args: (prefix + batch * own) * kbench.HKV * kbench.HEAD_DIM * 4)
+    plain = time_us([functools.partial(decode_kernels.paged_decode_attention, *args[:5], prefix + own, scale)
+                     for args in sets])
+    lines = [f"B{batch} x ({prefix} + {own}): plain paged decode {plain:.1f} us"]
+    real_splits, real_config = cascade_kernels.choose_num_splits, decode_kernels.choose_config
+    for bound in bounds:
+        prefix_bound, suffix_bound = (bound, bound) if bound else (prefix, own)
+        for name, patch in launches():
+            cascade_kernels.choose_num_splits = patch.get("splits", real_splits)
+            if "tile" in patch:
+                decode_kernels.choose_config = functools.partial(_with_tile, real_config, patch["tile"])
+            try:
+                calls = [functools.partial(cascade_kernels.cascade_decode_attention, *args[:5], *args[5],
+                                           batch, prefix_bound, suffix_bound, scale) for args in sets]
+                t = time_us(calls)
+                lines.append(f"  bound {bound or 'exact':>5}  {name:<28} {t:6.1f} us  {plain / t:5.2f}x")
+            finally:
+                cascade_kernels.choose_num_splits, decode_kernels.choose_config = real_splits, real_config
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default=SHAPES, help="requests x prefix x own, comma-separated")
+    parser.add_argument("--bound", type=int, default=8192, help="the graphs' host bound (max_model_len)")
+    args = parser.parse_args()
+    import torch
+    import triton
+
+    print(f"{torch.cuda.get_device_name(0)} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"{kbench.num_sms()} SMs", flush=True)
+    for shape in args.shapes.split(","):
+        batch, prefix, own = (int(x) for x in shape.split("x"))
+        print("\n".join(run_shape(batch, prefix, own, [args.bound, None])), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
