@@ -120,7 +120,7 @@ def choose_num_splits(max_group_rows: int, num_kv_heads: int, block_q: int, max_
     and its padding groups' programs return at once; more groups add programs."""
     programs = triton.cdiv(max_group_rows, block_q) * num_kv_heads
     cap = max(1, min(_MAX_SPLITS, max_prefix_len // _MIN_SPLIT_TOKENS))
-    return max(1, min(num_sms // programs, cap))
+    return max(1, min(num_sms // max(1, programs), cap))
 
 
 def cascade_prefix_attention(

@@ -273,6 +273,7 @@ def test_prefix_split_count_is_host_only():
     # one program an SM: the suffix (or prefill) kernel's programs run beside them
     assert choose_num_splits(64, 8, 16, 2048, num_sms=132) == 4  # 32 programs a split: 128 of 132 SMs
     assert choose_num_splits(64, 8, 16, 200, num_sms=132) == 1  # too short to split
+    assert choose_num_splits(0, 8, 16, 2048, num_sms=132) == 8  # no rows (an empty launch): no division by 0
     assert choose_num_splits(512, 8, 16, 4096, num_sms=132) == 1  # 256 programs: past the SMs already
     assert choose_num_splits(8, 8, 16, 8192, num_sms=132) == 16  # 8 programs; the bound allows 32
     # a graph's bounds (64 rows, 4096 keys; its padded groups do not count): 4 splits, as for the real length
