@@ -86,15 +86,20 @@ def range_table(prof, steps: int, on_gpu: bool) -> pd.DataFrame:
 
 
 def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: str, steps: int = 5,
-                   layers: bool = False, seed: int = 1) -> dict:
-    """Record `steps` decode steps of batch_size requests to out_dir; returns the paths and tables."""
+                   layers: bool = False, seed: int = 1, shared_prefix_len: int = 0) -> dict:
+    """Record `steps` decode steps of batch_size requests to out_dir; returns the paths and tables.
+    shared_prefix_len: the prompts start with the same that many tokens (`bench prefix`'s workload), and the
+    first request is prefilled alone, so the others find its blocks in the prefix cache and share them (the
+    groups of cascade attention, where its cost model takes them)."""
     enable_nvtx(layers=layers)
     device = engine.worker.device
     on_gpu = device.type == "cuda"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    prompts = random_prompts(rng, batch_size, input_len, engine.vocab_size)
+    prefix = random_prompts(rng, 1, shared_prefix_len, engine.vocab_size)[0] if shared_prefix_len else []
+    suffixes = random_prompts(rng, batch_size, input_len - len(prefix), engine.vocab_size)
+    prompts = [prefix + suffix for suffix in suffixes]
     # Early requests decode while later ones still prefill (chunked): leave them room to keep going.
     prefill_steps = -(-batch_size * input_len // engine.config.scheduler.max_num_batched_tokens)
     max_tokens = min(prefill_steps + WARMUP_STEPS + steps + 2, engine.config.model.max_model_len - input_len)
@@ -104,30 +109,37 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: 
                             output_kind=RequestOutputKind.DELTA)
     ids = [f"profile-{i}" for i in range(batch_size)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    cascade = engine.worker.runner.cascade
     try:
-        for rid, prompt in zip(ids, prompts):
-            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         have_first: set[str] = set()
-        while len(have_first) < batch_size:  # prefill, outside the trace
-            have_first.update(o.request_id for o in engine.step())
+        for start, end in ((0, 1 if prefix else 0), (1 if prefix else 0, batch_size)):  # (the prefix first)
+            for rid, prompt in zip(ids[start:end], prompts[start:end]):
+                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            while len(have_first) < end:  # prefill, outside the trace
+                have_first.update(o.request_id for o in engine.step())
         for _ in range(WARMUP_STEPS):
             engine.step()
+        cascaded = cascade.num_planned
         with profile(activities=activities, record_shapes=False) as prof:
             for i in range(steps):
                 with torch.profiler.record_function(f"decode_step{i}"):
                     engine.step()
+        cascaded = cascade.num_planned - cascaded
     finally:
         engine.abort_request(ids)
     trace = out / f"decode_bs{batch_size}_{device.type}.trace.json"
     prof.export_chrome_trace(str(trace))
     return {"trace": str(trace), "top": top_ops(prof, on_gpu), "ranges": range_table(prof, steps, on_gpu),
-            "host": top_ops(prof, on_gpu=False) if on_gpu else None, "on_gpu": on_gpu, "steps": steps}
+            "host": top_ops(prof, on_gpu=False) if on_gpu else None, "on_gpu": on_gpu, "steps": steps,
+            "cascade_steps": cascaded}
 
 
-def print_profile(result: dict, file=sys.stdout) -> None:
+def print_profile(result: dict, file=None) -> None:
+    file = file or sys.stdout  # (looked up per call: a default would keep the stdout of import time)
     with pd.option_context("display.width", 200, "display.max_columns", None, "display.max_colwidth", 80,
                            "display.float_format", "{:.3f}".format):
-        print(f"\nprofile trace: {result['trace']}", file=file)
+        print(f"\nprofile trace: {result['trace']} ({result['steps']} decode steps, "
+              f"{result['cascade_steps']} with cascade attention)", file=file)
         what = "kernels by device time" if result["on_gpu"] else "CPU ops by self time (no GPU)"
         print(f"top {what}:", file=file)
         print(result["top"].to_string(index=False), file=file)

@@ -254,9 +254,9 @@ def save(args: argparse.Namespace, result: dict) -> None:
         report.write_csv(result, args.output_csv)
 
 
-def run_mode(args: argparse.Namespace, engine, result: dict, shape, dataset) -> tuple[int, int]:
-    """Run the mode's measurements, printing and saving each row as it comes; returns the batch size and
-    prompt length a --profile trace would use."""
+def run_mode(args: argparse.Namespace, engine, result: dict, shape, dataset) -> dict:
+    """Run the mode's measurements, printing and saving each row as it comes; returns the batch size, prompt
+    length and shared prefix a --profile trace would use (profile_decode's keywords)."""
     from fastllm.bench import report
 
     print(report.header(result), flush=True)
@@ -273,7 +273,7 @@ def run_mode(args: argparse.Namespace, engine, result: dict, shape, dataset) -> 
 
         run_latency(engine, args.batch_sizes, args.input_len, args.output_len, result["ceilings"], shape,
                     seed=config.model.seed, matmul_floor=args.matmul_floor, progress=progress, on_row=on_row)
-        return args.profile_batch_size or max(args.batch_sizes), args.input_len
+        return dict(batch_size=args.profile_batch_size or max(args.batch_sizes), input_len=args.input_len)
     if args.mode in ("throughput", "prefix"):
         from fastllm.bench.throughput import make_prompts, run_prefix, run_throughput
 
@@ -287,12 +287,13 @@ def run_mode(args: argparse.Namespace, engine, result: dict, shape, dataset) -> 
         else:
             on_row(run_throughput(engine, prompts, args.output_len, args.shared_prefix_len, progress,
                                   warmup_len=min(args.input_len, 512)))
-        return (args.profile_batch_size or min(args.num_prompts, config.scheduler.max_num_seqs),
-                args.shared_prefix_len + args.input_len)
-    return args.profile_batch_size or 1, args.input_len
+        batch = args.profile_batch_size or min(args.num_prompts, config.scheduler.max_num_seqs)
+        return dict(batch_size=batch, input_len=args.shared_prefix_len + args.input_len,
+                    shared_prefix_len=args.shared_prefix_len)
+    return dict(batch_size=args.profile_batch_size or 1, input_len=args.input_len)
 
 
-def finish(args: argparse.Namespace, engine, result: dict, profile_at: tuple[int, int]) -> None:
+def finish(args: argparse.Namespace, engine, result: dict, profile_at: dict) -> None:
     """The table, the files, the plot and the --profile trace."""
     import torch
 
@@ -308,7 +309,8 @@ def finish(args: argparse.Namespace, engine, result: dict, profile_at: tuple[int
     if args.profile and args.mode != "startup":
         from fastllm.bench.profile import print_profile, profile_decode
 
-        print_profile(profile_decode(engine, *profile_at, args.profile, args.profile_steps, layers=args.nvtx_layers))
+        print_profile(profile_decode(engine, out_dir=args.profile, steps=args.profile_steps,
+                                     layers=args.nvtx_layers, **profile_at))
     if engine.worker.device.type == "cuda":
         torch.cuda.synchronize(engine.worker.device)
     engine.shutdown()

@@ -122,6 +122,15 @@ def test_prefix_sharing_and_profile(tmp_path, capsys):
     assert "top CPU ops" in stdout and "forward" in stdout
 
 
+def test_prefix_profile_traces_cascade_steps(tmp_path, capsys):
+    # the profiled requests share the workload's prefix (the first prefilled alone, the others finding its
+    # blocks cached), so with cascade attention on every profiled decode step cascades
+    _, stdout = run_json(tmp_path, capsys, ["prefix", "--num-prompts", "4", "--shared-prefix-len", "32",
+                                            "--input-len", "8", "--output-len", "4", "--cascade-attention",
+                                            "--profile", str(tmp_path / "prof"), "--profile-steps", "2"])
+    assert "(2 decode steps, 2 with cascade attention)" in stdout
+
+
 def test_dataset(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "Once upon a time"}\n{"prompt_token_ids": [1, 5, 9]}\n')
