@@ -31,7 +31,7 @@ def test_synthetic_prefill_layout():
 
 
 def test_warm_up_runs_the_forward_and_writes_no_kv():
-    llm = LLM(STORIES, enforce_eager=True, cpu_kv_cache_gib=0.01)
+    llm = LLM(STORIES, device="cpu", enforce_eager=True, cpu_kv_cache_gib=0.01)
     runner = llm.engine.worker.runner
     before = runner.cache.gpu.clone()
     calls = []
@@ -77,7 +77,7 @@ def test_compiled_steps_send_aligned_tables(monkeypatch):
 
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["Once upon a time", "The little dog ran to the park and saw a big red ball"]
-    llm = LLM(STORIES, enforce_eager=True, cpu_kv_cache_gib=0.01)
+    llm = LLM(STORIES, device="cpu", enforce_eager=True, cpu_kv_cache_gib=0.01)
     monkeypatch.setattr(input_batch, "AttentionMetadata", record)
     padded = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert seen and all(w % TABLE_WIDTH_ALIGN == 0 for w in seen)
