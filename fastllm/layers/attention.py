@@ -122,11 +122,12 @@ class Attention(nn.Module):
         (in a decode step by the suffix kernel itself)."""
         key_cache, value_cache = self.kv_cache
         cascade, scales = metadata.cascade, self.kv_scales
+        decode = metadata.is_decode_only  # (its kernels read the new keys from the cache)
         query, key = ops.rotary_kv_cache_write(positions, query, key, value, self.rotary.cos_sin_cache,
                                                self.rotary.is_neox, key_cache, value_cache, metadata.slot_mapping,
-                                               return_key=True, **norm, **scales)
+                                               return_key=not decode, **norm, **scales)
 
-        if metadata.is_decode_only:  # two launches: the suffix kernel merges (cascade_decode_attention)
+        if decode:  # two launches: the suffix kernel merges (cascade_decode_attention)
             return ops.cascade_decode_attention(
                 query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, cascade.kv_start,
                 cascade.prefix_rows, cascade.prefix_lens, cascade.rows, cascade.row_start,
