@@ -5,13 +5,14 @@ kv_start) and its group's shared prefix, in S parts (prefix_o, prefix_lse from c
 over the union is the weighted mean of the parts:
     out[t] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s   (base 2, as the kernels)
 over the S + 1 states; an empty part (lse = -inf) weighs 0 and its o is never read. out is updated in place,
-only at the listed rows (a row of -1 is padding). Grid: (R, Hq), one (row, head) a program, its S + 1 states of D floats.
+only at the listed rows (a row of -1 is padding). Grid: (R, Hq / _HEADS_PER_PROGRAM): a program merges a few
+heads of one row, each from its S + 1 states of D floats.
 
 Memory traffic: R * Hq * (S * (D + 1) * 4 + 2 * D * out.element_size() + 4) bytes.
 
-A decode step's cascade (cascade_attention.cascade_decode_attention) runs no merge launch: its suffix kernel
-folds each row's prefix states in as it finishes the row (`merge_prefix_states`, the same math online over
-the splits).
+`merge_prefix_states` is the merge itself, online over the splits: this launch calls it, and so does a decode
+step's suffix kernel (cascade_attention.cascade_decode_attention), which folds each row's prefix states in as
+it finishes the row, so that a decode step has no merge launch.
 """
 
 from __future__ import annotations
@@ -20,38 +21,15 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _merge_kernel(out_ptr, lse_ptr, prefix_o_ptr, prefix_lse_ptr, rows_ptr, stride_ot, stride_oh, stride_lt,
-                  num_splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    t = tl.load(rows_ptr + r).to(tl.int64)
-    if t < 0:  # padding (a CUDA graph's plan has room for more rows than a step uses)
-        return
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    s = tl.arange(0, BLOCK_S)
-    state = (r * tl.num_programs(1) + h) * num_splits + s  # [BLOCK_S]
-    part_lse = tl.load(prefix_lse_ptr + state, mask=s < num_splits, other=float("-inf"))
-    own_lse = tl.load(lse_ptr + t * stride_lt + h)
-    out_row = out_ptr + t * stride_ot + h * stride_oh + d
-    own = tl.load(out_row, mask=d_ok, other=0.0).to(tl.float32)
-    m = tl.maximum(tl.max(part_lse, axis=0), own_lse)
-    w = tl.exp2(part_lse - m)  # [BLOCK_S]; 0 for empty parts
-    own_w = tl.exp2(own_lse - m)
-    part_o = tl.load(prefix_o_ptr + state[:, None] * HEAD_DIM + d[None, :],
-                     mask=(w > 0.0)[:, None] & d_ok[None, :], other=0.0)  # an empty part's o is never read
-    merged = (tl.sum(w[:, None] * part_o, axis=0) + own_w * own) / (tl.sum(w, axis=0) + own_w)
-    tl.store(out_row, merged.to(out_ptr.dtype.element_ty), mask=d_ok)
+_HEADS_PER_PROGRAM = 4  # (row, head) states a program merges: about a GQA group, as the suffix kernel does
 
 
 @triton.jit
 def merge_prefix_states(out_rows, lse_rows, prefix_o_ptr, prefix_lse_ptr, states, num_splits, mask,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """For each masked row i: out_rows[i] (HEAD_DIM values; its suffix attention, lse at lse_rows[i]) <- the
-    merge with its prefix states states[i] .. states[i] + num_splits - 1 of prefix_o / prefix_lse: the
-    _merge_kernel's math, online over the splits."""
+    merge with its prefix states states[i] .. states[i] + num_splits - 1 of prefix_o / prefix_lse (the
+    module docstring's math, online over the splits)."""
     d = tl.arange(0, BLOCK_D)
     io_mask = mask[:, None] & (d < HEAD_DIM)[None, :]
     own_lse = tl.load(lse_rows, mask=mask, other=float("-inf"))
@@ -73,6 +51,20 @@ def merge_prefix_states(out_rows, lse_rows, prefix_o_ptr, prefix_lse_ptr, states
     tl.store(out_rows[:, None] + d[None, :], merged.to(out_rows.dtype.element_ty), mask=io_mask)
 
 
+@triton.jit
+def _merge_kernel(out_ptr, lse_ptr, prefix_o_ptr, prefix_lse_ptr, rows_ptr, stride_ot, stride_oh, stride_lt,
+                  num_heads, num_splits,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    t = tl.load(rows_ptr + r).to(tl.int64)
+    if t < 0:  # padding (a CUDA graph's plan has room for more rows than a step uses)
+        return
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    merge_prefix_states(out_ptr + t * stride_ot + h * stride_oh, lse_ptr + t * stride_lt + h, prefix_o_ptr,
+                        prefix_lse_ptr, (r * num_heads + h) * num_splits, num_splits, h < num_heads, HEAD_DIM,
+                        BLOCK_D)
+
+
 def merge_attn_states(
     out: torch.Tensor,  # [T, Hq, D]: the suffix attention; the listed rows are overwritten
     lse: torch.Tensor,  # [T, Hq] float32
@@ -88,8 +80,10 @@ def merge_attn_states(
     assert rows.shape == (num_rows,) and rows.is_contiguous()
     if num_rows == 0:
         return
-    _merge_kernel[(num_rows, num_heads)](
-        out, lse, prefix_o, prefix_lse, rows, out.stride(0), out.stride(1), lse.stride(0), num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=1 if head_dim <= 64 else 2,
+    block_h = min(_HEADS_PER_PROGRAM, triton.next_power_of_2(num_heads))
+    _merge_kernel[(num_rows, triton.cdiv(num_heads, block_h))](
+        out, lse, prefix_o, prefix_lse, rows, out.stride(0), out.stride(1), lse.stride(0), num_heads,
+        num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_H=block_h,
+        num_warps=2 if head_dim <= 64 else 4,
     )

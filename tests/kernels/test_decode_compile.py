@@ -2,7 +2,7 @@
 device), under every query dtype, with the flags the launcher passes on a GPU (fp8_dot_flags): the inline
 PTX that keeps V's conversion in registers runs on the GPU only, so the interpreter never sees it; a wrong
 operand width there aborts the process in LLVM (float32's V took a pair-of-fp16 move once). Also a decode
-cascade's two kernels, whose PDL trigger and wait the interpreter never runs.
+cascade's two kernels, whose PDL trigger and wait the interpreter never runs, and the mixed steps' merge.
 
 The compile runs in a child process: under TRITON_INTERPRET=1 @triton.jit gives interpreted functions."""
 
@@ -45,6 +45,9 @@ def compile_cascade() -> None:
         BLOCK_CR=64, PRECISION="tf32", DOT_F16=False, V_IN_REGISTERS=False), bf16)
     compile_sm90(C._cascade_prefix_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_D=128, BLOCK_M=64,
                                                 BLOCK_N=64, PRECISION="tf32", TRIGGER=True), bf16)
+    from fastllm.kernels import merge_attn_states as M  # a mixed step's merge launch
+
+    compile_sm90(M._merge_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=4), bf16)
 
 
 def compile_sm90(kernel, constexprs: dict, pointers: dict) -> None:
@@ -69,4 +72,4 @@ if __name__ == "__main__":
     for dtype in _TRITON_TYPE:
         compile_decode(dtype)
     compile_cascade()
-    print("compiled", len(_TRITON_TYPE) + 2, "kernels")
+    print("compiled", len(_TRITON_TYPE) + 3, "kernels")
