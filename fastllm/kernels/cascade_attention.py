@@ -55,6 +55,7 @@ def _cascade_prefix_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
     TRIGGER: tl.constexpr,  # a decode cascade on a PDL GPU: let the suffix kernel start now (see pdl.py)
+    BY_QUERY_ROW: tl.constexpr,  # the outputs' row is the query row (a decode cascade's), not the group row
 ):
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -78,13 +79,14 @@ def _cascade_prefix_kernel(
     tok = tok0 + r // GROUP  # [BLOCK_M] the group's row
     heads = kv_head * GROUP + r % GROUP  # [BLOCK_M] query head
     row_ok = (r < BLOCK_Q * GROUP) & (tok < num_rows)
-    state = ((r0 + tok).to(tl.int64) * num_q_heads + heads) * num_splits + split  # [BLOCK_M] row of the outputs
+    t = tl.load(rows_ptr + r0 + tok, mask=row_ok, other=0).to(tl.int64)  # the query row in the flat batch
+    out_row = t if BY_QUERY_ROW else (r0 + tok).to(tl.int64)
+    state = (out_row * num_q_heads + heads) * num_splits + split  # [BLOCK_M] row of the outputs
     if start >= end:
         tl.store(lse_ptr + state, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
         return
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    t = tl.load(rows_ptr + r0 + tok, mask=row_ok, other=0).to(tl.int64)  # the query row in the flat batch
     q = tl.load(q_ptr + (t * stride_qt + heads * stride_qh)[:, None] + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
@@ -149,9 +151,12 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
                                     row_start, max_group_rows: int, max_prefix_len: int, scale: float,
                                     num_splits: int | None = None, block_m: int | None = None,
                                     num_warps: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                                    trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                                    trigger: bool = False, by_query_row: bool = False
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """cascade_prefix_attention with an explicit launch config (None: the chosen one); tests and tuning.
     trigger: let the next kernel (a PDL launch) start beside this one (cascade_decode_attention).
+    by_query_row: the states of query row t at o[t] / lse[t] ([T, Hq, S, ...]; rows in no group are left
+    unwritten), so that a decode step's suffix kernel finds request b's at row b.
     The chosen split count is sized for max_prefix_len (a graph's bound): its splits keep >= _MIN_SPLIT_TOKENS
     keys, so a shorter prefix fills fewer of them and the rest return at once. An explicit count splits any
     prefix that many ways (whole tiles)."""
@@ -176,8 +181,9 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
         num_splits = choose_num_splits(max_group_rows, num_kv_heads, block_m // group, max_prefix_len,
                                        sm_count.num_sms(query.device))
     f32 = dict(dtype=torch.float32, device=query.device)
-    o = torch.empty((num_rows, num_q_heads, num_splits, head_dim), **f32)
-    lse = torch.empty((num_rows, num_q_heads, num_splits), **f32)
+    out_rows = query.shape[0] if by_query_row else num_rows
+    o = torch.empty((out_rows, num_q_heads, num_splits, head_dim), **f32)
+    lse = torch.empty((out_rows, num_q_heads, num_splits), **f32)
     if num_rows == 0 or num_groups == 0:
         return o, lse
     grid = (triton.cdiv(max_group_rows, block_m // group) * num_splits, num_groups, num_kv_heads)
@@ -192,7 +198,7 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps or (8 if head_dim > 128 else 4), num_stages=3 if query.element_size() <= 2 else 2,
-        TRIGGER=trigger,
+        TRIGGER=trigger, BY_QUERY_ROW=by_query_row,
     )
     return o, lse
 
@@ -218,15 +224,17 @@ def cascade_decode_attention(
     """A decode step's cascade attention (see the reference) in two launches: the prefix kernel, then paged
     decode over the suffixes, which folds each grouped row's prefix states into its out as it finishes the
     row (no merge launch). With PDL (pdl.py) the suffix kernel starts while the prefix kernel runs, and waits
-    for it only before those merges."""
+    for it only before those merges. The prefix kernel writes request b's states at row b, and the suffix
+    kernel reads them where kv_start[b] > 0: a request is in a group exactly then (prefixes have >= 1 token).
+    """
     if rows.shape[0] == 0 or prefix_lens.shape[0] == 0:  # no prefix launch: the suffix must not skip its wait
         return launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_suffix_len, scale,
                              kv_start=kv_start, k_scale=k_scale, v_scale=v_scale)
     prefix_o, prefix_lse = cascade_prefix_attention_splits(
         query, key_cache, value_cache, block_tables, prefix_rows, prefix_lens, rows, row_start,
         max_group_rows, max_prefix_len, scale, k_scale=k_scale, v_scale=v_scale,
-        trigger=pdl.enabled(query.device))
+        trigger=pdl.enabled(query.device), by_query_row=True)
     out, _ = launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_suffix_len, scale,
                            kv_start=kv_start, return_lse=True, k_scale=k_scale, v_scale=v_scale,
-                           cascade=CascadeSuffix(rows, prefix_o, prefix_lse))
+                           cascade=CascadeSuffix(prefix_o, prefix_lse))
     return out

@@ -113,11 +113,10 @@ class DecodeConfig(NamedTuple):
 
 class CascadeSuffix(NamedTuple):
     """A decode cascade's suffix launch (cascade_attention.cascade_decode_attention): each request with prefix
-    states folds them into its out once its suffix is done, after the prefix kernel (the kernel before this
-    one) has finished (pdl.wait; this launch skips the usual wait at its start)."""
-    rows: torch.Tensor  # [R] int32: the request of each prefix state row (-1: padding)
-    prefix_o: torch.Tensor  # [R, Hq, S, D] float32
-    prefix_lse: torch.Tensor  # [R, Hq, S] float32
+    states (kv_start[b] > 0) folds them into its out once its suffix is done, after the prefix kernel (the
+    kernel before this one) has finished (pdl.wait; this launch skips the usual wait at its start)."""
+    prefix_o: torch.Tensor  # [B, Hq, S, D] float32: request b's prefix states at row b
+    prefix_lse: torch.Tensor  # [B, Hq, S] float32
 
 
 class NewTokens(NamedTuple):
@@ -137,7 +136,6 @@ class NewTokens(NamedTuple):
 # at 4 warps), BLOCK_S splits a step.
 _MERGE_TILE_ELEMENTS = 8192
 _MAX_MERGE_BLOCK_S = 16
-_CASCADE_ROWS_BLOCK = 64  # a cascade suffix program looks for its request among the plan's rows, 64 a step
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -154,8 +152,7 @@ def _decode_split_kernel(
     q_norm_ptr, k_norm_ptr, norm_eps,  # APPEND and QK_NORM: each head's RMSNorm weight [HEAD_DIM] for q and k
     kv_start_ptr,  # int32 [B] (HAS_KV_START): request b attends no key before kv_start[b]
     lse_ptr,  # float32 [B, Hq] (RETURN_LSE): log2 of each row's softmax denominator
-    # CASCADE: CascadeSuffix's rows (and their count), prefix states and S
-    cascade_rows_ptr, num_cascade_rows, prefix_o_ptr, prefix_lse_ptr, num_prefix_splits,
+    prefix_o_ptr, prefix_lse_ptr, num_prefix_splits,  # CASCADE: CascadeSuffix's prefix states and their S
     window,  # SLIDING: keys seq_len - window .. seq_len - 1 only
     scale_log2,  # scale * k_scale * log2(e): softmax runs in base 2 (k_scale: 1.0 but for an FP8 cache)
     k_scale, v_scale,  # an FP8 cache's scales (the new k/v are divided by them; outputs times v_scale)
@@ -178,7 +175,7 @@ def _decode_split_kernel(
     USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): seq_lens (staged step input) is read before the wait
     OFFSET_64: tl.constexpr,  # a cache of 2^31 elements or more: page offsets in int64, else int32
     HAS_KV_START: tl.constexpr, SLIDING: tl.constexpr, RETURN_LSE: tl.constexpr,
-    CASCADE: tl.constexpr, BLOCK_CR: tl.constexpr,  # a decode cascade's suffix (CascadeSuffix)
+    CASCADE: tl.constexpr,  # a decode cascade's suffix (CascadeSuffix)
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -326,9 +323,9 @@ def _decode_split_kernel(
             tl.store(lse_ptr + b * tl.num_programs(1) * GROUP + heads,
                      tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf")), mask=g_ok)
         if CASCADE:
-            _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, cascade_rows_ptr,
-                                 num_cascade_rows, prefix_o_ptr, prefix_lse_ptr, num_prefix_splits, GROUP,
-                                 HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_CR, USE_PDL)
+            _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, kv_start_ptr,
+                                 prefix_o_ptr, prefix_lse_ptr, num_prefix_splits, GROUP, HEAD_DIM, BLOCK_G,
+                                 BLOCK_D, USE_PDL)
     else:
         # partials: part_o [B, Hq, splits, HEAD_DIM] fp32, part_lse [B, Hq, splits] fp32
         row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # [BLOCK_G]
@@ -349,32 +346,26 @@ def _decode_split_kernel(
                               n_active, kv_head * GROUP, lse_ptr + b * tl.num_programs(1) * GROUP, GROUP,
                               HEAD_DIM, BLOCK_GM, BLOCK_S, BLOCK_D, RETURN_LSE)
                 if CASCADE:
-                    _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, cascade_rows_ptr,
-                                         num_cascade_rows, prefix_o_ptr, prefix_lse_ptr, num_prefix_splits,
-                                         GROUP, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_CR, USE_PDL)
+                    _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, kv_start_ptr,
+                                         prefix_o_ptr, prefix_lse_ptr, num_prefix_splits, GROUP, HEAD_DIM,
+                                         BLOCK_G, BLOCK_D, USE_PDL)
 
 
 @triton.jit
-def _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, rows_ptr, num_rows, prefix_o_ptr,
+def _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, kv_start_ptr, prefix_o_ptr,
                          prefix_lse_ptr, num_prefix_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_CR: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     """Request b's suffix attention is in out and lse (its KV group's heads): once the prefix kernel's writes
-    are visible, fold b's prefix states in if it has any (row r of the cascade's rows). Every request waits,
-    so this grid ends after the prefix kernel (whose buffers may be freed once it does)."""
+    are visible, fold in b's prefix states (row b) if it has any (kv_start[b] > 0). Every request waits, so
+    this grid ends after the prefix kernel (whose buffers may be freed once it does)."""
     tl.debug_barrier()  # this program's out and lse stores, read back below
     pdl.wait(USE_PDL)
-    r = b * 0 - 1  # b's row among the cascade's (-1: none), BLOCK_CR rows a step (no variant per row count)
-    for i0 in range(0, num_rows, BLOCK_CR):
-        i = i0 + tl.arange(0, BLOCK_CR)
-        found = tl.load(rows_ptr + i, mask=i < num_rows, other=-1) == b
-        r = tl.maximum(r, tl.max(tl.where(found, i, -1), axis=0).to(tl.int64))
-    if r >= 0:
+    if tl.load(kv_start_ptr + b) > 0:
         g = tl.arange(0, BLOCK_G)
         heads = kv_head * GROUP + g
         num_q_heads = tl.num_programs(1) * GROUP
         merge_prefix_states(out_ptr + b * stride_ob + heads * stride_oh, lse_ptr + b * num_q_heads + heads,
-                            prefix_o_ptr, prefix_lse_ptr, (r * num_q_heads + heads) * num_prefix_splits,
+                            prefix_o_ptr, prefix_lse_ptr, (b * num_q_heads + heads) * num_prefix_splits,
                             num_prefix_splits, g < GROUP, HEAD_DIM, BLOCK_D)
 
 
@@ -578,8 +569,9 @@ def paged_decode_attention_splits(
     group = num_q_heads // num_kv_heads
     if cascade is not None:
         assert return_lse and merge_in_kernel and append is None, "a cascade's suffix merges in the kernel"
-        assert cascade.rows.dtype == torch.int32 and cascade.prefix_o.is_contiguous()
-        assert cascade.prefix_lse.is_contiguous() and cascade.prefix_o.shape[1] == num_q_heads
+        assert kv_start is not None, "a cascade's suffix finds its grouped requests by kv_start"
+        assert cascade.prefix_o.is_contiguous() and cascade.prefix_lse.is_contiguous()
+        assert cascade.prefix_o.shape[:2] == (batch, num_q_heads), (cascade.prefix_o.shape, num_q_heads)
     out = torch.empty((batch, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     lse = torch.empty((batch, num_q_heads), dtype=torch.float32, device=query.device) if return_lse else out
     if batch == 0:
@@ -616,8 +608,8 @@ def paged_decode_attention_splits(
     block_gm = triton.next_power_of_2(group)
     block_s = max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS // (block_gm * block_d)))  # the merge's tile
     kv_start_arg = kv_start if kv_start is not None else seq_lens  # unused without it
-    cascade_args = (cascade.rows, cascade.rows.shape[0], cascade.prefix_o, cascade.prefix_lse,
-                    cascade.prefix_o.shape[2]) if cascade is not None else (seq_lens, 0, out, lse, 0)
+    cascade_args = (cascade.prefix_o, cascade.prefix_lse, cascade.prefix_o.shape[2]) if cascade is not None \
+        else (out, lse, 0)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         query, key_cache, value_cache, out, part_o, part_lse, block_tables, seq_lens, counters, *new_args,
         kv_start_arg, lse, *cascade_args, window or 0, scale * k_scale * _LOG2E, k_scale, v_scale,
@@ -636,7 +628,6 @@ def paged_decode_attention_splits(
         QK_NORM=qk_norm,
         OFFSET_64=offset_64, HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,
         CASCADE=cascade is not None,
-        BLOCK_CR=_CASCADE_ROWS_BLOCK,
         num_warps=num_warps, num_stages=num_stages, **pdl.launch_options(query.device),
     )
     if num_splits > 1 and not merge_in_kernel:

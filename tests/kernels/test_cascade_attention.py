@@ -47,24 +47,28 @@ class SharedPrefixKV:
         self.prefix_lens = prefix_lens
         self.device = device
 
-    def plan(self):
+    def plan(self, reverse: bool = False):
         """The metadata a cascade step carries: each request's kv_start, a member of each group (any one:
         its table row holds the shared blocks) and the prefix lengths, the groups' query rows (group by
-        group) and where each group's rows start."""
+        group) and where each group's rows start. reverse: the groups, and each group's requests, listed
+        last to first (a plan's row i is then not query row i)."""
         kv, bs = self.kv, self.kv.block_size
         kv_start = torch.zeros(len(self.q_lens), dtype=torch.int32)
         qsl = [0, *itertools.accumulate(self.q_lens)]
         rows, row_start = [], [0]
-        prefix_rows = [members[len(members) // 2] for members in self.members]
-        for members, prefix in zip(self.members, self.prefix_lens):
-            for i in members:
+        order = (lambda x: list(x)[::-1]) if reverse else list
+        groups = order(zip(self.members, self.prefix_lens))
+        prefix_rows = [members[len(members) // 2] for members, _ in groups]
+        for members, prefix in groups:
+            for i in order(members):
                 kv_start[i] = prefix
                 rows += range(qsl[i], qsl[i + 1])
             row_start.append(len(rows))
         as_dev = dict(dtype=torch.int32, device=self.device)
         max_rows = max(b - a for a, b in zip(row_start, row_start[1:]))
-        return (kv_start.to(self.device), torch.tensor(prefix_rows, **as_dev), torch.tensor(self.prefix_lens, **as_dev),
-                torch.tensor(rows, **as_dev), torch.tensor(row_start, **as_dev), max_rows, max(self.prefix_lens))
+        return (kv_start.to(self.device), torch.tensor(prefix_rows, **as_dev),
+                torch.tensor([prefix for _, prefix in groups], **as_dev), torch.tensor(rows, **as_dev),
+                torch.tensor(row_start, **as_dev), max_rows, max(self.prefix_lens))
 
 
 def cascade(impl, query, skv: SharedPrefixKV, scale, key=None, value=None, plan=None):
@@ -116,11 +120,11 @@ def test_cascade_decode_equals_whole_attention(device, gen, dtype, groups, prefi
     _decode(device, gen, dtype, groups, prefix_lens, own_lens, hq, hkv, d, page)
 
 
-def cascade_decode(impl, query, skv: SharedPrefixKV, scale, pad_rows: int = 0):
+def cascade_decode(impl, query, skv: SharedPrefixKV, scale, pad_rows: int = 0, reverse: bool = False):
     """A decode step's cascade as the engine runs it (cascade_decode_attention: the prefix kernel, then the
     suffix kernel, which merges), pad_rows -1 rows after the plan's (a CUDA graph's padding)."""
     kv = skv.kv
-    kv_start, prefix_rows, prefix_lens, rows, row_start, max_rows, max_prefix = skv.plan()
+    kv_start, prefix_rows, prefix_lens, rows, row_start, max_rows, max_prefix = skv.plan(reverse)
     rows = torch.cat([rows, rows.new_full((pad_rows,), -1)])
     get = triton_impl if impl == "triton" else reference_impl
     return get("cascade_decode_attention")(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
@@ -130,7 +134,7 @@ def cascade_decode(impl, query, skv: SharedPrefixKV, scale, pad_rows: int = 0):
 
 # a suffix long enough to split (the decode kernel merges its splits, then the prefix's states)
 SPLIT_SUFFIX = ([3], [40], [700, 5, 600, 9], 8, 2, 64, 16)
-# more grouped requests than a suffix program's search reads at once (_CASCADE_ROWS_BLOCK), two lone ones last
+# 70 grouped requests, two lone ones last
 MANY_ROWS = ([40, 30], [8, 21], [1, 2, 3] * 24, 2, 1, 16, 4)
 
 
@@ -144,10 +148,11 @@ def test_decode_cascade_merges_in_the_suffix_kernel(device, gen, dtype, groups, 
     query = torch.randn(len(own_lens), hq, d, device=device).to(dtype)
     k, v, table = kv.compact_float()
     whole = reference_impl("paged_decode_attention")(query.float(), k, v, table, kv.seq_lens, 1, d**-0.5)
-    out = cascade_decode("triton", query, skv, d**-0.5, pad_rows=3)
-    assert_close(out, whole, *TOL[dtype], what=f"cascade decode groups={groups} prefix={prefix_lens}")
-    reference = cascade_decode("reference", query.float(), skv, d**-0.5, pad_rows=2)
-    assert_close(reference, whole, *TOL[torch.float32], what="reference cascade decode")
+    for reverse in (False, True):  # (reversed: the plan's rows are not in query order)
+        out = cascade_decode("triton", query, skv, d**-0.5, pad_rows=3, reverse=reverse)
+        assert_close(out, whole, *TOL[dtype], what=f"cascade decode groups={groups} prefix={prefix_lens}")
+        reference = cascade_decode("reference", query.float(), skv, d**-0.5, pad_rows=2, reverse=reverse)
+        assert_close(reference, whole, *TOL[torch.float32], what="reference cascade decode")
 
 
 @pytest.mark.parametrize("impl", ["triton", "reference"])

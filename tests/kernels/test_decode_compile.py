@@ -26,7 +26,7 @@ def compile_decode(query_dtype: torch.dtype) -> None:
     constexprs = dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, DIRECT_OUT=True,
                       MERGE_IN_KERNEL=False, BLOCK_GM=4, BLOCK_S=16, APPEND=False, IS_NEOX=True, HALF=64,
                       QK_NORM=False, USE_PDL=True, OFFSET_64=False, HAS_KV_START=False, SLIDING=False,
-                      RETURN_LSE=False, CASCADE=False, BLOCK_CR=64,
+                      RETURN_LSE=False, CASCADE=False,
                       PRECISION="ieee" if query_dtype == torch.float32 else "tf32",
                       **P.fp8_dot_flags(P.FP8, query_dtype, on_gpu=True))
     compile_sm90(P._decode_split_kernel, constexprs,
@@ -42,9 +42,10 @@ def compile_cascade() -> None:
         GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=64, DIRECT_OUT=False,
         MERGE_IN_KERNEL=True, BLOCK_GM=4, BLOCK_S=16, APPEND=False, IS_NEOX=True, HALF=64, QK_NORM=False,
         USE_PDL=True, OFFSET_64=False, HAS_KV_START=True, SLIDING=False, RETURN_LSE=True, CASCADE=True,
-        BLOCK_CR=64, PRECISION="tf32", DOT_F16=False, V_IN_REGISTERS=False), bf16)
+        PRECISION="tf32", DOT_F16=False, V_IN_REGISTERS=False), bf16)
     compile_sm90(C._cascade_prefix_kernel, dict(GROUP=4, HEAD_DIM=128, PAGE=16, BLOCK_D=128, BLOCK_M=64,
-                                                BLOCK_N=64, PRECISION="tf32", TRIGGER=True), bf16)
+                                                BLOCK_N=64, PRECISION="tf32", TRIGGER=True,
+                                                BY_QUERY_ROW=True), bf16)
     from fastllm.kernels import merge_attn_states as M  # a mixed step's merge launch
 
     compile_sm90(M._merge_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_H=4), bf16)
