@@ -17,10 +17,13 @@ prefix kernel runs beside it on a side stream, then merge_attn_states.
 Math, for query row t of group g over its prefix keys k_0 .. k_{P-1} (P = prefix_lens[g]):
     o_s = sum_{j in split s} softmax(scale q_t . k_j) v_j (normalized within the split),
     lse_s = log2 sum_{j in split s} 2^(scale log2(e) q_t . k_j)
-Grid: (row tiles x splits, G, Hkv); the prefix is cut into `num_splits` parts of whole BLOCK_N tiles so a
+Grid: (row tiles x splits, Hkv, G); the prefix is cut into `num_splits` parts of whole BLOCK_N tiles so a
 small group still fills the GPU (programs of a tile past a group's rows, or of a split past its prefix,
-return at once; an empty split writes lse = -inf, which the merge weighs 0). The launch config depends only
-on host-side bounds (max_group_rows, max_prefix_len), never on device values.
+return at once; an empty split writes lse = -inf, which the merge weighs 0). The group is the slowest grid
+axis, so one group's programs are launched together, before the next group's: a CUDA graph's padding groups
+(no rows) then come after the real ones instead of between them, where the SMs would be handed a real and a
+padding program alike and some would get two real ones (choose_num_splits sizes for one a SM). The launch
+config depends only on host-side bounds (max_group_rows, max_prefix_len), never on device values.
 
 Memory traffic: sum_g ceil(rows_g / BLOCK_Q) * P_g * Hkv * D * 2 * cache.element_size() of K/V (the row
 tiles of one group read the same tiles at about the same time, mostly from L2), the rows' q, and the
@@ -62,9 +65,9 @@ def _cascade_prefix_kernel(
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP  # query rows per tile
     tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
-    g = tl.program_id(1).to(tl.int64)
-    kv_head = tl.program_id(2)
-    num_q_heads = tl.num_programs(2) * GROUP
+    kv_head = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    num_q_heads = tl.num_programs(1) * GROUP
     r0 = tl.load(row_start_ptr + g)
     num_rows = tl.load(row_start_ptr + g + 1) - r0
     tok0 = tile * BLOCK_Q
@@ -186,7 +189,7 @@ def cascade_prefix_attention_splits(query, key_cache, value_cache, block_tables,
     lse = torch.empty((out_rows, num_q_heads, num_splits), **f32)
     if num_rows == 0 or num_groups == 0:
         return o, lse
-    grid = (triton.cdiv(max_group_rows, block_m // group) * num_splits, num_groups, num_kv_heads)
+    grid = (triton.cdiv(max_group_rows, block_m // group) * num_splits, num_kv_heads, num_groups)
     _cascade_prefix_kernel[grid](
         query, key_cache, value_cache, o, lse, block_tables, prefix_rows, prefix_lens, rows, row_start,
         scale * k_scale * _LOG2E, v_scale,
