@@ -6,9 +6,11 @@ and the suffix kernel's tile, against plain paged decode on the same data.
 
 Shapes are requests x shared prefix x own tokens (one group, bench_cascade_attention's problem). Each shape is
 timed with the chosen launch, with the prefix split twice as many ways, and with each candidate suffix tile;
-the host bounds are --bound (a CUDA graph's max_model_len), then the exact lengths. Times are kbench.steady_ms
-(CUDA-graph replays over input sets that span the L2), in us; the ratio is plain decode's time over it.
-README's "Kernel choices" rows for the cascade come from here.
+the host bounds are --bound (a CUDA graph's max_model_len), then the exact lengths. Last, the chosen launch
+over the plan as a decode step's CUDA graph holds it (worker/cascade.py's CascadeGraphInputs: MAX_GROUPS group
+columns, the unused ones empty, rows padded with -1, bounds at --bound), which is what the engine runs.
+Times are kbench.steady_ms (CUDA-graph replays over input sets that span the L2), in us; the ratio is plain
+decode's time over it. README's "Kernel choices" rows for the cascade come from here.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parents[1]))
 
 import kbench
+import numpy as np
+import torch
 from bench_cascade_attention import shared_prefix_problem
 
 import fastllm.kernels.cascade_attention as cascade_kernels
 import fastllm.kernels.paged_decode_attention as decode_kernels
+from fastllm.worker.cascade import CascadeGraphInputs, CascadePlan
 
 SUFFIX_TILES = [(64, 4, 2), (16, 2, 2), (32, 2, 2), (64, 2, 2)]  # (block_n, num_warps, num_stages)
 SHAPES = "64x2048x128,16x4096x512,128x2048x128,32x1024x256,8x2048x128,64x512x64"
@@ -50,7 +55,20 @@ def _with_tile(choose_config, tile, *args, **kwargs):
     return choose_config(*args, **kwargs)._replace(block_n=block_n, num_warps=warps, num_stages=stages)
 
 
-def run_shape(batch: int, prefix: int, own: int, bounds: list[int | None]) -> list[str]:
+def graph_plan(batch: int, prefix: int, own: int, bound: int) -> list:
+    """The one-group plan as a decode step's CUDA graph receives it: cascade_decode_attention's plan arguments
+    from kv_start on, through the engine's own padding (CascadeGraphInputs.pack, then .metadata)."""
+    i32 = np.int32
+    plan = CascadePlan(np.full(batch, prefix, i32), np.zeros(1, i32), np.array([prefix], i32),
+                       np.arange(batch, dtype=i32), np.array([0, batch], i32), batch, prefix, own)
+    inputs = CascadeGraphInputs(batch, bound, torch.device(kbench.DEVICE))
+    inputs.buffer.copy_(torch.from_numpy(inputs.pack(plan)))
+    md = inputs.metadata(batch)
+    return [md.kv_start, md.prefix_rows, md.prefix_lens, md.rows, md.row_start, md.max_group_rows,
+            md.max_prefix_len, md.max_suffix_len]
+
+
+def run_shape(batch: int, prefix: int, own: int, bounds: list[int | None], graph_bound: int) -> list[str]:
     scale = kbench.HEAD_DIM**-0.5
     sets = kbench.input_sets(lambda: shared_prefix_problem(batch, prefix, own),
                              lambda args: (prefix + batch * own) * kbench.HKV * kbench.HEAD_DIM * 4)
@@ -71,6 +89,10 @@ def run_shape(batch: int, prefix: int, own: int, bounds: list[int | None]) -> li
                 lines.append(f"  bound {bound or 'exact':>5}  {name:<28} {t:6.1f} us  {plain / t:5.2f}x")
             finally:
                 cascade_kernels.choose_num_splits, decode_kernels.choose_config = real_splits, real_config
+    plan = graph_plan(batch, prefix, own, graph_bound)
+    t = time_us([functools.partial(cascade_kernels.cascade_decode_attention, *args[:5], *plan, scale)
+                 for args in sets])
+    lines.append(f"  graph plan ({graph_bound})  {'chosen':<28} {t:6.1f} us  {plain / t:5.2f}x")
     return lines
 
 
@@ -79,14 +101,13 @@ def main() -> int:
     parser.add_argument("--shapes", default=SHAPES, help="requests x prefix x own, comma-separated")
     parser.add_argument("--bound", type=int, default=8192, help="the graphs' host bound (max_model_len)")
     args = parser.parse_args()
-    import torch
     import triton
 
     print(f"{torch.cuda.get_device_name(0)} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{kbench.num_sms()} SMs", flush=True)
     for shape in args.shapes.split(","):
         batch, prefix, own = (int(x) for x in shape.split("x"))
-        print("\n".join(run_shape(batch, prefix, own, [args.bound, None])), flush=True)
+        print("\n".join(run_shape(batch, prefix, own, [args.bound, None], args.bound)), flush=True)
     return 0
 
 
