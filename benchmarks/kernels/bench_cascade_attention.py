@@ -26,21 +26,27 @@ CASES = {"B64_prefix2048_own128": (64, 2048, 128), "B16_prefix4096_own512": (16,
 PAGE = 16
 
 
-def shared_prefix_problem(batch: int, prefix: int, own: int):
+def shared_prefix_problem(batch: int, prefix: int, own: int, lone: int = 0):
     """(query, key_cache, value_cache, block_tables, seq_lens, plan): every table starts with the same
-    prefix // PAGE blocks; plan = (kv_start, prefix_rows, prefix_lens, rows, row_start)."""
+    prefix // PAGE blocks, but the last `lone` requests', whose copies of the prefix are their own (as for
+    the first requests of a burst, which compute the prefix before it is cached); plan = (kv_start,
+    prefix_rows, prefix_lens, rows, row_start), one group of the batch - lone requests."""
     shared, per_own = prefix // PAGE, -(-own // PAGE)
-    num_blocks = shared + batch * per_own
+    num_blocks = shared * (1 + lone) + batch * per_own
     key_cache = torch.randn(num_blocks, PAGE, HKV, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     value_cache = torch.randn_like(key_cache)
     ids = torch.randperm(num_blocks, device=DEVICE).int()
-    prefix_ids, own_ids = ids[:shared], ids[shared:].view(batch, per_own)
-    block_tables = torch.cat([prefix_ids.expand(batch, shared), own_ids], dim=1).contiguous()
+    prefix_ids = ids[:shared * (1 + lone)].view(1 + lone, shared)
+    own_ids = ids[shared * (1 + lone):].view(batch, per_own)
+    grouped = batch - lone
+    prefix_of = torch.cat([prefix_ids[:1].expand(grouped, shared), prefix_ids[1:]])
+    block_tables = torch.cat([prefix_of, own_ids], dim=1).contiguous()
     seq_lens = torch.full((batch,), prefix + own, dtype=torch.int32, device=DEVICE)
     query = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     i32 = dict(dtype=torch.int32, device=DEVICE)
-    plan = (torch.full((batch,), prefix, **i32), torch.zeros(1, **i32), torch.tensor([prefix], **i32),
-            torch.arange(batch, **i32), torch.tensor([0, batch], **i32))
+    kv_start = torch.tensor([prefix] * grouped + [0] * lone, **i32)
+    plan = (kv_start, torch.zeros(1, **i32), torch.tensor([prefix], **i32), torch.arange(grouped, **i32),
+            torch.tensor([0, grouped], **i32))
     return query, key_cache, value_cache, block_tables, seq_lens, plan
 
 

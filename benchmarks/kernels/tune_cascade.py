@@ -1,11 +1,13 @@
 """Time the decode cascade's launch choices at Llama-3-8B shapes (GPU only): the prefix kernel's split count
-and the suffix kernel's tile, against plain paged decode on the same data.
+and the suffix kernel's tile and split count, against plain paged decode on the same data.
 
     python benchmarks/kernels/tune_cascade.py
-    python benchmarks/kernels/tune_cascade.py --shapes 64x2048x128,16x4096x512 --bound 8192
+    python benchmarks/kernels/tune_cascade.py --shapes 64x2048x128,64x2048x128+3 --bound 8192
 
-Shapes are requests x shared prefix x own tokens (one group, bench_cascade_attention's problem). Each shape is
-timed with the chosen launch, with the prefix split twice as many ways, and with each candidate suffix tile;
+Shapes are requests x shared prefix x own tokens, +L: the last L requests hold their own copies of the prefix
+(in no group: the first requests of a burst compute the prefix before it is cached), so their suffix is
+their whole context (bench_cascade_attention's problem). Each shape is timed with the chosen launch, with
+the prefix split twice as many ways, with each candidate suffix tile and suffix split count;
 the host bounds are --bound (a CUDA graph's max_model_len), then the exact lengths. Last, the chosen launch
 over the plan as a decode step's CUDA graph holds it (worker/cascade.py's CascadeGraphInputs: MAX_GROUPS group
 columns, the unused ones empty, rows padded with -1, bounds at --bound), which is what the engine runs.
@@ -19,6 +21,7 @@ import argparse
 import functools
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -34,7 +37,27 @@ import fastllm.kernels.paged_decode_attention as decode_kernels
 from fastllm.worker.cascade import CascadeGraphInputs, CascadePlan
 
 SUFFIX_TILES = [(64, 4, 2), (16, 2, 2), (32, 2, 2), (64, 2, 2)]  # (block_n, num_warps, num_stages)
-SHAPES = "64x2048x128,16x4096x512,128x2048x128,32x1024x256,8x2048x128,64x512x64"
+SUFFIX_SPLITS = [2, 4, 8]
+SHAPES = "64x2048x128,64x2048x128+3,16x4096x512,128x2048x128,32x1024x256,8x2048x128,64x512x64"
+
+
+class Shape(NamedTuple):
+    batch: int
+    prefix: int
+    own: int
+    lone: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        sizes, _, lone = text.partition("+")
+        return cls(*(int(x) for x in sizes.split("x")), int(lone or 0))
+
+    def __str__(self) -> str:
+        return f"B{self.batch} x ({self.prefix} + {self.own})" + (f", {self.lone} alone" if self.lone else "")
+
+    @property
+    def max_suffix(self) -> int:  # a lone request attends its whole context
+        return self.prefix + self.own if self.lone else self.own
 
 
 def time_us(calls) -> float:
@@ -47,41 +70,48 @@ def launches():
     yield "chosen", {}
     yield "prefix splits x2", {"splits": lambda *a, **k: 2 * chosen_splits(*a, **k)}
     for tile in SUFFIX_TILES:
-        yield f"suffix tile {tile}", {"tile": tile}
+        block_n, warps, stages = tile
+        config = {"block_n": block_n, "num_warps": warps, "num_stages": stages}
+        yield f"suffix tile {tile}", {"config": config}
+    for splits in SUFFIX_SPLITS:
+        yield f"suffix splits {splits}", {"config": {"num_splits": splits}}
 
 
-def _with_tile(choose_config, tile, *args, **kwargs):
-    block_n, warps, stages = tile
-    return choose_config(*args, **kwargs)._replace(block_n=block_n, num_warps=warps, num_stages=stages)
+def _with(choose_config, fields: dict, *args, **kwargs):
+    return choose_config(*args, **kwargs)._replace(**fields)
 
 
-def graph_plan(batch: int, prefix: int, own: int, bound: int) -> list:
-    """The one-group plan as a decode step's CUDA graph receives it: cascade_decode_attention's plan arguments
-    from kv_start on, through the engine's own padding (CascadeGraphInputs.pack, then .metadata)."""
-    i32 = np.int32
-    plan = CascadePlan(np.full(batch, prefix, i32), np.zeros(1, i32), np.array([prefix], i32),
-                       np.arange(batch, dtype=i32), np.array([0, batch], i32), batch, prefix, own)
-    inputs = CascadeGraphInputs(batch, bound, torch.device(kbench.DEVICE))
+def graph_plan(shape: Shape, bound: int) -> list:
+    """The plan as a decode step's CUDA graph receives it: cascade_decode_attention's plan arguments from
+    kv_start on, through the engine's own padding (CascadeGraphInputs.pack, then .metadata)."""
+    i32, grouped = np.int32, shape.batch - shape.lone
+    kv_start = np.array([shape.prefix] * grouped + [0] * shape.lone, i32)
+    plan = CascadePlan(kv_start, np.zeros(1, i32), np.array([shape.prefix], i32),
+                       np.arange(grouped, dtype=i32), np.array([0, grouped], i32), grouped, shape.prefix,
+                       shape.max_suffix)
+    inputs = CascadeGraphInputs(shape.batch, bound, torch.device(kbench.DEVICE))
     inputs.buffer.copy_(torch.from_numpy(inputs.pack(plan)))
-    md = inputs.metadata(batch)
+    md = inputs.metadata(shape.batch)
     return [md.kv_start, md.prefix_rows, md.prefix_lens, md.rows, md.row_start, md.max_group_rows,
             md.max_prefix_len, md.max_suffix_len]
 
 
-def run_shape(batch: int, prefix: int, own: int, bounds: list[int | None], graph_bound: int) -> list[str]:
+def run_shape(shape: Shape, bounds: list[int | None], graph_bound: int) -> list[str]:
     scale = kbench.HEAD_DIM**-0.5
-    sets = kbench.input_sets(lambda: shared_prefix_problem(batch, prefix, own),
-                             lambda args: (prefix + batch * own) * kbench.HKV * kbench.HEAD_DIM * 4)
+    batch, prefix, own, lone = shape
+    token_bytes = kbench.HKV * kbench.HEAD_DIM * 4  # K and V, bf16
+    sets = kbench.input_sets(lambda: shared_prefix_problem(batch, prefix, own, lone),
+                             lambda args: ((1 + lone) * prefix + batch * own) * token_bytes)
     plain = time_us([functools.partial(decode_kernels.paged_decode_attention, *args[:5], prefix + own, scale)
                      for args in sets])
-    lines = [f"B{batch} x ({prefix} + {own}): plain paged decode {plain:.1f} us"]
+    lines = [f"{shape}: plain paged decode {plain:.1f} us"]
     real_splits, real_config = cascade_kernels.choose_num_splits, decode_kernels.choose_config
     for bound in bounds:
-        prefix_bound, suffix_bound = (bound, bound) if bound else (prefix, own)
+        prefix_bound, suffix_bound = (bound, bound) if bound else (prefix, shape.max_suffix)
         for name, patch in launches():
             cascade_kernels.choose_num_splits = patch.get("splits", real_splits)
-            if "tile" in patch:
-                decode_kernels.choose_config = functools.partial(_with_tile, real_config, patch["tile"])
+            if "config" in patch:
+                decode_kernels.choose_config = functools.partial(_with, real_config, patch["config"])
             try:
                 calls = [functools.partial(cascade_kernels.cascade_decode_attention, *args[:5], *args[5],
                                            batch, prefix_bound, suffix_bound, scale) for args in sets]
@@ -89,7 +119,7 @@ def run_shape(batch: int, prefix: int, own: int, bounds: list[int | None], graph
                 lines.append(f"  bound {bound or 'exact':>5}  {name:<28} {t:6.1f} us  {plain / t:5.2f}x")
             finally:
                 cascade_kernels.choose_num_splits, decode_kernels.choose_config = real_splits, real_config
-    plan = graph_plan(batch, prefix, own, graph_bound)
+    plan = graph_plan(shape, graph_bound)
     t = time_us([functools.partial(cascade_kernels.cascade_decode_attention, *args[:5], *plan, scale)
                  for args in sets])
     lines.append(f"  graph plan ({graph_bound})  {'chosen':<28} {t:6.1f} us  {plain / t:5.2f}x")
@@ -98,16 +128,15 @@ def run_shape(batch: int, prefix: int, own: int, bounds: list[int | None], graph
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default=SHAPES, help="requests x prefix x own, comma-separated")
+    parser.add_argument("--shapes", default=SHAPES, help="requests x prefix x own[+lone], comma-separated")
     parser.add_argument("--bound", type=int, default=8192, help="the graphs' host bound (max_model_len)")
     args = parser.parse_args()
     import triton
 
     print(f"{torch.cuda.get_device_name(0)} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{kbench.num_sms()} SMs", flush=True)
-    for shape in args.shapes.split(","):
-        batch, prefix, own = (int(x) for x in shape.split("x"))
-        print("\n".join(run_shape(batch, prefix, own, [args.bound, None], args.bound)), flush=True)
+    for text in args.shapes.split(","):
+        print("\n".join(run_shape(Shape.parse(text), [args.bound, None], args.bound)), flush=True)
     return 0
 
 
