@@ -20,10 +20,10 @@ Math, for query row t of group g over its prefix keys k_0 .. k_{P-1} (P = prefix
 Grid: (row tiles x splits, Hkv, G); the prefix is cut into `num_splits` parts of whole BLOCK_N tiles so a
 small group still fills the GPU (programs of a tile past a group's rows, or of a split past its prefix,
 return at once; an empty split writes lse = -inf, which the merge weighs 0). The group is the slowest grid
-axis, so one group's programs are launched together, before the next group's: a CUDA graph's padding groups
-(no rows) then come after the real ones instead of between them, where the SMs would be handed a real and a
-padding program alike and some would get two real ones (choose_num_splits sizes for one a SM). The launch
-config depends only on host-side bounds (max_group_rows, max_prefix_len), never on device values.
+axis, so one group's programs launch together: a CUDA graph's padding groups (no rows; they return at once)
+come after the real programs, not interleaved with them, which could put two real ones on an SM
+(choose_num_splits sizes for one an SM). The launch config depends only on host-side bounds
+(max_group_rows, max_prefix_len), never on device values.
 
 Memory traffic: sum_g ceil(rows_g / BLOCK_Q) * P_g * Hkv * D * 2 * cache.element_size() of K/V (the row
 tiles of one group read the same tiles at about the same time, mostly from L2), the rows' q, and the
