@@ -107,13 +107,13 @@ def test_speculative_decoding():
     assert on == off and plans
 
 
-def test_decode_steps_through_the_graph_inputs():
-    # the engine's decode steps staged for CUDA graphs with their plan padded to the graphs' bounds (the graph
-    # runner in its no-replay mode: the same buffers and code around the forward, without capture, so this
-    # runs on the CPU); the padding (rows -1, empty groups) changes no token
+def staged_graphs(llm) -> list[bool]:
+    """Stage the engine's decode steps for CUDA graphs, their plans padded to the graphs' bounds: the graph
+    runner in its no-replay mode (the same buffers and code around the forward, without capture, so this
+    runs on the CPU). Returns the list that each replay appends its cascade flag to; runner.graphs = None
+    undoes it."""
     from fastllm.compile.cuda_graphs import CUDAGraphRunner
 
-    llm = cached_llm(cascade_attention=True, **BASE)
     runner = llm.engine.worker.runner
     sizes = [1, 2, 4, 8]
     graphs = CUDAGraphRunner(runner.forward, runner.model.compute_logits, runner.attention_layers, sizes,
@@ -130,12 +130,19 @@ def test_decode_steps_through_the_graph_inputs():
 
     graphs.replay_staged = recording
     runner.graphs = graphs
+    return replayed
+
+
+def test_decode_steps_through_the_graph_inputs():
+    # the padding of a graph's plan (rows -1, empty groups) changes no token
+    llm = cached_llm(cascade_attention=True, **BASE)
+    replayed = staged_graphs(llm)
     try:
         run(llm)
-        got, plans = run(llm)
+        got, _ = run(llm)
         alone, _ = run(llm, PROMPTS[6:])  # requests that share nothing: plain decode steps
     finally:
-        runner.graphs = None
+        llm.engine.worker.runner.graphs = None
     assert got == [[t] for t in expected()] and alone == [[t] for t in expected(PROMPTS[6:])]
     assert any(replayed) and not all(replayed), "cascade and plain decode steps should both replay"
 

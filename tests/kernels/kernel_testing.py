@@ -30,6 +30,22 @@ BF16 = pytest.param(
 )
 
 
+def triton_on_cpu(monkeypatch, names) -> set[str]:
+    """The engine's ops `names` through their Triton kernels on CPU tensors (the interpreter) in place of
+    their references, for this test. Returns the set each op adds its name to when called."""
+    from fastllm.kernels import dispatch
+
+    called: set[str] = set()
+    for name in names:
+        kernel = dispatch.triton_impl(name)
+
+        def traced(*args, _kernel=kernel, _name=name):
+            called.add(_name)
+            return _kernel(*args)
+        monkeypatch.setitem(dispatch._chosen, (name, "cpu"), traced)
+    return called
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     out, ref = out.double(), ref.double()

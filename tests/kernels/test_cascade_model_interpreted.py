@@ -7,42 +7,19 @@ float32: Hugging Face's greedy tokens, as with the references (tests/engine/test
 from __future__ import annotations
 
 from fastllm import LLM, SamplingParams
-from fastllm.kernels import dispatch
 from tests.conftest import STORIES
-from tests.engine.test_cascade_attention import BASE, PROMPTS, expected
+from tests.engine.test_cascade_attention import BASE, PROMPTS, expected, staged_graphs
+from tests.kernels.kernel_testing import triton_on_cpu
 
 CASCADE_OPS = ("cascade_decode_attention", "cascade_prefix_attention", "merge_attn_states")
 NUM_TOKENS = 5
 
 
 def test_cascade_kernels_in_the_engine_give_hugging_faces_tokens(monkeypatch):
-    from fastllm.compile.cuda_graphs import CUDAGraphRunner
-
-    called = set()
-    for name in CASCADE_OPS:
-        kernel = dispatch.triton_impl(name)
-
-        def traced(*args, _kernel=kernel, _name=name):
-            called.add(_name)
-            return _kernel(*args)
-        monkeypatch.setitem(dispatch._chosen, (name, "cpu"), traced)
+    called = triton_on_cpu(monkeypatch, CASCADE_OPS)
     llm = LLM(STORIES, device="cpu", dtype="float32", cascade_attention=True, num_gpu_blocks=256, **BASE)
     runner = llm.engine.worker.runner
-    sizes = [1, 2, 4, 8]
-    graphs = CUDAGraphRunner(runner.forward, runner.model.compute_logits, runner.attention_layers, sizes,
-                             BASE["max_model_len"] // BASE["block_size"], BASE["max_model_len"],
-                             runner.args.vocab_size, runner.dtype, runner.device)
-    graphs.graphs = dict.fromkeys(sizes)  # as if captured; replay=False: the forward on the staged buffers
-    graphs.replay = False
-    graphs.enable_cascade()
-    replayed, replay = [], graphs.replay_staged
-
-    def recording(num, sample_rows=None, sampling=False, cascade=False):
-        replayed.append(cascade)
-        return replay(num, sample_rows, sampling, cascade)
-
-    graphs.replay_staged = recording
-    runner.graphs = graphs
+    replayed = staged_graphs(llm)
     # The interpreter takes seconds a step: a few tokens. The first round caches the prefixes, so in the
     # second the prompts' chunks cascade too (mixed steps).
     llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)

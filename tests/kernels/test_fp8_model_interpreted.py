@@ -6,12 +6,10 @@ engine. float32: the same quantized activations, sums in another order, so test_
 
 from __future__ import annotations
 
-import pytest
-
 from fastllm import LLM, SamplingParams
-from fastllm.kernels import dispatch
 from tests.conftest import DRAFT, PROMPTS
 from tests.engine.test_gpu_fp8 import MAX_LOGPROB_ERR, P90_LOGPROB_ERR, compare_greedy
+from tests.kernels.kernel_testing import triton_on_cpu
 
 FP8_OPS = ("fp8_linear", "fp8_linear_quantized", "rms_norm_fp8", "fused_add_rms_norm_fp8", "silu_and_mul_fp8")
 
@@ -20,14 +18,7 @@ def test_fp8_kernels_in_the_model_give_the_references_tokens(allow_fp8_on_cpu, m
     prompts = PROMPTS[:3]  # a 1-row step at the end: the FMA path on e4m3 activations
     params = [SamplingParams(temperature=0, max_tokens=n, logprobs=2, ignore_eos=True) for n in (16, 10, 6)]
     want = LLM(DRAFT, device="cpu", dtype="float32", quantization="fp8").generate(prompts, params, use_tqdm=False)
-    called = set()
-    for name in FP8_OPS:
-        kernel = dispatch.triton_impl(name)
-
-        def traced(*args, _kernel=kernel, _name=name):
-            called.add(_name)
-            return _kernel(*args)
-        monkeypatch.setitem(dispatch._chosen, (name, "cpu"), traced)
+    called = triton_on_cpu(monkeypatch, FP8_OPS)
     llm = LLM(DRAFT, device="cpu", dtype="float32", quantization="fp8")
     got = llm.generate(prompts, params, use_tqdm=False)
     assert called == set(FP8_OPS), called
