@@ -28,9 +28,9 @@ PAGE = 16
 
 def shared_prefix_problem(batch: int, prefix: int, own: int, lone: int = 0):
     """(query, key_cache, value_cache, block_tables, seq_lens, plan): every table starts with the same
-    prefix // PAGE blocks, but the last `lone` requests', whose copies of the prefix are their own (as for
-    the first requests of a burst, which compute the prefix before it is cached); plan = (kv_start,
-    prefix_rows, prefix_lens, rows, row_start), one group of the batch - lone requests."""
+    prefix // PAGE blocks, but the last `lone` requests', which share nothing with the group (blocks of
+    their own, as another prompt of the same length has); plan = (kv_start, prefix_rows, prefix_lens, rows,
+    row_start), one group of the batch - lone requests."""
     shared, per_own = prefix // PAGE, -(-own // PAGE)
     num_blocks = shared * (1 + lone) + batch * per_own
     key_cache = torch.randn(num_blocks, PAGE, HKV, HEAD_DIM, device=DEVICE, dtype=DTYPE)

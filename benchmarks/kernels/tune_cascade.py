@@ -4,9 +4,9 @@ and the suffix kernel's tile and split count, against plain paged decode on the 
     python benchmarks/kernels/tune_cascade.py
     python benchmarks/kernels/tune_cascade.py --shapes 64x2048x128,64x2048x128+3 --bound 8192
 
-Shapes are requests x shared prefix x own tokens, +L: the last L requests hold their own copies of the prefix
-(in no group: the first requests of a burst compute the prefix before it is cached), so their suffix is
-their whole context (bench_cascade_attention's problem). Each shape is timed with the chosen launch, with
+Shapes are requests x shared prefix x own tokens, +L: the last L requests share nothing with the group
+(another prompt of the same length), so their suffix is their whole context (bench_cascade_attention's
+problem). Each shape is timed with the chosen launch, with
 the prefix split twice as many ways, with each candidate suffix tile and suffix split count;
 the host bounds are --bound (a CUDA graph's max_model_len), then the exact lengths. Last, the chosen launch
 over the plan as a decode step's CUDA graph holds it (worker/cascade.py's CascadeGraphInputs: MAX_GROUPS group
