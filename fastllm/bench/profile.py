@@ -13,12 +13,11 @@ import re
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fastllm.bench.runner import random_prompts
+from fastllm.bench.throughput import make_prompts
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.sampling_params import RequestOutputKind, SamplingParams
 from fastllm.tracing import enable_nvtx
@@ -88,18 +87,15 @@ def range_table(prof, steps: int, on_gpu: bool) -> pd.DataFrame:
 def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: str, steps: int = 5,
                    layers: bool = False, seed: int = 1, shared_prefix_len: int = 0) -> dict:
     """Record `steps` decode steps of batch_size requests to out_dir; returns the paths and tables.
-    shared_prefix_len: the prompts start with the same that many tokens (`bench prefix`'s workload), and the
-    first request is prefilled alone, so the others find its blocks in the prefix cache and share them (the
-    groups of cascade attention, where its cost model takes them)."""
+    shared_prefix_len: the prompts start with the same that many tokens (`bench prefix`'s workload); their
+    requests share its blocks in the prefix cache (the groups of cascade attention, where its cost model
+    takes them)."""
     enable_nvtx(layers=layers)
     device = engine.worker.device
     on_gpu = device.type == "cuda"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    prefix = random_prompts(rng, 1, shared_prefix_len, engine.vocab_size)[0] if shared_prefix_len else []
-    suffixes = random_prompts(rng, batch_size, input_len - len(prefix), engine.vocab_size)
-    prompts = [prefix + suffix for suffix in suffixes]
+    prompts = make_prompts(engine, batch_size, input_len - shared_prefix_len, shared_prefix_len, seed)
     # Early requests decode while later ones still prefill (chunked): leave them room to keep going.
     prefill_steps = -(-batch_size * input_len // engine.config.scheduler.max_num_batched_tokens)
     max_tokens = min(prefill_steps + WARMUP_STEPS + steps + 2, engine.config.model.max_model_len - input_len)
@@ -111,12 +107,11 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     cascade = engine.worker.runner.cascade
     try:
+        for rid, prompt in zip(ids, prompts):
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
         have_first: set[str] = set()
-        for start, end in ((0, 1 if prefix else 0), (1 if prefix else 0, batch_size)):  # (the prefix first)
-            for rid, prompt in zip(ids[start:end], prompts[start:end]):
-                engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-            while len(have_first) < end:  # prefill, outside the trace
-                have_first.update(o.request_id for o in engine.step())
+        while len(have_first) < batch_size:  # prefill, outside the trace
+            have_first.update(o.request_id for o in engine.step())
         for _ in range(WARMUP_STEPS):
             engine.step()
         cascaded = cascade.num_planned
