@@ -10,7 +10,8 @@ problem). Each shape is timed with the chosen launch, with
 the prefix split twice as many ways, with each candidate suffix tile and suffix split count;
 the host bounds are --bound (a CUDA graph's max_model_len), then the exact lengths. Last, the chosen launch
 over the plan as a decode step's CUDA graph holds it (worker/cascade.py's CascadeGraphInputs: MAX_GROUPS group
-columns, the unused ones empty, rows padded with -1, bounds at --bound), which is what the engine runs.
+columns, the unused ones empty, rows padded with -1, bounds at --bound), which is what the engine runs;
+with lone requests, also with each of them a group of its own.
 Times are kbench.steady_ms (CUDA-graph replays over input sets that span the L2), in us; the ratio is plain
 decode's time over it. README's "Kernel choices" rows for the cascade come from here.
 """
@@ -34,7 +35,7 @@ from bench_cascade_attention import shared_prefix_problem
 
 import fastllm.kernels.cascade_attention as cascade_kernels
 import fastllm.kernels.paged_decode_attention as decode_kernels
-from fastllm.worker.cascade import CascadeGraphInputs, CascadePlan
+from fastllm.worker.cascade import MAX_GROUPS, CascadeGraphInputs, CascadePlan
 
 SUFFIX_TILES = [(64, 4, 2), (16, 2, 2), (32, 2, 2), (64, 2, 2)]  # (block_n, num_warps, num_stages)
 SUFFIX_SPLITS = [2, 4, 8]
@@ -81,14 +82,17 @@ def _with(choose_config, fields: dict, *args, **kwargs):
     return choose_config(*args, **kwargs)._replace(**fields)
 
 
-def graph_plan(shape: Shape, bound: int) -> list:
+def graph_plan(shape: Shape, bound: int, lone_groups: bool = False) -> list:
     """The plan as a decode step's CUDA graph receives it: cascade_decode_attention's plan arguments from
-    kv_start on, through the engine's own padding (CascadeGraphInputs.pack, then .metadata)."""
+    kv_start on, through the engine's own padding (CascadeGraphInputs.pack, then .metadata). lone_groups:
+    each lone request is a group of its own (its prompt's blocks as its prefix, read by the prefix kernel)."""
     i32, grouped = np.int32, shape.batch - shape.lone
-    kv_start = np.array([shape.prefix] * grouped + [0] * shape.lone, i32)
-    plan = CascadePlan(kv_start, np.zeros(1, i32), np.array([shape.prefix], i32),
-                       np.arange(grouped, dtype=i32), np.array([0, grouped], i32), grouped, shape.prefix,
-                       shape.max_suffix)
+    singles = shape.lone if lone_groups else 0
+    kv_start = np.array([shape.prefix] * (grouped + singles) + [0] * (shape.lone - singles), i32)
+    row_start = np.array([0, grouped] + [grouped + 1 + i for i in range(singles)], i32)
+    plan = CascadePlan(kv_start, row_start[:-1],
+                       np.array([shape.prefix] * (1 + singles), i32), np.arange(grouped + singles, dtype=i32),
+                       row_start, grouped, shape.prefix, shape.own if lone_groups else shape.max_suffix)
     inputs = CascadeGraphInputs(shape.batch, bound, torch.device(kbench.DEVICE))
     inputs.buffer.copy_(torch.from_numpy(inputs.pack(plan)))
     md = inputs.metadata(shape.batch)
@@ -119,10 +123,12 @@ def run_shape(shape: Shape, bounds: list[int | None], graph_bound: int) -> list[
                 lines.append(f"  bound {bound or 'exact':>5}  {name:<28} {t:6.1f} us  {plain / t:5.2f}x")
             finally:
                 cascade_kernels.choose_num_splits, decode_kernels.choose_config = real_splits, real_config
-    plan = graph_plan(shape, graph_bound)
-    t = time_us([functools.partial(cascade_kernels.cascade_decode_attention, *args[:5], *plan, scale)
-                 for args in sets])
-    lines.append(f"  graph plan ({graph_bound})  {'chosen':<28} {t:6.1f} us  {plain / t:5.2f}x")
+    for lone_groups in [False, True] if 0 < lone < MAX_GROUPS else [False]:
+        plan = graph_plan(shape, graph_bound, lone_groups)
+        t = time_us([functools.partial(cascade_kernels.cascade_decode_attention, *args[:5], *plan, scale)
+                     for args in sets])
+        name = "lone ones as groups of one" if lone_groups else "chosen"
+        lines.append(f"  graph plan ({graph_bound})  {name:<28} {t:6.1f} us  {plain / t:5.2f}x")
     return lines
 
 
