@@ -13,8 +13,10 @@ P-token prefix saves about (n - 1) x P tokens of K/V reads a layer, against two 
 rotary write apart from attention, the prefix kernel; a mixed step's merge a third). A group cascades when
 it has MIN_GROUP_SIZE requests on a prefix of MIN_PREFIX_TOKENS, and a step when its groups save
 MIN_SAVED_TOKENS; at most MAX_GROUPS groups a step, those that save the most. These are estimates to be
-tuned with `fastllm bench prefix`, which times the same workload with cascade on and off.
-cascade_attention=True cascades every group (any size, any shared block), False never.
+tuned with `fastllm bench prefix`, which times the same workload with cascade on and off. A decode request
+that shares nothing but has MIN_PREFIX_TOKENS of its own takes a group of its own where one is left (its
+context read by the prefix kernel's split programs, not by one suffix program), and the step runs plain
+when one is not. cascade_attention=True cascades every group (any size, any shared block), False never.
 
 CUDA graphs: the plan is O(B) integers (no block table of its own: a group's prefix is its first member's
 table row), so a decode step's plan fits bounded static buffers (CascadeGraphInputs: MAX_GROUPS groups, a
@@ -100,12 +102,31 @@ class CascadePlanner:
                 return None
             groups = paying
         groups = sorted(groups, key=lambda g: -(len(g[0]) - 1) * g[1])[:MAX_GROUPS]  # the largest savings
+        alone, left = self._groups_of_one(states, num_scheduled, groups)
+        if left and self.mode is None:
+            self._say_once("alone", "cascade attention: more decode requests with long contexts of their own "
+                           "than the %d groups a step has room for: plain attention ran", MAX_GROUPS)
+            return None
+        groups += alone
         ends = np.asarray([s.num_computed_tokens for s in states]) + np.asarray(num_scheduled)
         if self.layer_windows and all(w is not None and w < ends.max() for w in self.layer_windows):
             self._say_once("window", "cascade attention: not for steps that reach past every layer's sliding "
                            "window (each layer reads only its window): plain attention ran")
             return None
         return self._build(states, num_scheduled, groups, ends)
+
+    def _groups_of_one(self, states, num_scheduled, groups) -> tuple[list, list[int]]:
+        """Decode requests outside the groups with at least MIN_PREFIX_TOKENS computed, longest first: as many
+        as MAX_GROUPS leaves room for become groups of one (their computed blocks read by the prefix kernel,
+        split over the SMs); the rest are returned by index. A decode step's suffix launch is sized for the
+        groups' short suffixes (one program a request and KV head), so a long context left in it outlasts the
+        rest of the step's attention (README, "Cascade attention")."""
+        grouped = {i for members, _ in groups for i in members}
+        long = sorted((i for i, s in enumerate(states) if i not in grouped and num_scheduled[i] == 1
+                       and s.num_computed_tokens >= MIN_PREFIX_TOKENS and s.block_ids[0] != NULL_BLOCK_ID),
+                      key=lambda i: -states[i].num_computed_tokens)
+        room = MAX_GROUPS - len(groups)
+        return [([i], states[i].num_computed_tokens // self.block_size) for i in long[:room]], long[room:]
 
     def _build(self, states, num_scheduled, groups, ends) -> CascadePlan:
         bs = self.block_size

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fastllm import SamplingParams
+from fastllm.worker import cascade
 from tests.conftest import DRAFT, STORIES, cached_llm, hf_greedy, tokenize
 
 MAX_TOKENS = 24
@@ -68,6 +69,21 @@ def test_same_tokens_with_cascade_on_and_off():
     decode_plans = [p for p in plans if len(p.rows) == 6]
     assert decode_plans and all(group_sizes(p) == [2, 4] for p in decode_plans), [group_sizes(p) for p in plans]
     assert all(p.kv_start[6:].tolist() == [0, 0] for p in decode_plans)  # the lone requests
+
+
+@pytest.mark.parametrize("mode", [None, True])
+def test_requests_that_share_nothing_take_groups_of_one(mode, monkeypatch):
+    # (contexts count as long from 8 tokens here, so that the tiny model's lone requests have them)
+    monkeypatch.setattr(cascade, "MIN_PREFIX_TOKENS", 8)
+    monkeypatch.setattr(cascade, "MIN_GROUP_SIZE", 2)
+    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 8)
+    llm = cached_llm(cascade_attention=mode, **BASE)
+    run(llm)
+    got, plans = run(llm)
+    assert got == [[t] for t in expected()]
+    alone = [p for p in plans if len(p.rows) == 8]
+    assert alone and all(group_sizes(p) == [1, 1, 2, 4] for p in alone), [group_sizes(p) for p in plans]
+    assert all((p.kv_start[6:] >= 8).all() for p in alone)
 
 
 def test_chunked_prefill_mixed_steps():

@@ -111,6 +111,7 @@ CASES = [
     ([2], [100], [1, 1, 30, 1], 4, 4, 64, 8),  # MHA, a group beside requests that share nothing
     ([5], [129], [2, 3, 4, 5, 6], 8, 1, 64, 32),  # GQA 8 over one KV head, prefix just past 4 blocks
     ([2, 2, 3], [16, 300, 31], [1, 2, 3, 4, 5, 6, 7, 50], 6, 2, 128, 16),  # group of 3 heads, long prefix
+    ([3, 1, 1], [40, 64, 96], [2, 5, 1, 3, 9, 20], 8, 2, 64, 16),  # groups of one, one lone request
 ]
 
 

@@ -77,6 +77,39 @@ def test_cost_model(caplog):
     assert sum("too few or too short" in m for m in messages) == 1, messages  # once, not per step
 
 
+def test_decode_requests_with_long_contexts_of_their_own_take_groups_of_one(caplog):
+    # Left in the suffix launch (one program a request and KV head), a long context outlasts the rest of the
+    # step's attention; as a group of one the prefix kernel's split programs read it.
+    n = cascade.MIN_PREFIX_TOKENS
+
+    def alone(name: str, num_computed: int, first_block: int) -> CachedRequestState:
+        return state(name, list(range(first_block, first_block + num_computed // BS + 1)), num_computed)
+
+    blocks = list(range(1, 1 + 2048 // BS))
+    group = [state(f"r{i}", blocks + [5000 + i], 2048 + 3) for i in range(cascade.MIN_GROUP_SIZE + 1)]
+    extra = [alone("long", 4 * n + 2, 10000), alone("short", n - 1, 20000), alone("just", n, 30000),
+             alone("chunk", 4 * n, 40000)]
+    num_scheduled = [1] * len(group) + [1, 1, 1, 5]  # "chunk" computes a prompt chunk: not a decode row
+    g = len(group)
+    for mode in (None, True):
+        plan = CascadePlanner(mode, BS).plan(group + extra, num_scheduled)
+        assert plan.prefix_lens.tolist() == [2048, 4 * n, n]  # whole blocks computed, longest first
+        assert plan.prefix_rows.tolist() == [0, g, g + 2]
+        assert plan.kv_start.tolist() == [2048] * g + [4 * n, 0, n, 0]
+        assert plan.rows.tolist() == list(range(g)) + [g, g + 2]
+        assert plan.row_start.tolist() == [0, g, g + 1, g + 2]
+    # more of them than the step has groups for: plain attention, unless forced (the rest stay in the suffix)
+    many = [alone(f"long{i}", n + i, 10000 * (i + 1)) for i in range(cascade.MAX_GROUPS)]
+    planner = CascadePlanner(None, BS)
+    with caplog.at_level(logging.INFO, logger="fastllm.worker.cascade"):
+        assert planner.plan(group + many, [1] * (g + len(many))) is None
+        assert planner.plan(group + many, [1] * (g + len(many))) is None
+    assert sum("long contexts of their own" in r.getMessage() for r in caplog.records) == 1
+    plan = CascadePlanner(True, BS).plan(group + many, [1] * (g + len(many)))
+    assert len(plan.prefix_lens) == cascade.MAX_GROUPS and plan.kv_start[g] == 0  # the shortest is left alone
+    assert planner.plan(group + many[:cascade.MAX_GROUPS - 1], [1] * (g + cascade.MAX_GROUPS - 1)) is not None
+
+
 def test_windows_that_bite_on_every_layer_plan_nothing():
     states = [state("a", [5, 6, 7], 12), state("b", [5, 6, 8], 12)]
     assert CascadePlanner(True, BS, (8, 8)).plan(states, [1, 1]) is None  # every layer reads only 8 keys
