@@ -85,17 +85,19 @@ def range_table(prof, steps: int, on_gpu: bool) -> pd.DataFrame:
 
 
 def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: str, steps: int = 5,
-                   layers: bool = False, seed: int = 1, shared_prefix_len: int = 0) -> dict:
+                   layers: bool = False, seed: int = 1, shared_prefix_len: int = 0,
+                   unshared: int = 0) -> dict:
     """Record `steps` decode steps of batch_size requests to out_dir; returns the paths and tables.
     shared_prefix_len: the prompts start with the same that many tokens (`bench prefix`'s workload); their
     requests share its blocks in the prefix cache (the groups of cascade attention, where its cost model
-    takes them)."""
+    takes them). unshared: that many prompts have a prefix of their own (make_prompts)."""
     enable_nvtx(layers=layers)
     device = engine.worker.device
     on_gpu = device.type == "cuda"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prompts = make_prompts(engine, batch_size, input_len - shared_prefix_len, shared_prefix_len, seed)
+    prompts = make_prompts(engine, batch_size, input_len - shared_prefix_len, shared_prefix_len, seed,
+                           unshared)
     # Early requests decode while later ones still prefill (chunked): leave them room to keep going.
     prefill_steps = -(-batch_size * input_len // engine.config.scheduler.max_num_batched_tokens)
     max_tokens = min(prefill_steps + WARMUP_STEPS + steps + 2, engine.config.model.max_model_len - input_len)

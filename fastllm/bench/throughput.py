@@ -41,10 +41,14 @@ def load_dataset(path: str, num_prompts: int) -> list:
 
 
 def make_prompts(engine: LLMEngine, num_prompts: int, input_len: int, shared_prefix_len: int = 0,
-                 seed: int = 0) -> list[list[int]]:
+                 seed: int = 0, unshared: int = 0) -> list[list[int]]:
+    """Random prompts of shared_prefix_len + input_len tokens, all starting with the same shared_prefix_len
+    but the last `unshared`, whose prefixes are their own (requests beside the group, sharing nothing)."""
     rng = np.random.default_rng(seed)
     prefix = random_prompts(rng, 1, shared_prefix_len, engine.vocab_size)[0] if shared_prefix_len else []
-    return [prefix + suffix for suffix in random_prompts(rng, num_prompts, input_len, engine.vocab_size)]
+    vocab = engine.vocab_size
+    shared = [prefix + suffix for suffix in random_prompts(rng, num_prompts - unshared, input_len, vocab)]
+    return shared + (random_prompts(rng, unshared, shared_prefix_len + input_len, vocab) if unshared else [])
 
 
 def throughput_row(run: RunRecord, shared_prefix_len: int, prefix_caching: bool) -> dict:
@@ -89,7 +93,7 @@ def _mean_ms(seconds: list[float]) -> float | None:
 
 
 def run_throughput(engine: LLMEngine, prompts: list, output_len: int, shared_prefix_len: int = 0,
-                   progress: bool = True, warmup_len: int = 16) -> dict:
+                   progress: bool = True, warmup_len: int = 16, unshared: int = 0) -> dict:
     # Warm-up on prompts that share nothing with the measured ones: short ones, then a slice of the
     # workload at its prompt length (full prefill chunks, mixed steps, decode batches), and with a shared
     # prefix as many requests as run at once on another prefix (cascade attention's kernels, and its CUDA
@@ -102,8 +106,9 @@ def run_throughput(engine: LLMEngine, prompts: list, output_len: int, shared_pre
     warm += make_prompts(engine, min(32, len(prompts)), max(1, min(full_len, max_len)), seed=54321)
     run_requests(engine, warm, warm_output, "warmup", progress=False)
     if shared_prefix_len and full_len <= max_len:  # (on their own: their decode batch is the workload's)
-        group = make_prompts(engine, min(len(prompts), engine.config.scheduler.max_num_seqs),
-                             full_len - shared_prefix_len, shared_prefix_len, seed=777)
+        size = min(len(prompts), engine.config.scheduler.max_num_seqs)
+        group = make_prompts(engine, size, full_len - shared_prefix_len, shared_prefix_len, seed=777,
+                             unshared=min(unshared, size))
         run_requests(engine, group, warm_output, "warmup-shared", progress=False)
     cascade = engine.worker.runner.cascade
     cascaded = cascade.num_planned
@@ -112,12 +117,13 @@ def run_throughput(engine: LLMEngine, prompts: list, output_len: int, shared_pre
     row = throughput_row(run, shared_prefix_len, engine.config.cache.enable_prefix_caching)
     row["cascade_attention"] = {None: "auto", True: "on", False: "off"}[cascade.mode]
     row["cascade_steps"] = cascade.num_planned - cascaded
+    row["unshared_prompts"] = unshared
     row.update(stats_columns(before, engine.stats, "engine"))  # the step's host and CPU time
     return row
 
 
 def run_prefix(engine: LLMEngine, prompts: list, output_len: int, shared_prefix_len: int, progress: bool = True,
-               warmup_len: int = 16) -> list[dict]:
+               warmup_len: int = 16, unshared: int = 0) -> list[dict]:
     """The prefix-sharing workload twice in the same engine: with cascade attention as configured, then off
     (unless it is off already); one row each, so their mean decode steps compare directly."""
     cascade = engine.worker.runner.cascade
@@ -126,7 +132,8 @@ def run_prefix(engine: LLMEngine, prompts: list, output_len: int, shared_prefix_
     try:
         for mode in [configured, False] if configured is not False else [False]:
             cascade.mode = mode
-            rows.append(run_throughput(engine, prompts, output_len, shared_prefix_len, progress, warmup_len))
+            rows.append(run_throughput(engine, prompts, output_len, shared_prefix_len, progress, warmup_len,
+                                       unshared))
     finally:
         cascade.mode = configured
     return rows

@@ -63,6 +63,9 @@ def add_bench_parser(subparsers) -> None:
     w.add_argument("--dataset", default=None, help='throughput: JSONL of {"prompt": ...} or {"prompt_token_ids": [...]}')
     w.add_argument("--shared-prefix-len", type=int, default=None,
                    help="throughput/prefix: tokens every prompt shares before its own input-len (prefix: 1024)")
+    w.add_argument("--unshared-prompts", type=int, default=0,
+                   help="throughput/prefix: of the --num-prompts, how many have a prefix of their own (same "
+                   "length) instead of the shared one: requests beside the group (default: 0)")
     w.add_argument("--request-rates", default="inf", help="serving: comma-separated requests/s (Poisson arrivals); "
                    "inf sends all at once (default: inf)")
     w.add_argument("--max-concurrency", type=int, default=None, help="serving: most requests in flight")
@@ -157,6 +160,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
     if args.dataset and args.shared_prefix_len:
         raise ValueError("--dataset and --shared-prefix-len do not combine")
+    if args.unshared_prompts and not (args.mode in ("throughput", "prefix") and args.shared_prefix_len):
+        raise ValueError("--unshared-prompts needs `fastllm bench throughput` or `prefix` and a "
+                         "--shared-prefix-len")
+    if not 0 <= args.unshared_prompts <= args.num_prompts:
+        raise ValueError(f"--unshared-prompts must be in [0, --num-prompts], got {args.unshared_prompts}")
 
 
 def check_batch_sizes(args: argparse.Namespace, max_num_seqs: int) -> None:
@@ -277,19 +285,20 @@ def run_mode(args: argparse.Namespace, engine, result: dict, shape, dataset) -> 
     if args.mode in ("throughput", "prefix"):
         from fastllm.bench.throughput import make_prompts, run_prefix, run_throughput
 
+        unshared = args.unshared_prompts
         prompts = dataset or make_prompts(engine, args.num_prompts, args.input_len, args.shared_prefix_len,
-                                          seed=config.model.seed)
+                                          seed=config.model.seed, unshared=unshared)
         if args.mode == "prefix":  # with cascade attention as configured, then off: both rows
             for row in run_prefix(engine, prompts, args.output_len, args.shared_prefix_len, progress,
-                                  warmup_len=min(args.input_len, 512)):
+                                  warmup_len=min(args.input_len, 512), unshared=unshared):
                 on_row(row)
             print(report.cascade_summary(result["rows"]), flush=True)
         else:
             on_row(run_throughput(engine, prompts, args.output_len, args.shared_prefix_len, progress,
-                                  warmup_len=min(args.input_len, 512)))
+                                  warmup_len=min(args.input_len, 512), unshared=unshared))
         batch = args.profile_batch_size or min(args.num_prompts, config.scheduler.max_num_seqs)
         return dict(batch_size=batch, input_len=args.shared_prefix_len + args.input_len,
-                    shared_prefix_len=args.shared_prefix_len)
+                    shared_prefix_len=args.shared_prefix_len, unshared=min(unshared, batch))
     return dict(batch_size=args.profile_batch_size or 1, input_len=args.input_len)
 
 

@@ -29,7 +29,8 @@ THROUGHPUT_COLUMNS = [
     "input_tok_s", "output_tok_s", "total_tok_s", "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "prefix_hit_rate",
     "steps", "prefill_steps", "prefill_steps_s", "decode_steps_s", "decode_step_ms_mean", "host_s", "peak_mem_gib",
     "preemptions", "jit_compiles", "spec_acceptance_rate", "spec_mean_accepted_len", "cascade_attention",
-    "cascade_steps", "engine_steps", "engine_mean_batch", "engine_step_ms", "engine_host_ms", "engine_cpu_ms",
+    "cascade_steps", "unshared_prompts", "engine_steps", "engine_mean_batch", "engine_step_ms",
+    "engine_host_ms", "engine_cpu_ms",
 ]
 STARTUP_KEYS = ["load_s", "compile_s", "cuda_graph_s", "kv_profile_s", "kv_alloc_s", "total_s", "other_s"]
 
@@ -122,6 +123,16 @@ def test_prefix_sharing_and_profile(tmp_path, capsys):
     assert "top CPU ops" in stdout and "forward" in stdout
 
 
+def test_prefix_with_unshared_prompts(tmp_path, capsys):
+    # one of the four prompts has a 32-token prefix of its own: 3 requests find the shared blocks, at most 2
+    argv = ["prefix", "--num-prompts", "4", "--shared-prefix-len", "32", "--unshared-prompts", "1",
+            "--input-len", "8", "--output-len", "4", "--no-cascade-attention"]
+    result, _ = run_json(tmp_path, capsys, argv)
+    [row] = result["rows"]
+    assert row["unshared_prompts"] == 1 and row["input_len_mean"] == 40
+    assert row["prefix_hit_rate"] <= 0.4
+
+
 def test_prefix_profile_traces_cascade_steps(tmp_path, capsys):
     # the profiled requests share the workload's prefix (the first prefilled alone, the others finding its
     # blocks cached), so with cascade attention on every profiled decode step cascades
@@ -149,6 +160,10 @@ def test_dataset(tmp_path, capsys):
     ["throughput", "--dataset", "/no/such/file.jsonl"],
     ["serving", "--request-rates", "0"],
     ["serving", "--request-rates", "fast"],
+    ["prefix", "--num-prompts", "4", "--unshared-prompts", "5"],
+    ["prefix", "--unshared-prompts", "-1"],
+    ["throughput", "--unshared-prompts", "1"],  # no shared prefix to be beside
+    ["latency", "--shared-prefix-len", "8", "--unshared-prompts", "1"],
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     try:
