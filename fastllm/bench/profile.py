@@ -4,11 +4,16 @@ The engine's NVTX/record_function ranges (schedule, prepare_inputs, forward, sam
 detokenize; layerN with layers=True) are switched on, B requests are prefilled and warmed up
 outside the profiler, then `steps` pure decode steps are recorded to a Chrome trace
 (chrome://tracing or https://ui.perfetto.dev). The summary: top kernels by device time (top CPU
-ops on a CPU run) and the time of each engine range per step.
+ops on a CPU run), the time of each engine range per step and, on a GPU, the step's timeline: the span
+of its kernels, the time some kernel ran (busy; kernels that overlap, as PDL's and side streams' do,
+count once), and how much of that the attention kernels account for (what a step would save with
+attention free).
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import re
 import sys
 from pathlib import Path
@@ -25,6 +30,10 @@ from fastllm.tracing import enable_nvtx
 # forward_graph: a decode step replayed from a CUDA graph; forward: eager or compiled.
 RANGES = ("schedule", "prepare_inputs", "forward", "forward_graph", "sample", "wait_tokens", "update", "detokenize")
 WARMUP_STEPS = 3
+# The modules of the attention layer's kernels (K/V writes included: a cascade step writes apart from them)
+ATTENTION_MODULES = ("cascade_attention", "paged_decode_attention", "prefill_attention",
+                     "prefill_attention_hopper", "merge_attn_states", "rotary_kv_cache_write",
+                     "kv_cache_write")
 
 
 def _get(evt, *names) -> float:
@@ -128,7 +137,43 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: 
     prof.export_chrome_trace(str(trace))
     return {"trace": str(trace), "top": top_ops(prof, on_gpu), "ranges": range_table(prof, steps, on_gpu),
             "host": top_ops(prof, on_gpu=False) if on_gpu else None, "on_gpu": on_gpu, "steps": steps,
-            "cascade_steps": cascaded}
+            "cascade_steps": cascaded, "timeline": gpu_timeline(trace, steps) if on_gpu else None}
+
+
+def attention_kernel_names() -> set[str]:
+    """The names of the attention layer's Triton kernels, as a trace shows them."""
+    from triton.runtime.jit import KernelInterface  # (JITFunction, or the interpreter's stand-in)
+
+    names = set()
+    for module in ATTENTION_MODULES:
+        for name, value in vars(importlib.import_module(f"fastllm.kernels.{module}")).items():
+            if isinstance(value, KernelInterface) and name.endswith("_kernel"):
+                names.add(name)
+    return names
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def gpu_timeline(trace: Path, steps: int) -> dict | None:
+    """ms a step on the GPU timeline of a trace: span (first kernel's start to last one's end), busy (the
+    union of kernels and copies), attention (the union of the attention kernels); None without kernels."""
+    events = json.loads(Path(trace).read_text())["traceEvents"]
+    device = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+              if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not device:
+        return None
+    attention = attention_kernel_names()
+    per_step = 1e3 * steps  # us in the trace
+    return {"span_ms": (max(e for _, e, _ in device) - min(s for s, _, _ in device)) / per_step,
+            "busy_ms": _union_us([(s, e) for s, e, _ in device]) / per_step,
+            "attention_ms": _union_us([(s, e) for s, e, name in device if name in attention]) / per_step}
 
 
 def print_profile(result: dict, file=None) -> None:
@@ -146,4 +191,9 @@ def print_profile(result: dict, file=None) -> None:
         if len(result["ranges"]):
             print("engine ranges per decode step:", file=file)
             print(result["ranges"].to_string(index=False), file=file)
+        if result.get("timeline"):
+            t = result["timeline"]
+            rest = t["busy_ms"] - t["attention_ms"]
+            print(f"GPU timeline per decode step: span {t['span_ms']:.3f} ms, busy {t['busy_ms']:.3f} ms "
+                  f"(attention kernels {t['attention_ms']:.3f} ms, the rest {rest:.3f})", file=file)
     file.flush()

@@ -1,0 +1,43 @@
+"""The GPU timeline of a profile trace (bench/profile.py): overlapping kernels count once, copies count as
+busy, gaps do not, and the attention layer's kernels are told apart by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastllm.bench.profile import attention_kernel_names, gpu_timeline
+
+
+def kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
+    return {"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur}
+
+
+def test_overlaps_count_once_and_gaps_not_at_all(tmp_path):
+    events = [
+        kernel("nvjet_gemm", 0, 100),
+        kernel("_cascade_prefix_kernel", 100, 30),  # the suffix kernel starts beside it (PDL)
+        kernel("_decode_split_kernel", 110, 40),
+        kernel("Memcpy HtoD (Pinned -> Device)", 200, 10, cat="gpu_memcpy"),  # after a 50 us gap
+        kernel("nvjet_gemm", 1000, 100),  # the second step, after an idle 790 us
+        {"name": "cudaGraphLaunch", "cat": "cuda_runtime", "ph": "X", "ts": 5, "dur": 3},  # host: not counted
+    ]
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    got = gpu_timeline(trace, steps=2)
+    assert got == pytest.approx({"span_ms": 1100 / 2e3, "busy_ms": (100 + 50 + 10 + 100) / 2e3,
+                                 "attention_ms": 50 / 2e3})
+
+
+def test_no_kernels_no_timeline(tmp_path):
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [{"name": "aten::mm", "cat": "cpu_op", "ts": 0, "dur": 5}]}))
+    assert gpu_timeline(trace, steps=1) is None
+
+
+def test_attention_kernels_are_the_attention_layers():
+    names = attention_kernel_names()
+    assert {"_decode_split_kernel", "_cascade_prefix_kernel", "_prefill_kernel", "_merge_kernel",
+            "_rotary_kv_write_kernel"} <= names
+    assert not names & {"_rms_norm_kernel", "_silu_and_mul_kernel", "_argmax_part_kernel"}
