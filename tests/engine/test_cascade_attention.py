@@ -71,19 +71,23 @@ def test_same_tokens_with_cascade_on_and_off():
     assert all(p.kv_start[6:].tolist() == [0, 0] for p in decode_plans)  # the lone requests
 
 
-@pytest.mark.parametrize("mode", [None, True])
-def test_requests_that_share_nothing_take_groups_of_one(mode, monkeypatch):
-    # (contexts count as long from 8 tokens here, so that the tiny model's lone requests have them)
-    monkeypatch.setattr(cascade, "MIN_PREFIX_TOKENS", 8)
+@pytest.mark.parametrize("mode,budget", [(None, None), (True, None), (True, 16)],
+                         ids=["auto", "on", "chunked"])
+def test_requests_that_share_nothing_take_groups_of_one(mode, budget, monkeypatch):
+    # (contexts count as long from a block here, so that the tiny model's lone requests have them)
+    monkeypatch.setattr(cascade, "MIN_PREFIX_TOKENS", 4)
     monkeypatch.setattr(cascade, "MIN_GROUP_SIZE", 2)
     monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 8)
-    llm = cached_llm(cascade_attention=mode, **BASE)
+    llm = cached_llm(cascade_attention=mode, **({"max_num_batched_tokens": budget} if budget else {}), **BASE)
     run(llm)
     got, plans = run(llm)
     assert got == [[t] for t in expected()]
-    alone = [p for p in plans if len(p.rows) == 8]
-    assert alone and all(group_sizes(p) == [1, 1, 2, 4] for p in alone), [group_sizes(p) for p in plans]
-    assert all((p.kv_start[6:] >= 8).all() for p in alone)
+    alone = [p for p in plans if (p.kv_start[6:] > 0).all()]  # both lone requests in groups of their own
+    assert alone and all(sorted(group_sizes(p))[:2] == [1, 1] for p in alone), [group_sizes(p) for p in plans]
+    if budget:  # with prompt chunks beside them (mixed steps: the prefix kernel beside the prefill kernel)
+        assert any(len(p.rows) > int((p.kv_start > 0).sum()) for p in alone)
+    else:
+        assert all(group_sizes(p) == [1, 1, 2, 4] for p in alone)
 
 
 def test_chunked_prefill_mixed_steps():

@@ -124,7 +124,8 @@ def test_prefix_sharing_and_profile(tmp_path, capsys):
 
 
 def test_prefix_with_unshared_prompts(tmp_path, capsys):
-    # one of the four prompts has a 32-token prefix of its own: 3 requests find the shared blocks, at most 2
+    # one of the four prompts has a 32-token prefix of its own: 3 share the prefix, so at most 2 of 4 find its
+    # blocks cached (3 of 4 without the option: test_prefix_sharing_and_profile)
     argv = ["prefix", "--num-prompts", "4", "--shared-prefix-len", "32", "--unshared-prompts", "1",
             "--input-len", "8", "--output-len", "4", "--no-cascade-attention"]
     result, _ = run_json(tmp_path, capsys, argv)
