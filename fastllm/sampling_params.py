@@ -140,9 +140,9 @@ class SamplingParams:
             ("allowed_token_ids", allowed is None or (isinstance(allowed, (list, tuple)) and len(allowed) > 0
                                                       and all(_is_token_id(t) for t in allowed)),
              "must be None or a non-empty list of token ids"),
-            ("bad_words", words is None or (isinstance(words, (list, tuple))
-                                            and all(isinstance(w, str) and w.strip() for w in words)),
-             "must be None or a list of non-blank strings"),
+            ("bad_words", words is None or (isinstance(words, (list, tuple)) and all(
+                isinstance(w, str) and w.strip() and _valid_unicode(w) for w in words)),
+             "must be None or a list of non-blank strings of valid Unicode"),
         ]
         for name, ok, message in checks:
             if not ok:

@@ -197,6 +197,9 @@ EXTREMES = {
     "ignore_eos": [True, "yes", 1, None],
     "include_stop_str_in_output": [True, 0],
     "skip_special_tokens": [False, "no"],
+    "logit_bias": [{5: 100.0}, {5: -1e30}, {511: 1.0}, {512: 1.0}, {-1: 1.0}, {}],
+    "allowed_token_ids": [[0], [511], [512], [-1], [1.5], []],
+    "bad_words": [["the"], [" the"], ["\ud800"], [""], [1], "the", ["x" * 500]],
 }
 
 
@@ -225,11 +228,13 @@ def test_extreme_sampling_values_are_served_or_refused_by_name():
     for case in [("seed", repr(2**64)), ("seed", repr(-2**63 - 1)), ("top_k", repr(2**63)),
                  ("n", repr(2**31)), ("temperature", repr(INF)), ("top_p", repr(NAN)),
                  ("stop", repr(["\ud800"])), ("stop_token_ids", repr([512])), ("logprobs", repr(21)),
-                 ("n", repr(True))]:
+                 ("n", repr(True)), ("logit_bias", repr({512: 1.0})), ("allowed_token_ids", repr([512])),
+                 ("bad_words", repr(["\ud800"]))]:
         assert case in refused, case
     for case in [("seed", repr(2**64 - 1)), ("seed", repr(-2**63)), ("top_k", repr(2**63 - 1)),
                  ("temperature", repr(1e30)), ("stop_token_ids", repr([511])), ("logprobs", repr(20)),
-                 ("n", repr(2))]:
+                 ("n", repr(2)), ("logit_bias", repr({5: -1e30})), ("allowed_token_ids", repr([511])),
+                 ("bad_words", repr(["the"]))]:
         assert seen[case] == "served", case
     good = cached_llm(max_model_len=128).generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8),
                                                   use_tqdm=False)[0]
