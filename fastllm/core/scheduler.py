@@ -436,14 +436,23 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[tuple[Request, list[int]]]:
         """Append sampled tokens, apply stop conditions, free finished requests.
         Returns the requests that got tokens this step (finished ones included), each with the
-        tokens appended (those after a stop are dropped)."""
-        updated = []
-        scheduled = self._scheduled_requests.pop(scheduler_output.step_id, None)
-        self._step_filled.pop(scheduler_output.step_id, None)
+        tokens appended (those after a stop are dropped). If applying them raises, the step's records
+        stay for fail_step, which the engine calls next: its requests and searches end with the error."""
+        step_id = scheduler_output.step_id
+        scheduled = self._scheduled_requests.get(step_id)
         if scheduled is None:
-            raise ValueError(f"step {scheduler_output.step_id} was not scheduled here, or its output was already applied")
-        for ra in self._slot_steps.pop(scheduler_output.step_id, ()):
+            raise ValueError(f"step {step_id} was not scheduled here, or its output was already applied")
+        updated = self._apply_output(scheduler_output, runner_output, scheduled)
+        del self._scheduled_requests[step_id]
+        self._step_filled.pop(step_id, None)
+        return updated
+
+    def _apply_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                      scheduled: dict[str, Request]) -> list[tuple[Request, list[int]]]:
+        updated = []
+        for ra in self._slot_steps.get(scheduler_output.step_id, ()):
             self._apply_slot_step(ra, scheduler_output.step_id, runner_output.beam_candidates)
+        self._slot_steps.pop(scheduler_output.step_id, None)
         spec_scheduled = scheduler_output.scheduled_spec_tokens
         for req_id, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = scheduled.get(req_id)

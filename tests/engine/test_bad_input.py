@@ -343,6 +343,31 @@ def test_failed_step_fails_only_its_requests(when, async_scheduling):
         .outputs[0].token_ids == want[0]
 
 
+def test_a_step_whose_update_fails_fails_only_its_requests(monkeypatch):
+    """Applying a step's tokens raises (the host's side, after the forward): that step's request ends with the
+    error and its blocks are freed; the requests of the steps before and after it give their normal tokens."""
+    from fastllm.core.scheduler import Scheduler
+
+    engine = cached_llm(max_num_seqs=1).engine
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    want = [o.outputs[0].token_ids for o in cached_llm().generate(PROMPTS[:2], greedy, use_tqdm=False)]
+    check_stop = Scheduler._check_stop
+
+    def failing(request, token):
+        if request.request_id == "poison" and request.num_output_tokens == 3:
+            raise RuntimeError("planted update failure")
+        return check_stop(request, token)
+
+    monkeypatch.setattr(Scheduler, "_check_stop", staticmethod(failing))
+    engine.add_request("before", PROMPTS[0], greedy)
+    engine.add_request("poison", PROMPTS[2], greedy)
+    engine.add_request("after", PROMPTS[1], greedy)
+    finished = run_all(engine)
+    assert finished["poison"].outputs[0].finish_reason == "error" and "planted" in finished["poison"].error
+    assert [finished[r].outputs[0].token_ids for r in ("before", "after")] == want
+    engine.check_kv_pool_whole()
+
+
 def test_a_request_whose_output_fails_fails_alone(monkeypatch):
     """Turning a request's tokens into text or logprobs raised (a tokenizer's bug on some token sequence):
     that request ends with finish reason "error" naming what raised, its tokens stop being computed, and the other

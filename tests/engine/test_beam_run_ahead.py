@@ -190,6 +190,29 @@ def test_a_failed_run_ahead_step_ends_its_search_with_the_error():
     assert_run_ahead_equals_sync(PROMPTS[:1], BeamSearchParams(3, max_tokens=12, ignore_eos=True))
 
 
+def test_a_run_ahead_step_whose_update_fails_ends_its_search_with_the_error(monkeypatch):
+    # The host's side of the step raises (applying the candidates), not the forward: the search ends with the
+    # error, and the engine has nothing left running (it once kept the search and stopped with "no progress").
+    from fastllm.core.beam_run_ahead import RunAheadSearch
+
+    llm, apply, calls = ahead_llm(), RunAheadSearch.apply, []
+
+    def failing(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("planted update failure")
+        return apply(self, *args)
+
+    monkeypatch.setattr(RunAheadSearch, "apply", failing)
+    [failed] = llm.beam_search(PROMPTS[0], BeamSearchParams(3, max_tokens=12, ignore_eos=True))
+    assert failed.sequences == [] and "planted update failure" in failed.error
+    assert not llm.engine.has_unfinished_requests()
+    llm.engine.check_kv_pool_whole()
+    assert not llm.engine.worker.runner.beam_slots.states
+    monkeypatch.setattr(RunAheadSearch, "apply", apply)
+    assert_run_ahead_equals_sync(PROMPTS[:1], BeamSearchParams(3, max_tokens=12, ignore_eos=True))
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_a_short_pool_preempts_synchronously_and_gives_the_roomy_beams(mode, caplog):
     """A pool that holds the beams only with preemption: the searches fall back to the synchronous path (logged
