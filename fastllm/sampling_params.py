@@ -234,6 +234,8 @@ def _is_token_id(value) -> bool:
 
 
 MAX_BEAM_WIDTH = 10  # each beam asks for its top 2 * beam_width logprobs, at most 20 (SamplingParams.logprobs)
+# length ** length_penalty stays a float at any length with |length_penalty| <= this (10 x ln 2**63 < 709)
+MAX_LENGTH_PENALTY = 10
 
 
 @dataclass
@@ -273,8 +275,8 @@ class BeamSearchParams:
             ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a bool"),
             ("temperature", self.temperature == 0, "must be 0: beam search is deterministic (beam sampling is not "
              "implemented)"),
-            ("length_penalty", isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)
-             and not isinstance(self.length_penalty, bool), "must be a finite number"),
+            ("length_penalty", _real_in(self.length_penalty, -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY),
+             f"must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]"),
             ("early_stopping", isinstance(self.early_stopping, bool) or self.early_stopping == "never",
              "must be True, False or 'never'"),
         ]

@@ -200,6 +200,12 @@ def test_abort_and_bad_input():
         BeamSearchParams(11, max_tokens=4)
     with pytest.raises(ValueError, match="BeamSearchParams.temperature"):
         BeamSearchParams(2, max_tokens=4, temperature=0.7)
+    for penalty in (10.5, -1e30, 1e30, float("nan")):  # (2 ** 1e30 overflowed inside a step)
+        with pytest.raises(ValueError, match="BeamSearchParams.length_penalty"):
+            BeamSearchParams(2, max_tokens=4, length_penalty=penalty)
+    for penalty in (10, -10):  # the ends of the range score without overflow
+        [out] = llm.beam_search(PROMPTS[0], BeamSearchParams(2, max_tokens=6, length_penalty=penalty))
+        assert out.error is None and len(out.sequences) == 2
     with pytest.raises(ValueError, match="exceeds max_model_len"):
         llm.beam_search(PROMPTS[0], BeamSearchParams(2, max_tokens=600))
     with pytest.raises(ValueError, match="params must be BeamSearchParams"):
