@@ -249,7 +249,8 @@ class BeamSearchParams:
       reached) becomes a finished hypothesis scored cum_logprob / generated_len ** length_penalty
       (generated_len counts the EOS); the best beam_width hypotheses are kept. The best beam_width
       candidates that do not end run on. An EOS candidate ranked below beam_width is dropped.
-    - length_penalty > 0 favours longer sequences, < 0 shorter ones, 0 ranks by cum_logprob alone.
+    - length_penalty > 0 favours longer sequences, < 0 shorter ones, 0 ranks by cum_logprob alone;
+      it lies in [-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY] (transformers takes any float).
     - early_stopping: True stops once beam_width hypotheses are finished. False (transformers'
       default) also stops when the best running beam, scored at its current length, cannot beat
       the worst kept hypothesis. "never" scores it at max_tokens when length_penalty > 0 (the
