@@ -445,6 +445,7 @@ class Scheduler:
         updated = self._apply_output(scheduler_output, runner_output, scheduled)
         del self._scheduled_requests[step_id]
         self._step_filled.pop(step_id, None)
+        self._slot_steps.pop(step_id, None)
         return updated
 
     def _apply_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
@@ -452,7 +453,6 @@ class Scheduler:
         updated = []
         for ra in self._slot_steps.get(scheduler_output.step_id, ()):
             self._apply_slot_step(ra, scheduler_output.step_id, runner_output.beam_candidates)
-        self._slot_steps.pop(scheduler_output.step_id, None)
         spec_scheduled = scheduler_output.scheduled_spec_tokens
         for req_id, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids):
             request = scheduled.get(req_id)
