@@ -33,6 +33,7 @@ from fastllm.bench.profile import print_profile, profile_decode
 from fastllm.bench.roofline import ModelShape
 from fastllm.bench.throughput import make_prompts, run_throughput
 from fastllm.engine.llm_engine import LLMEngine
+from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
 TARGETS = {1: ("tok/s", 300.0), 32: ("x bf16", 1.6), 256: ("x bf16", 1.4)}
 THROUGHPUT_TARGET = 1.4
@@ -43,6 +44,7 @@ def measure(args, name: str, quantization: str | None, kv_cache_dtype: str = "au
     engine = LLMEngine.from_kwargs(args.model, load_format=args.load_format, dtype="bfloat16",
                                    max_model_len=args.max_model_len, quantization=quantization,
                                    kv_cache_dtype=kv_cache_dtype, quantize_lm_head=quantize_lm_head)
+    prepare_gc_for_serving()  # the garbage collector as `fastllm bench` and the server set it
     try:
         fp8 = engine.worker.runner.model.args.fp8
         shape = ModelShape.from_hf_config(engine.config.model.hf_config, "bfloat16", fp8)

@@ -85,9 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fastllm.engine.llm_engine import LLMEngine
+    from fastllm.entrypoints.process_setup import prepare_gc_for_serving
     from fastllm.sampling_params import SamplingParams
 
     engine = LLMEngine.from_kwargs(args.model, **engine_kwargs(args))
+    prepare_gc_for_serving()  # the garbage collector as `fastllm bench` and the server set it
     runner = engine.worker.runner
     mixed_graphs = runner.mixed_graphs
     if mixed_graphs is None:

@@ -37,18 +37,22 @@ from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.entrypoints.bench import parse_batch_sizes
 from fastllm.entrypoints.cli import add_engine_args, engine_kwargs
+from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
 
 def build(args: argparse.Namespace, tp: int, pp: int) -> LLMEngine:
     kwargs = engine_kwargs(args) | {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
     if args.batch_sizes and args.mode == "latency" and not kwargs.get("enforce_eager"):
         kwargs["cuda_graph_sizes"] = parse_batch_sizes(args.batch_sizes)
-    return LLMEngine(EngineConfig.from_kwargs(args.model, **kwargs))
+    engine = LLMEngine(EngineConfig.from_kwargs(args.model, **kwargs))
+    prepare_gc_for_serving()  # the garbage collector as `fastllm bench` and the server set it
+    return engine
 
 
 def release(engine: LLMEngine) -> None:
     engine.shutdown()
     del engine
+    gc.unfreeze()  # (build froze its startup objects: the next engine needs their memory)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -53,11 +53,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from fastllm.bench.runner import random_prompts, run_requests
     from fastllm.engine.llm_engine import LLMEngine
+    from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
     kwargs = engine_kwargs(args)
     if kwargs.get("max_num_seqs") is None:
         kwargs["max_num_seqs"] = max(batch_sizes)
     engine = LLMEngine.from_kwargs(args.model, **kwargs)
+    prepare_gc_for_serving()  # the garbage collector as `fastllm bench` and the server set it
     window = engine.config.model.kv_sliding_window
     block_size = engine.config.cache.block_size
     bound = -(-(window - 1) // block_size) + 1 if window else None

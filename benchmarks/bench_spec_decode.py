@@ -38,6 +38,7 @@ from fastllm.bench.runner import run_requests, spec_columns
 from fastllm.config import EngineConfig, SpeculativeConfig
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.entrypoints.bench import parse_batch_sizes
+from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
 STORY_PROMPTS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -64,6 +65,7 @@ def with_engine(args, spec: SpeculativeConfig | None, measure_all):
     """measure_all(engine)'s result, the engine's memory freed before the next one is built (it froze its
     startup objects out of the garbage collector's reach)."""
     engine = build_engine(args, spec)
+    prepare_gc_for_serving()  # the garbage collector as `fastllm bench` and the server set it
     try:
         return measure_all(engine)
     finally:
