@@ -2,8 +2,9 @@
 
 Up to SKINNY_MAX_ROWS rows (decode batches) the weight-streaming kernel runs (fp8_skinny_linear.py).
 Larger batches: the activations are quantized per token (fp8_quantize.py: the row's amax, then
-x * (1 / scale) rounded to e4m3; or the static input_scale for every row), and the product runs in cuBLASLt
-through torch._scaled_mm with row-wise scales: scale_a [M, 1] per token and scale_b [1, N] per output
+x * (1 / scale) rounded to e4m3; or the static input_scale for every row), and the product runs in our Triton
+GEMM (fp8_gemm.py) at the shapes it was tuned faster, else in cuBLASLt through torch._scaled_mm with row-wise
+scales: scale_a [M, 1] per token and scale_b [1, N] per output
 channel, both float32, the weight column-major (W [N, K] row-major, transposed), accumulation in fp32 and one
 rounding to the output dtype.
 
@@ -27,7 +28,7 @@ import logging
 
 import torch
 
-from fastllm.kernels import fp8_skinny_linear, reference
+from fastllm.kernels import fp8_gemm, fp8_skinny_linear, reference
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token
 
 logger = logging.getLogger("fastllm.kernels")
@@ -82,7 +83,15 @@ def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch
         _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows for float32 outputs "
                   "(torch._scaled_mm keeps ~14 bits of its accumulator on Hopper)")
         out = reference.fp8_linear_quantized(x2, scale2, weight, weight_scale, bias, out_dtype)
+    elif (config := fp8_gemm.choose_config(rows, n_out, k_in)) is not None \
+            and fp8_gemm.fits(x2, scale2, weight, weight_scale, out_dtype):
+        _log_once("the Triton FP8 GEMM (fp8_gemm.py) for its tuned shapes above "
+                  f"{SKINNY_MAX_ROWS} rows, torch._scaled_mm for the others")
+        out = fp8_gemm.launch(x2, scale2, weight, weight_scale, bias, out_dtype, config)
     elif _scaled_mm_fits(weight):
+        if config is not None:
+            _log_once("torch._scaled_mm where fp8_gemm.py was tuned faster but cannot run (it needs sm_90 and "
+                      "16-byte aligned rows)")
         out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype)
     else:
         _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows where K or N is not a "
