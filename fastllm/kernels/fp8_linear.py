@@ -4,9 +4,8 @@ Up to SKINNY_MAX_ROWS rows (decode batches) the weight-streaming kernel runs (fp
 Larger batches: the activations are quantized per token (fp8_quantize.py: the row's amax, then
 x * (1 / scale) rounded to e4m3; or the static input_scale for every row), and the product runs in our Triton
 GEMM (fp8_gemm.py) at the shapes it was tuned faster, else in cuBLASLt through torch._scaled_mm with row-wise
-scales: scale_a [M, 1] per token and scale_b [1, N] per output
-channel, both float32, the weight column-major (W [N, K] row-major, transposed), accumulation in fp32 and one
-rounding to the output dtype.
+scales: scale_a [M, 1] per token and scale_b [1, N] per output channel, both float32, the weight column-major
+(W [N, K] row-major, transposed), accumulation in fp32 and one rounding to the output dtype.
 
 Math: reference.fp8_linear. The quantized activations are bitwise the reference's (the same IEEE
 reciprocal, product and round-to-nearest-even cast); the products differ by the order of the fp32 sums only.
@@ -90,8 +89,8 @@ def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch
         out = fp8_gemm.launch(x2, scale2, weight, weight_scale, bias, out_dtype, config)
     elif _scaled_mm_fits(weight):
         if config is not None:
-            _log_once("torch._scaled_mm where fp8_gemm.py was tuned faster but cannot run (it needs sm_90 and "
-                      "16-byte aligned rows)")
+            _log_once("torch._scaled_mm where fp8_gemm.py was tuned faster but cannot run (it needs sm_90 "
+                      "and 16-byte aligned rows)")
         out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype)
     else:
         _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows where K or N is not a "

@@ -33,8 +33,8 @@ def quantized_rows(rows: int, k_in: int, device) -> tuple[torch.Tensor, torch.Te
 @pytest.mark.parametrize("rows,n_out,k_in", [(40, 48, 64), (33, 96, 160), (70, 32, 256), (1, 16, 32)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemm_matches_reference(device, cfg, rows, n_out, k_in, bias):
-    """Partial row, column and K tiles (160 = 2.5 tiles of 64), more tiles than programs (the persistent loop),
-    a bias added before the one rounding."""
+    """Partial row, column and K tiles (160 = 2.5 tiles of 64), more tiles than programs (the persistent
+    loop), a bias added before the one rounding."""
     x_q, x_scale = quantized_rows(rows, k_in, device)
     weight, scale = random_weight(n_out, k_in, device)
     b = torch.randn(n_out, device=device, dtype=torch.float16) if bias else None
@@ -46,14 +46,15 @@ def test_gemm_matches_reference(device, cfg, rows, n_out, k_in, bias):
 
 
 def test_choose_config_by_row_bucket():
-    """A batch takes its bucket's entry (the smallest bucket holding it); none past the last, or untuned."""
-    key = next(iter(G._TUNED))
-    bucket, n_out, k_in = key
-    assert G.choose_config(bucket, n_out, k_in) == G._TUNED[key]
-    assert G.choose_config(bucket - 1, n_out, k_in) in (G._TUNED[key], G._TUNED.get((bucket // 2, n_out, k_in)))
+    """A batch takes its bucket's entry (the smallest bucket holding it), from its first row count to its last;
+    none past the last bucket, nor for an untuned shape."""
+    for (bucket, n_out, k_in), config in G._TUNED.items():
+        below = [b for b in G.ROW_BUCKETS if b < bucket]
+        assert G.choose_config(bucket, n_out, k_in) == config
+        assert G.choose_config(below[-1] + 1 if below else 1, n_out, k_in) == config
+        assert G.choose_config(513, n_out, k_in) is None
     assert G.row_bucket(33) == 64 and G.row_bucket(512) == 512 and G.row_bucket(513) == 0
-    assert G.choose_config(513, n_out, k_in) is None
-    assert G.choose_config(bucket, 48, 64) is None
+    assert G.choose_config(64, 48, 64) is None
 
 
 def test_fits_refuses_what_tma_cannot_take(device):
@@ -100,8 +101,8 @@ def test_every_tuned_config_gpu(key, dtype):
     torch.manual_seed(bucket + n_out)
     weight, scale = random_weight(n_out, k_in, "cuda")
     bias = torch.randn(n_out, device="cuda", dtype=dtype)
-    smallest = max(G.ROW_BUCKETS[G.ROW_BUCKETS.index(bucket) - 1] + 1, K.SKINNY_MAX_ROWS + 1) \
-        if bucket != G.ROW_BUCKETS[0] else K.SKINNY_MAX_ROWS + 1
+    below = [b for b in G.ROW_BUCKETS if b < bucket]
+    smallest = max(below[-1] + 1 if below else 1, K.SKINNY_MAX_ROWS + 1)  # (fewer: the skinny kernel's)
     for rows in (smallest, bucket):
         magnitude = 2.0 ** torch.randint(-6, 3, (rows, 1), device="cuda")
         x = (torch.randn(rows, k_in, device="cuda") * magnitude).to(dtype)
