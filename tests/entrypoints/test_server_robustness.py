@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import os
 import signal
@@ -160,6 +161,25 @@ def test_api_key_guards_v1_only(monkeypatch):
     assert resolve_api_key(None) == "from-env" and resolve_api_key("flag") == "flag"
     monkeypatch.delenv(API_KEY_ENV)
     assert resolve_api_key(None) is None
+
+
+def test_a_client_that_leaves_mid_body_is_no_error(server, caplog):
+    """A client that closes its connection before its body is all sent (Starlette raises ClientDisconnect
+    while the body is read) logs no error and no traceback: nothing failed and nobody is left to answer.
+    Each endpoint that reads a body, then the server serves on."""
+    url, _ = server
+    host, port = url.removeprefix("http://").split(":")
+    caplog.set_level(logging.WARNING)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+                      f"content-length: 1000\r\n\r\n{{\"prompt\": \"Once".encode())
+        time.sleep(0.5)  # (the server notices the closed connection while it waits for the rest)
+    assert healthy(url)
+    served = post(url, "/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 2})
+    assert served.status_code == 200
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [(r.name, r.getMessage()) for r in errors]
 
 
 def test_limits():

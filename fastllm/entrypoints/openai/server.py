@@ -35,6 +35,7 @@ import jinja2
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from fastllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
 from fastllm.engine.detokenizer import IncrementalDetokenizer, text_bytes
@@ -90,6 +91,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
     async def _engine_dead(request: Request, e: EngineDeadError):
         return JSONResponse(error_body(500, f"the engine is gone: {e}", "InternalServerError"),
                             status_code=500)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, e: ClientDisconnect):  # before its body was read: nothing failed
+        logger.debug("a client left before its request body was read")
+        return Response(status_code=499)  # (nginx's "client closed request"; nobody reads it)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):  # a failed engine step, or a bug of ours
