@@ -10,7 +10,8 @@ down_proj's 4,096 columns at 256 rows make 128 such tiles for 132 SMs, where cuB
 Math: reference.fp8_linear_quantized. e4m3 products summed by tl.dot (promoted to fp32 every BLOCK_K), then
 x's per-token and W's per-channel scales, the bias, one rounding to the output dtype.
 Memory traffic: W once from HBM (N * K bytes), x_q from L2 by every column tile, M * N outputs written.
-Needs: sm_90 (TMA), 16-byte aligned rows (K and N * 2 bytes multiples of 16) and base pointers.
+Needs: sm_90 and triton >= 3.4 (TMA descriptors), 16-byte aligned rows (K and N * 2 bytes multiples of 16)
+and base pointers.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import sm_count
+
+try:  # triton >= 3.4: host-side TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 __all__ = ["GemmConfig", "choose_config", "fits", "launch"]
 
@@ -63,9 +69,11 @@ def choose_config(num_rows: int, n_out: int, k_in: int) -> GemmConfig | None:
 
 def fits(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
          out_dtype: torch.dtype) -> bool:
-    """What the kernel needs: TMA (sm_90+; Triton's interpreter on the CPU), rows contiguous with 16-byte
-    aligned strides and bases, contiguous scales, 16-bit outputs."""
+    """What the kernel needs: TMA (sm_90+ and triton >= 3.4; Triton's interpreter on the CPU), rows contiguous
+    with 16-byte aligned strides and bases, contiguous scales, 16-bit outputs."""
     device = x_q.device
+    if TensorDescriptor is None:
+        return False
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
         return False
     return (out_dtype in (torch.bfloat16, torch.float16) and weight.shape[0] % 8 == 0
@@ -106,8 +114,6 @@ def launch(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
            bias: torch.Tensor | None, out_dtype: torch.dtype, config: GemmConfig) -> torch.Tensor:
     """x_q [M, K] e4m3 with float32 scales [M, 1] @ (weight [N, K] e4m3 x weight_scale [N])^T (+ bias)
     -> [M, N] in out_dtype. The caller checks fits()."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     num_rows, k_in = x_q.shape
     n_out = weight.shape[0]
     out = torch.empty(num_rows, n_out, device=x_q.device, dtype=out_dtype)

@@ -89,8 +89,8 @@ def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch
         out = fp8_gemm.launch(x2, scale2, weight, weight_scale, bias, out_dtype, config)
     elif _scaled_mm_fits(weight):
         if config is not None:
-            _log_once("torch._scaled_mm where fp8_gemm.py was tuned faster but cannot run (it needs sm_90 "
-                      "and 16-byte aligned rows)")
+            _log_once("torch._scaled_mm where fp8_gemm.py was tuned faster but cannot run (it needs sm_90, "
+                      "triton >= 3.4 and 16-byte aligned rows)")
         out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype)
     else:
         _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows where K or N is not a "

@@ -57,10 +57,13 @@ def test_choose_config_by_row_bucket():
     assert G.choose_config(64, 48, 64) is None
 
 
-def test_fits_refuses_what_tma_cannot_take(device):
+def test_fits_refuses_what_tma_cannot_take(device, monkeypatch):
     x_q, x_scale = quantized_rows(40, 64, device)
     weight, scale = random_weight(48, 64, device)
     assert G.fits(x_q, x_scale, weight, scale, torch.bfloat16)
+    with monkeypatch.context() as m:
+        m.setattr(G, "TensorDescriptor", None)  # triton < 3.4
+        assert not G.fits(x_q, x_scale, weight, scale, torch.bfloat16)
     assert not G.fits(x_q, x_scale, weight, scale, torch.float32)  # float32 outputs: the reference's
     assert not G.fits(x_q[:, 8:40], x_scale, weight[:, 8:40], scale, torch.bfloat16)  # rows not contiguous
     wide_q, _ = quantized_rows(40, 72, device)
