@@ -35,7 +35,8 @@ WIN = 0.97  # a config replaces _scaled_mm at 97% of its time or less
 
 
 def configs() -> list[fp8_gemm.GemmConfig]:
-    """Tiles whose pipeline fits in shared memory (stages x (BM + BN) x BK bytes, plus the output tile)."""
+    """Tiles whose pipeline fits in shared memory (stages x (BM + BN) x BK bytes, plus the output tile), with
+    a warpgroup (4 warps) for 64 rows and two for more."""
     out = []
     for bm, bn, bk, warps, stages in itertools.product([64, 128, 256], [64, 128, 256], [128, 256], [4, 8],
                                                        [3, 4]):
