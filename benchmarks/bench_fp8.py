@@ -30,6 +30,7 @@ import torch
 from fastllm.bench import ceilings
 from fastllm.bench.latency import run_latency
 from fastllm.bench.profile import print_profile, profile_decode
+from fastllm.bench.report import stall_note
 from fastllm.bench.roofline import ModelShape
 from fastllm.bench.throughput import make_prompts, run_throughput
 from fastllm.engine.llm_engine import LLMEngine
@@ -55,8 +56,8 @@ def measure(args, name: str, quantization: str | None, kv_cache_dtype: str = "au
                               progress=False)
         for row in latency:
             print(f"  {name} batch {row['batch_size']:>3}: {row['tok_s_total']:,.1f} tok/s, step "
-                  f"{row['tpot_ms_mean']:.2f} ms (Triton compiles while timed: {row['jit_compiles']})",
-                  flush=True)
+                  f"{row['tpot_ms_mean']:.2f} ms (Triton compiles while timed: {row['jit_compiles']})"
+                  + stall_note(row), flush=True)
         prompts = make_prompts(engine, args.num_prompts, args.throughput_len)
         throughput = run_throughput(engine, prompts, args.throughput_len, progress=False)
         print(f"  {name} throughput {args.num_prompts} x {args.throughput_len}/{args.throughput_len}: "

@@ -24,6 +24,9 @@ from fastllm.engine.llm_engine import LLMEngine
 logger = logging.getLogger(__name__)
 
 WARMUP_OUTPUT_LEN = 4
+# A decode step over this many times the median is a stall (a garbage collection, a compile, the host
+# descheduled): steady state has none, so rows count them and the time they add.
+STALL_FACTOR = 2.0
 
 
 def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelShape,
@@ -36,6 +39,8 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
     host = [s.seconds - s.wait_s for s in decode]  # the step minus its wait for the GPU
     ttft = max(run.ttft_s.values()) if len(run.ttft_s) == batch_size else None
     tpot = float(np.mean(times)) if times else None
+    median = float(np.median(times)) if times else 0.0
+    stalls = [t - median for t in times if t > STALL_FACTOR * median]
     # Tokens per second from the decode steps' tokens: B a step, more under speculative decoding.
     tok_s = sum(s.num_tokens for s in decode) / sum(times) if times else None
     decode_s = sum(times)
@@ -75,6 +80,8 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
         "peak_mem_gib": run.peak_mem_gib,
         "preemptions": run.preemptions,
         "jit_compiles": len(run.jit_compiles),  # Triton variants compiled in the timed window (should be 0)
+        "stalled_steps": len(stalls),  # decode steps over STALL_FACTOR x the median (should be 0)
+        "stalled_ms": sum(stalls) * 1e3,  # what they took beyond the median, in all
         **run.spec_columns(),
     }
 

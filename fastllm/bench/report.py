@@ -20,6 +20,7 @@ DISPLAY = {
         "tok_s_per_seq": ("tok/s/seq", 1), "tok_s_total": ("tok/s", 1),
         "achieved_gb_s": ("GB/s", 1), "bw_frac": ("%bw", 100), "achieved_tflops": ("TFLOP/s", 1),
         "tc_frac": ("%tc", 100), "peak_mem_gib": ("peak_GiB", 1), "jit_compiles": ("jit", 1),
+        "stalled_steps": ("stalls", 1),
     },
     "throughput": {
         "num_prompts": ("prompts", 1), "input_len_mean": ("in", 1), "output_len": ("out", 1),
@@ -102,6 +103,13 @@ def table(result: dict) -> str:
                                        for col, (header, scale) in columns.items()} for r in rows]))
 
 
+def stall_note(row: dict) -> str:
+    """" [N decode steps stalled: X ms beyond the median]" for a latency row with stalls, else ""."""
+    if not row.get("stalled_steps"):
+        return ""
+    return f" [{row['stalled_steps']} decode steps stalled: {row['stalled_ms']:.1f} ms beyond the median]"
+
+
 def row_line(benchmark: str, row: dict) -> str:
     """One line per finished row, printed (and flushed) as the run goes."""
     def f(key, spec=".2f", scale=1.0):
@@ -110,6 +118,7 @@ def row_line(benchmark: str, row: dict) -> str:
     # Kernels compiled inside the timed window put their JIT time in the numbers: say so on the line.
     jit = f" [{row['jit_compiles']} Triton compiles in the timed window]" if row.get("jit_compiles") else ""
     if benchmark == "latency":
+        jit += stall_note(row)
         return (f"[batch {row['batch_size']}] ttft {f('ttft_ms')} ms, tpot {f('tpot_ms_mean')} ms "
                 f"(p50 {f('tpot_ms_p50')}, p99 {f('tpot_ms_p99')}), floor {f('floor_ms')} ms, "
                 f"{f('tok_s_total', '.1f')} tok/s, {f('achieved_gb_s', '.1f')} GB/s ({f('bw_frac', '.1f', 100)}% bw), "

@@ -344,6 +344,29 @@ def test_decode_steps_leave_out_the_prefill():
     assert run.decode_steps() == run.steps[2:]
 
 
+def test_latency_rows_count_stalled_steps():
+    """A decode step over twice the median is a stall (a collection, a compile): the row counts them and
+    the time they add, and its printed line says so; a steady run has none and says nothing."""
+    from fastllm.bench.latency import latency_row
+    from fastllm.bench.report import row_line
+    from fastllm.bench.roofline import ModelShape
+    from fastllm.bench.runner import RunRecord, StepRecord
+
+    shape = ModelShape.from_model(None)
+
+    def row(seconds: list[float]) -> dict:
+        run = RunRecord(2, [32, 32], len(seconds) + 1, total_s=sum(seconds))
+        run.steps = [StepRecord(s, 2, 0, [33 + i, 33 + i], num_tokens=2) for i, s in enumerate(seconds)]
+        return latency_row(run, 2, 32, shape, None)
+
+    steady = row([0.004, 0.0041, 0.0039, 0.0079, 0.004])
+    assert steady["stalled_steps"] == 0 and "stalled" not in row_line("latency", steady)
+    stalled = row([0.004, 0.0041, 0.0039, 0.104, 0.004, 0.0085])
+    # the median is 4.05 ms: 99.95 + 4.45 ms beyond it
+    assert stalled["stalled_steps"] == 2 and stalled["stalled_ms"] == pytest.approx(104.4)
+    assert "[2 decode steps stalled: 104.4 ms beyond the median]" in row_line("latency", stalled)
+
+
 def test_spec_decode_benchmark_seed_sets_the_synthetic_draws(tmp_path):
     """--seed: the same seed draws the same synthetic acceptances, another seed others (without it every process
     draws torch's default sequence)."""
