@@ -21,8 +21,8 @@ LATENCY_COLUMNS = [
     "batch_size", "input_len", "output_len", "ttft_ms", "prefill_tok_s", "tpot_ms_mean", "tpot_ms_p50",
     "tpot_ms_p90", "tpot_ms_p99", "floor_ms", "floor_mode", "host_ms_p50", "host_frac", "tok_s_per_seq", "tok_s_total", "e2e_s",
     "e2e_output_tok_s", "steps", "decode_steps", "bytes_per_step", "flops_per_step", "achieved_gb_s", "bw_frac",
-    "achieved_tflops", "tc_frac", "peak_mem_gib", "preemptions", "jit_compiles", "spec_acceptance_rate",
-    "spec_mean_accepted_len",
+    "achieved_tflops", "tc_frac", "peak_mem_gib", "preemptions", "jit_compiles", "stalled_steps", "stalled_ms",
+    "spec_acceptance_rate", "spec_mean_accepted_len",
 ]
 THROUGHPUT_COLUMNS = [
     "num_prompts", "input_len_mean", "output_len", "shared_prefix_len", "prefix_caching", "total_s", "requests_s",
