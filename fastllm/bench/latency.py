@@ -39,8 +39,8 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
     host = [s.seconds - s.wait_s for s in decode]  # the step minus its wait for the GPU
     ttft = max(run.ttft_s.values()) if len(run.ttft_s) == batch_size else None
     tpot = float(np.mean(times)) if times else None
-    median = float(np.median(times)) if times else 0.0
-    stalls = [t - median for t in times if t > STALL_FACTOR * median]
+    median = percentile(times, 50)
+    stalls = [t - median for t in times if t > STALL_FACTOR * median] if times else []
     # Tokens per second from the decode steps' tokens: B a step, more under speculative decoding.
     tok_s = sum(s.num_tokens for s in decode) / sum(times) if times else None
     decode_s = sum(times)
@@ -58,13 +58,13 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
         "ttft_ms": ms(ttft),
         "prefill_tok_s": batch_size * input_len / ttft if ttft else None,
         "tpot_ms_mean": ms(tpot),
-        "tpot_ms_p50": ms(percentile(times, 50)),
+        "tpot_ms_p50": ms(median),
         "tpot_ms_p90": ms(percentile(times, 90)),
         "tpot_ms_p99": ms(percentile(times, 99)),
         "floor_ms": None,
         "floor_mode": None,
         "host_ms_p50": ms(percentile(host, 50)),
-        "host_frac": float(np.median(host)) / float(np.median(times)) if times else None,
+        "host_frac": float(np.median(host)) / median if times else None,
         "tok_s_per_seq": tok_s / batch_size if tok_s else None,
         "tok_s_total": tok_s,
         "e2e_s": run.total_s,

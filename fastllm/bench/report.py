@@ -118,12 +118,11 @@ def row_line(benchmark: str, row: dict) -> str:
     # Kernels compiled inside the timed window put their JIT time in the numbers: say so on the line.
     jit = f" [{row['jit_compiles']} Triton compiles in the timed window]" if row.get("jit_compiles") else ""
     if benchmark == "latency":
-        jit += stall_note(row)
         return (f"[batch {row['batch_size']}] ttft {f('ttft_ms')} ms, tpot {f('tpot_ms_mean')} ms "
                 f"(p50 {f('tpot_ms_p50')}, p99 {f('tpot_ms_p99')}), floor {f('floor_ms')} ms, "
                 f"{f('tok_s_total', '.1f')} tok/s, {f('achieved_gb_s', '.1f')} GB/s ({f('bw_frac', '.1f', 100)}% bw), "
                 f"{f('achieved_tflops', '.2f')} TFLOP/s ({f('tc_frac', '.1f', 100)}% tc), peak {f('peak_mem_gib')} GiB"
-                + jit)
+                + jit + stall_note(row))
     if benchmark == "serving":
         return (f"[rate {row['request_rate']}/s, {row['completed']}/{row['num_prompts']} done] "
                 f"{f('req_s')} req/s ({f('delivered_req_s')} first to last completion), "
