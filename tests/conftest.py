@@ -91,6 +91,15 @@ def kv_pool_whole_after_test():
             llm.engine.check_kv_pool_whole()
 
 
+@pytest.fixture(autouse=True)
+def gpu_memory_returned_after_test(request):
+    """A GPU test's freed tensors go back to the device, not to this process's caching allocator: workers
+    of `pytest -n` share the GPU, and ones holding earlier tests' 8 GiB caches left another none."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 _cache: dict = {}
 
 
