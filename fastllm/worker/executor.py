@@ -121,9 +121,25 @@ class _Workers:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+            if proc.is_alive():  # reaped outside multiprocessing, whose poll then never sees the exit
+                logger.warning("worker pid %d: multiprocessing still counts it alive after SIGKILL and join "
+                               "(the OS: %s)", proc.pid, os_process_state(proc.pid))
         for conn in self.conns.values():
             conn.close()
         destroy_distributed()
+
+
+def os_process_state(pid: int) -> str:
+    """What the OS says of a pid: its /proc State line, or that no such process exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "no such process"
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next((" ".join(line.split()) for line in status if line.startswith("State:")), "running")
+    except OSError:
+        return "running"
 
 
 _parked: "MultiprocExecutor | None" = None  # ranks kept for this process's next engine (reuse_workers)

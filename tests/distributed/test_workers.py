@@ -13,6 +13,7 @@ import pytest
 
 from fastllm import SamplingParams
 from fastllm.distributed import communication
+from fastllm.worker.executor import os_process_state
 from tests.conftest import PROMPTS, STORIES, cached_llm
 from tests.distributed.conftest import (SMALL_KV, forget_parallel_llm, shutdown_parallel_llm,
                                        start_parallel_llm)
@@ -71,7 +72,8 @@ def test_a_killed_worker_is_an_error_naming_its_rank(layout):
     finally:
         procs = worker_processes(llm)
         llm.engine.shutdown()
-    assert not any(p.is_alive() for p in procs.values())
+    alive = {rank: os_process_state(p.pid) for rank, p in procs.items() if p.is_alive()}
+    assert not alive, f"ranks multiprocessing counts alive after shutdown (the OS's view): {alive}"
 
 
 def test_a_silent_worker_is_an_error_naming_its_rank_after_the_timeout():
