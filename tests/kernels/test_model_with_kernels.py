@@ -20,6 +20,7 @@ def run(model, mode, prompts, max_tokens, dtype, monkeypatch, outputs=False, max
     llm = LLM(model, device="cuda", dtype=dtype, enforce_eager=True, num_gpu_blocks=1024,
               max_model_len=max_model_len)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=2), use_tqdm=False)
+    assert not any(o.error for o in outs), [o.error for o in outs]  # (a failed step, e.g. out of memory)
     chosen = {name: fn.__module__ for (name, _), fn in dispatch._chosen.items()}
     llm.engine.check_kv_pool_whole()
     if outputs:
