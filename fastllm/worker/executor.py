@@ -97,6 +97,19 @@ class WorkerFailed(RuntimeError):
     pass
 
 
+def os_process_state(pid: int) -> str:
+    """What the OS says of a pid: its /proc State line, or that no such process exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return "no such process"
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return next((" ".join(line.split()) for line in status if line.startswith("State:")), "running")
+    except OSError:
+        return "running"
+
+
 class _Workers:
     """The worker processes and connections, apart from the executor so that a finalizer can end
     them when an executor is dropped without shutdown()."""
@@ -127,19 +140,6 @@ class _Workers:
         for conn in self.conns.values():
             conn.close()
         destroy_distributed()
-
-
-def os_process_state(pid: int) -> str:
-    """What the OS says of a pid: its /proc State line, or that no such process exists."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return "no such process"
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            return next((" ".join(line.split()) for line in status if line.startswith("State:")), "running")
-    except OSError:
-        return "running"
 
 
 _parked: "MultiprocExecutor | None" = None  # ranks kept for this process's next engine (reuse_workers)
