@@ -103,6 +103,8 @@ def os_process_state(pid: int) -> str:
         os.kill(pid, 0)
     except ProcessLookupError:
         return "no such process"
+    except PermissionError:
+        return "another user's process (the pid was reused)"
     try:
         with open(f"/proc/{pid}/status") as status:
             return next((" ".join(line.split()) for line in status if line.startswith("State:")), "running")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -74,6 +76,13 @@ def test_a_killed_worker_is_an_error_naming_its_rank(layout):
         llm.engine.shutdown()
     alive = {rank: os_process_state(p.pid) for rank, p in procs.items() if p.is_alive()}
     assert not alive, f"ranks multiprocessing counts alive after shutdown (the OS's view): {alive}"
+
+
+def test_os_process_state_tells_a_live_pid_from_a_reaped_one():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert os_process_state(child.pid) == "no such process"
+    assert os_process_state(os.getpid()).startswith("State: ")
 
 
 def test_a_silent_worker_is_an_error_naming_its_rank_after_the_timeout():
