@@ -78,8 +78,14 @@ class LLMEngine:
         if policy is not None:
             spec_ms, plain_ms = self.executor.step_costs()  # (every rank replays its graphs together)
             policy.set_step_costs(spec_ms, plain_ms)
-            logger.info("speculative decoding: step ms by batch size, speculative %s, plain %s",
-                        {b: round(t, 3) for b, t in spec_ms.items()}, {b: round(t, 3) for b, t in plain_ms.items()})
+            if spec_ms:
+                logger.info("speculative decoding: step ms by batch size, speculative %s, plain %s",
+                            {b: round(t, 3) for b, t in spec_ms.items()},
+                            {b: round(t, 3) for b, t in plain_ms.items()})
+            elif spec.adaptive:  # (the policy's cost model is the graphs' replay times)
+                logger.info("speculative decoding: every decode step proposes %d tokens: the adaptive policy "
+                            "needs CUDA graphs' step times, and there are none here",
+                            spec.num_speculative_tokens)
         pipeline = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, config.model.max_model_len,
                                    num_blocks, num_cpu_blocks, hash_fn, policy, spec.uses_draft_model,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +222,14 @@ def test_policy_decides_from_costs_and_acceptance():
     probes = [i for i, k in enumerate(decisions) if k]
     # Off, but for probes ever further apart (the first comes 32 plain steps after the one at batch 64).
     assert probes == [30, 30 + 64, 30 + 64 + 128]
+
+
+def test_without_graphs_the_log_says_every_step_proposes_k(caplog):
+    with caplog.at_level(logging.INFO, logger="fastllm.engine.llm_engine"):
+        LLM(STORIES, dtype="float32", device="cpu", cpu_kv_cache_gib=0.03,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert "every decode step proposes 3 tokens: the adaptive policy needs CUDA graphs' step times" \
+        in caplog.text
 
 
 def test_policy_judges_after_a_few_drafts_that_never_pay():
