@@ -40,7 +40,7 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
     ttft = max(run.ttft_s.values()) if len(run.ttft_s) == batch_size else None
     tpot = float(np.mean(times)) if times else None
     median = percentile(times, 50)
-    stalls = [t - median for t in times if t > STALL_FACTOR * median] if times else []
+    stalled = [s for s in decode if s.seconds > STALL_FACTOR * median] if times else []
     # Tokens per second from the decode steps' tokens: B a step, more under speculative decoding.
     tok_s = sum(s.num_tokens for s in decode) / sum(times) if times else None
     decode_s = sum(times)
@@ -80,8 +80,9 @@ def latency_row(run: RunRecord, batch_size: int, input_len: int, shape: ModelSha
         "peak_mem_gib": run.peak_mem_gib,
         "preemptions": run.preemptions,
         "jit_compiles": len(run.jit_compiles),  # Triton variants compiled in the timed window (should be 0)
-        "stalled_steps": len(stalls),  # decode steps over STALL_FACTOR x the median (should be 0)
-        "stalled_ms": sum(stalls) * 1e3,  # what they took beyond the median, in all
+        "stalled_steps": len(stalled),  # decode steps over STALL_FACTOR x the median (should be 0)
+        "stalled_ms": sum(s.seconds - median for s in stalled) * 1e3,  # beyond the median, in all
+        "stalled_gc_ms": sum(s.gc_s for s in stalled) * 1e3,  # of which in garbage collections
         **run.spec_columns(),
     }
 

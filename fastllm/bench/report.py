@@ -104,10 +104,14 @@ def table(result: dict) -> str:
 
 
 def stall_note(row: dict) -> str:
-    """" [N decode steps stalled: X ms beyond the median]" for a latency row with stalls, else ""."""
+    """" [N decode steps stalled: X ms beyond the median; Y ms of garbage collection in them]" for a latency
+    row with stalls (rows saved before the GC column lack its part), else ""."""
     if not row.get("stalled_steps"):
         return ""
-    return f" [{row['stalled_steps']} decode steps stalled: {row['stalled_ms']:.1f} ms beyond the median]"
+    gc_ms = row.get("stalled_gc_ms")
+    collections = "" if gc_ms is None else f"; {gc_ms:.1f} ms of garbage collection in them"
+    return (f" [{row['stalled_steps']} decode steps stalled: {row['stalled_ms']:.1f} ms beyond the median"
+            f"{collections}]")
 
 
 def row_line(benchmark: str, row: dict) -> str:

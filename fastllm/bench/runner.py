@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from fastllm.bench.gc_watch import GCWatch
 from fastllm.compile.jit_watch import TritonCompileWatch
 from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import LLMEngine
@@ -78,6 +79,7 @@ class StepRecord:
     context_lens: list[int]  # tokens attended by each request that decoded (its new one included)
     wait_s: float = 0.0  # of seconds, the time spent waiting for the GPU; the rest is host work
     num_tokens: int = 0  # new tokens of all requests (more than num_outputs with speculative decoding)
+    gc_s: float = 0.0  # of seconds, the time inside garbage collections
 
 
 @dataclass
@@ -143,14 +145,14 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
     run = RunRecord(len(prompts), list(prompt_len.values()), output_len)
     peak_memory_reset(device)
     start = time.perf_counter()
-    with TritonCompileWatch() as watch:
+    with TritonCompileWatch() as watch, GCWatch() as collections:
         try:
             for rid, prompt in zip(ids, token_ids):
                 engine.add_request(rid, {"prompt_token_ids": prompt}, params)
             with tqdm(total=len(prompts) * output_len, desc=desc or tag, unit="tok", file=sys.stderr,
                       disable=not progress, leave=False, mininterval=0.5) as bar:
                 while engine.has_unfinished_requests():
-                    t0 = time.perf_counter()
+                    gc0, t0 = collections.seconds, time.perf_counter()
                     outputs = engine.step()
                     t1 = time.perf_counter()
                     first, context, num_tokens = 0, [], 0
@@ -165,7 +167,7 @@ def run_requests(engine: LLMEngine, prompts: list, output_len: int, tag: str,
                         elif k > 1:
                             context.append(prompt_len[out.request_id] + k - 1)
                     run.steps.append(StepRecord(t1 - t0, len(outputs), first, context, engine.last_step_wait_s,
-                                                num_tokens))
+                                                num_tokens, collections.seconds - gc0))
                     bar.update(num_tokens)
         except BaseException:
             engine.abort_request(ids)

@@ -22,7 +22,7 @@ LATENCY_COLUMNS = [
     "tpot_ms_p90", "tpot_ms_p99", "floor_ms", "floor_mode", "host_ms_p50", "host_frac", "tok_s_per_seq", "tok_s_total", "e2e_s",
     "e2e_output_tok_s", "steps", "decode_steps", "bytes_per_step", "flops_per_step", "achieved_gb_s", "bw_frac",
     "achieved_tflops", "tc_frac", "peak_mem_gib", "preemptions", "jit_compiles", "stalled_steps", "stalled_ms",
-    "spec_acceptance_rate", "spec_mean_accepted_len",
+    "stalled_gc_ms", "spec_acceptance_rate", "spec_mean_accepted_len",
 ]
 THROUGHPUT_COLUMNS = [
     "num_prompts", "input_len_mean", "output_len", "shared_prefix_len", "prefix_caching", "total_s", "requests_s",
@@ -354,17 +354,37 @@ def test_latency_rows_count_stalled_steps():
 
     shape = ModelShape.from_model(None)
 
-    def row(seconds: list[float]) -> dict:
+    def row(seconds: list[float], gc_s: list[float] | None = None) -> dict:
         run = RunRecord(2, [32, 32], len(seconds) + 1, total_s=sum(seconds))
-        run.steps = [StepRecord(s, 2, 0, [33 + i, 33 + i], num_tokens=2) for i, s in enumerate(seconds)]
+        run.steps = [StepRecord(s, 2, 0, [33 + i, 33 + i], num_tokens=2, gc_s=g)
+                     for i, (s, g) in enumerate(zip(seconds, gc_s or [0.0] * len(seconds)))]
         return latency_row(run, 2, 32, shape, None)
 
     steady = row([0.004, 0.0041, 0.0039, 0.0079, 0.004])
     assert steady["stalled_steps"] == 0 and "stalled" not in row_line("latency", steady)
-    stalled = row([0.004, 0.0041, 0.0039, 0.104, 0.004, 0.0085])
-    # the median is 4.05 ms: 99.95 + 4.45 ms beyond it
+    # the median is 4.05 ms: 99.95 + 4.45 ms beyond it; a collection took 97 ms of the first stall, and one of
+    # 1 ms in a steady step is no stall's
+    stalled = row([0.004, 0.0041, 0.0039, 0.104, 0.004, 0.0085], gc_s=[0.0, 0.001, 0.0, 0.097, 0.0, 0.0])
     assert stalled["stalled_steps"] == 2 and stalled["stalled_ms"] == pytest.approx(104.4)
+    assert stalled["stalled_gc_ms"] == pytest.approx(97.0)
+    assert "[2 decode steps stalled: 104.4 ms beyond the median; 97.0 ms of garbage collection in them]" \
+        in row_line("latency", stalled)
+    del stalled["stalled_gc_ms"]  # a row saved before the column: no GC part
     assert "[2 decode steps stalled: 104.4 ms beyond the median]" in row_line("latency", stalled)
+
+
+def test_gc_watch_times_the_collections_in_its_window():
+    import gc
+
+    from fastllm.bench.gc_watch import GCWatch
+
+    with GCWatch() as watch:
+        garbage = [[i] for i in range(100_000)]
+        gc.collect()
+    del garbage
+    before = watch.seconds
+    gc.collect()  # after the window: not counted
+    assert watch.collections[2] >= 1 and before > 0 and watch.seconds == before
 
 
 def test_spec_decode_benchmark_seed_sets_the_synthetic_draws(tmp_path):
