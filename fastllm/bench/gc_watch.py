@@ -9,20 +9,17 @@ import time
 
 
 class GCWatch:
-    """with GCWatch() as watch: ...; watch.seconds: wall time inside collections so far; watch.collections:
-    how many, by generation."""
+    """with GCWatch() as watch: ...; watch.seconds: wall time inside collections so far."""
 
     def __init__(self):
         self.seconds = 0.0
-        self.collections = {0: 0, 1: 0, 2: 0}
-        self._started: float | None = None
+        self._started: float | None = None  # (None: a collection under way when the watch began)
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._started = time.perf_counter()
         elif self._started is not None:
             self.seconds += time.perf_counter() - self._started
-            self.collections[info["generation"]] += 1
             self._started = None
 
     def __enter__(self) -> "GCWatch":
