@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
+import re
 import typing
 
 import pytest
 
 from fastllm import LLM, SamplingParams
 from fastllm.engine.llm_engine import LLMEngine
-from tests.conftest import PROMPTS, STORIES, cached_llm
+from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm
 
 INVALID_PARAMS = [
     ("n", 0), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 1.5),
@@ -240,6 +242,48 @@ def test_extreme_sampling_values_are_served_or_refused_by_name():
                                                   use_tqdm=False)[0]
     assert len(good.outputs[0].token_ids) == 8 and good.outputs[0].finish_reason == "length"
     engine.check_kv_pool_whole()
+
+
+COMBINED_ENGINES = {  # pools of 136 tokens, which a batch outgrows (preemption); or speculation
+    "recompute": dict(num_gpu_blocks=34, block_size=4, max_num_batched_tokens=16),
+    "swap": dict(num_gpu_blocks=34, block_size=4, preemption_mode="swap", num_cpu_blocks=64),
+    "ngram": dict(num_gpu_blocks=64, speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+    "draft": dict(num_gpu_blocks=64, speculative_model=DRAFT, num_speculative_tokens=2),
+}
+
+
+@pytest.mark.parametrize("engine_kind", list(COMBINED_ENGINES))
+def test_several_extreme_fields_at_once_are_served_or_refused_by_name(engine_kind):
+    """Batches of 1-4 requests, each with 1-3 of EXTREMES' values at once on random prompts, beside two
+    plain requests of 80 tokens, on engines that preempt (recompute with 16-token chunks, swap) or speculate
+    (n-gram, a draft model): each request is refused by a ValueError naming one of its fields, or served
+    without error; the pool is whole after every batch."""
+    engine = cached_llm(max_model_len=128, **COMBINED_ENGINES[engine_kind]).engine
+    rng = random.Random(engine_kind)
+    served = refused = 0
+    for batch in range(60):
+        for a in range(2):  # 80 tokens each: together more than the recompute and swap engines' pools
+            anchor = {"prompt_token_ids": [rng.randrange(512) for _ in range(64)]}
+            engine.add_request(f"{engine_kind}-{batch}-a{a}", anchor,
+                               SamplingParams(max_tokens=16, ignore_eos=True))
+        for j in range(rng.randint(1, 4)):
+            kwargs = {"max_tokens": rng.choice([1, 4, 12])}
+            kwargs |= {f: rng.choice(EXTREMES[f]) for f in rng.sample(list(EXTREMES), rng.randint(1, 3))}
+            ids = [rng.randrange(512) for _ in range(rng.randint(1, 40))]
+            prompt = rng.choice([{"prompt_token_ids": ids}, rng.choice(PROMPTS), "x" * rng.randint(1, 60)])
+            try:
+                engine.add_request(f"{engine_kind}-{batch}-{j}", prompt, SamplingParams(**kwargs))
+                served += 1
+            except ValueError as e:
+                assert any(re.search(rf"\b{field}\b", str(e)) for field in kwargs), (kwargs, str(e))
+                refused += 1
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None, (engine_kind, out.error)
+        engine.check_kv_pool_whole()
+    assert served >= 15 and refused >= 40, (served, refused)  # both kinds, each many times
+    if engine_kind in ("recompute", "swap"):
+        assert engine.scheduler.num_preemptions > 0
 
 
 def test_bad_prompts_name_what_is_wrong():
