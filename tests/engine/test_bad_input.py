@@ -255,17 +255,17 @@ COMBINED_ENGINES = {  # pools of 136 tokens, which a batch outgrows (preemption)
 @pytest.mark.parametrize("engine_kind", list(COMBINED_ENGINES))
 def test_several_extreme_fields_at_once_are_served_or_refused_by_name(engine_kind):
     """Batches of 1-4 requests, each with 1-3 of EXTREMES' values at once on random prompts, beside two
-    plain requests of 80 tokens, on engines that preempt (recompute with 16-token chunks, swap) or speculate
+    plain requests of 72 tokens, on engines that preempt (recompute with 16-token chunks, swap) or speculate
     (n-gram, a draft model): each request is refused by a ValueError naming one of its fields, or served
     without error; the pool is whole after every batch."""
     engine = cached_llm(max_model_len=128, **COMBINED_ENGINES[engine_kind]).engine
     rng = random.Random(engine_kind)
     served = refused = 0
-    for batch in range(60):
-        for a in range(2):  # 80 tokens each: together more than the recompute and swap engines' pools
+    for batch in range(30):
+        for a in range(2):  # 72 tokens each: together more than the recompute and swap engines' pools
             anchor = {"prompt_token_ids": [rng.randrange(512) for _ in range(64)]}
             engine.add_request(f"{engine_kind}-{batch}-a{a}", anchor,
-                               SamplingParams(max_tokens=16, ignore_eos=True))
+                               SamplingParams(max_tokens=8, ignore_eos=True))
         for j in range(rng.randint(1, 4)):
             kwargs = {"max_tokens": rng.choice([1, 4, 12])}
             kwargs |= {f: rng.choice(EXTREMES[f]) for f in rng.sample(list(EXTREMES), rng.randint(1, 3))}
@@ -281,7 +281,7 @@ def test_several_extreme_fields_at_once_are_served_or_refused_by_name(engine_kin
             for out in engine.step():
                 assert out.error is None, (engine_kind, out.error)
         engine.check_kv_pool_whole()
-    assert served >= 15 and refused >= 40, (served, refused)  # both kinds, each many times
+    assert served >= 8 and refused >= 30, (served, refused)  # both kinds, each many times
     if engine_kind in ("recompute", "swap"):
         assert engine.scheduler.num_preemptions > 0
 
