@@ -27,8 +27,8 @@ import triton.language as tl
 from fastllm.kernels import pdl, sm_count
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token, reciprocal, row_scale, to_e4m3
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
-from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_splits, row_bucket, split_k_buffers,
-                                          store_out)
+from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_splits, prefetch_lines,
+                                          prefetch_weights, row_bucket, split_k_buffers, store_out)
 
 __all__ = ["MAX_ROWS", "choose_config", "launch", "launch_quantized"]
 
@@ -78,9 +78,9 @@ def split_to_fill(cfg: Config, n_out: int, k_in: int, num_sms: int) -> Config:
 def _fp8_skinny_linear_kernel(
     x_ptr, w_ptr, w_scale_ptr, bias_ptr, input_scale_ptr, out_ptr, part_ptr, counters_ptr, num_rows, n_out, k_in,
     stride_xm, HAS_BIAS: tl.constexpr, STATIC: tl.constexpr, PREQUANT: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -89,6 +89,8 @@ def _fp8_skinny_linear_kernel(
     col_ok = cols < n_out
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * k_in  # [BLOCK_N, 1]
     x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
+    k_lo, k_hi = k_range(k_in, SPLIT_K, BLOCK_K)
+    prefetch_weights(w_rows, k_lo, k_hi, USE_PDL, PREFETCH_LINES, LINE)
     pdl.wait(USE_PDL)  # launched with PDL (pdl.py): x is the previous kernel's output
     if PREQUANT:  # x is e4m3 already; input_scale_ptr holds each row's scale
         x_scale = tl.load(input_scale_ptr + rows, mask=row_ok, other=1.0)
@@ -106,10 +108,12 @@ def _fp8_skinny_linear_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWAP_AB's: out^T = W @ x^T
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
-    k_lo, k_hi = k_range(k_in, SPLIT_K, BLOCK_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_hi
+        if EVEN_K:  # (whole tiles in every split too)
+            k_ok = tl.full([BLOCK_K], 1, tl.int1)
+        else:
+            k_ok = ks < k_hi
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if PREQUANT:
@@ -188,8 +192,9 @@ def _launch(x: torch.Tensor, scales: torch.Tensor | None, prequant: bool, weight
         scales if scales is not None else weight_scale, out, part, counters, num_rows, n_out, k_in, x.stride(0),
         HAS_BIAS=bias is not None, STATIC=scales is not None and not prequant, PREQUANT=prequant,
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, USE_DOT=use_dot, SWAP_AB=use_dot and swap_ab(out_dtype), SPLIT_K=cfg.split_k,
-        FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+        BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
+        SWAP_AB=use_dot and swap_ab(out_dtype), SPLIT_K=cfg.split_k, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+        PREFETCH_LINES=prefetch_lines(cfg, weight.element_size()), LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
     return out

@@ -41,6 +41,22 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def prefetch_weights(w_rows, k_lo, k_hi, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                     LINE: tl.constexpr):
+    """Before the PDL wait: the first PREFETCH_LINES cache lines (LINE elements each) of this program's
+    part of each W row into L2. The weights are no kernel's output: their reads may overlap the previous
+    kernel."""
+    if USE_PDL and PREFETCH_LINES > 0:
+        lines = k_lo + tl.arange(0, PREFETCH_LINES) * LINE
+        _prefetch_l2(w_rows + tl.where(lines[None, :] < k_hi, lines[None, :], k_lo))
+
+
+def prefetch_lines(cfg: Config, element_size: int) -> int:
+    """PREFETCH_LINES for cfg.prefetch_k columns of W (0: none)."""
+    return triton.next_power_of_2(triton.cdiv(cfg.prefetch_k * element_size, 128)) if cfg.prefetch_k else 0
+
+
+@triton.jit
 def k_range(k_in, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """This program's part [lo, hi) of K: all of it, or split k's share in whole BLOCK_K tiles (a share past K
     is empty)."""
@@ -93,9 +109,7 @@ def _skinny_linear_kernel(
     x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
-    if USE_PDL and PREFETCH_LINES > 0:  # the weights are no kernel's output: into L2 before the PDL wait
-        lines = k_lo + tl.arange(0, PREFETCH_LINES) * LINE
-        _prefetch_l2(w_rows + tl.where(lines[None, :] < k_hi, lines[None, :], k_lo))
+    prefetch_weights(w_rows, k_lo, k_hi, USE_PDL, PREFETCH_LINES, LINE)
     pdl.wait(USE_PDL)  # launched with PDL (pdl.py): nothing before it reads what an earlier kernel wrote
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -199,8 +213,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
         SPLIT_K=cfg.split_k,
-        PREFETCH_LINES=triton.next_power_of_2(triton.cdiv(cfg.prefetch_k, line)) if cfg.prefetch_k else 0,
-        LINE=line, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
+        PREFETCH_LINES=prefetch_lines(cfg, x.element_size()), LINE=line, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl.launch_options(x.device),
     )
     return out
 

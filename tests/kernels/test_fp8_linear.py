@@ -288,6 +288,29 @@ def test_every_tuned_config_gpu(key):
 
 
 @gpu
+@pytest.mark.parametrize("pdl_mode", ["1", "trigger"])
+@pytest.mark.parametrize("cfg", [Config(64, 256, 4, 4, prefetch_k=4096),
+                                 Config(64, 256, 4, 5, prefetch_k=1024, split_k=2),
+                                 Config(8, 1024, 4, 3, False, prefetch_k=4096)],
+                         ids=["whole-k", "split2", "fma"])
+def test_weights_prefetched_before_the_pdl_wait_gpu(cfg, pdl_mode, monkeypatch):
+    """W's lines fetched into L2 before the PDL wait (and the next kernel let in early, "trigger"): the same
+    products, quantized x from a kernel just before, or one row in 16 bits on the FMA path."""
+    from fastllm.kernels import pdl
+    monkeypatch.setenv("FASTLLM_PDL", pdl_mode)
+    pdl._mode.cache_clear()
+    try:
+        weight, scale = random_weight(4096, 4096, "cuda")
+        for rows in (1, 8, 32) if cfg.use_dot else (1,):
+            x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+            out = S.launch(x, weight, scale, config=cfg)
+            assert rel_err(out, reference.fp8_linear(x, weight, scale, None)) <= TOL[torch.bfloat16]
+    finally:
+        monkeypatch.undo()
+        pdl._mode.cache_clear()
+
+
+@gpu
 def test_fp8_linear_bias_static_scale_and_3d_gpu():
     x = torch.randn(2, 5, 256, device="cuda", dtype=torch.bfloat16)
     weight, scale = random_weight(512, 256, "cuda")
