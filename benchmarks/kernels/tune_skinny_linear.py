@@ -4,6 +4,7 @@
     python benchmarks/kernels/tune_skinny_linear.py shapes --model qwen3-0.6b  # another model's shapes
     python benchmarks/kernels/tune_skinny_linear.py chain  [--rows 1,8]   # a decode step's projections
     python benchmarks/kernels/tune_skinny_linear.py shapes --fp8          # fp8_skinny_linear's configs
+    python benchmarks/kernels/tune_skinny_linear.py chain --fp8           # the step with e4m3 projections
     python benchmarks/kernels/tune_skinny_linear.py shapes --split-k 1,2,4  # K split over 1, 2, 4 programs
     python benchmarks/kernels/tune_skinny_linear.py shapes --shapes o,down  # only these projections
 
@@ -17,7 +18,9 @@ shapes: per shape (qkv, o, gate_up, down, lm_head) and row count, cuBLAS F.linea
 chain: the 32 layers' projections of one decode step with their norms and SiLU (attention left out) and
   the final norm + lm_head, as one CUDA graph: our norm / SiLU kernels with cuBLAS against the same with
   skinny_linear (configs from --table, a shapes run's jsonl, else choose_config), with and without PDL
-  early triggers (FASTLLM_PDL=trigger: all our kernels) and the L2 weight prefetch.
+  early triggers (FASTLLM_PDL=trigger: all our kernels) and the L2 weight prefetch (CHAIN_VARIANTS).
+  --fp8: e4m3 projections (the quantizing norms and SiLU before them, o's input quantized by its own
+  launch above one row, as the FP8 model runs them) and the bf16 lm_head; no cuBLAS column.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ from fastllm.config import resolve_model_path  # noqa: E402
 from fastllm.kernels import fp8_skinny_linear, pdl  # noqa: E402
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token  # noqa: E402
 from fastllm.kernels import skinny_linear as S  # noqa: E402
-from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm  # noqa: E402
-from fastllm.kernels.silu_and_mul import silu_and_mul  # noqa: E402
+from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm, fused_add_rms_norm_fp8  # noqa: E402
+from fastllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 
 DT = torch.bfloat16
 EPS = 1e-5
@@ -131,36 +134,63 @@ def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False, split
         torch.cuda.empty_cache()
 
 
-def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, out) -> None:
+# chain's variants: (PDL early triggers, the share of each program's K prefetched into L2 before the PDL wait)
+CHAIN_VARIANTS = ((False, 0.0), (False, 1.0), (True, 0.0), (True, 0.25), (True, 0.5), (True, 1.0))
+
+
+def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, out, fp8: bool = False
+              ) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=DT, generator=g) * 0.02  # noqa: E731
     layers = [{name: rand(*shapes[name]) for name in ("qkv", "o", "gate_up", "down")} for _ in range(num_layers)]
+    if fp8:  # e4m3 weights with per-channel scales, as (weight, scale)
+        for layer in layers:
+            for name, w in layer.items():
+                scale = w.abs().amax(dim=1).float().clamp(min=1e-12) / 448
+                layer[name] = ((w / scale[:, None].to(DT)).to(torch.float8_e4m3fn), scale)
     hidden_size, q_size = shapes["o"]
     lm_head, nw = rand(*shapes["lm_head"]), torch.ones(hidden_size, device="cuda", dtype=DT)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for rows in rows_list:
         hidden = rand(rows, hidden_size)
 
         def step(proj):
             h, res = hidden, hidden
             for layer in layers:
-                a, res = fused_add_rms_norm(h, res, nw, EPS)
-                qkv = proj("qkv", a, layer["qkv"])
-                h = proj("o", qkv[:, :q_size].contiguous(), layer["o"])
-                a, res = fused_add_rms_norm(h, res, nw, EPS)
-                h = proj("down", silu_and_mul(proj("gate_up", a, layer["gate_up"])), layer["down"])
+                if fp8:  # the norms and SiLU quantize for the projection after them, as the FP8 model's
+                    *a, res = fused_add_rms_norm_fp8(h, res, nw, EPS)
+                    qkv = proj("qkv", a, layer["qkv"])
+                    h = proj("o", qkv[:, :q_size].contiguous(), layer["o"])
+                    *a, res = fused_add_rms_norm_fp8(h, res, nw, EPS)
+                    h = proj("down", silu_and_mul_fp8(proj("gate_up", a, layer["gate_up"])), layer["down"])
+                else:
+                    a, res = fused_add_rms_norm(h, res, nw, EPS)
+                    qkv = proj("qkv", a, layer["qkv"])
+                    h = proj("o", qkv[:, :q_size].contiguous(), layer["o"])
+                    a, res = fused_add_rms_norm(h, res, nw, EPS)
+                    h = proj("down", silu_and_mul(proj("gate_up", a, layer["gate_up"])), layer["down"])
             a, _ = fused_add_rms_norm(h, res, nw, EPS)
             proj("lm_head", a, lm_head)
 
         set_pdl("1")
-        row = {"rows": rows, "cublas_ms": graph_us(lambda: step(lambda name, a, w: F.linear(a, w)), 1) / 1e3}
-        for trigger, prefetch in ((False, 0), (True, 0), (True, 512), (True, 2048)):
+        row = {"rows": rows, "fp8": fp8}
+        if not fp8:
+            row["cublas_ms"] = graph_us(lambda: step(lambda name, a, w: F.linear(a, w)), 1) / 1e3
+        for trigger, share in CHAIN_VARIANTS:
             set_pdl("trigger" if trigger else "1")  # every one of our kernels lets the next launch early
 
             def proj(name, a, w):
+                if isinstance(w, tuple):  # e4m3: a is (x_q, x_scale) from a quantizing kernel, or 16-bit
+                    quantized = isinstance(a, (tuple, list))
+                    n, k = w[0].shape
+                    cfg = fp8_skinny_linear.choose_config(rows, n, k, quantized, num_sms)
+                    cfg = cfg._replace(prefetch_k=int(share * k / cfg.split_k))
+                    if quantized:
+                        return fp8_skinny_linear.launch_quantized(*a, *w, None, DT, config=cfg)
+                    return fp8_skinny_linear.launch(a, *w, config=cfg)
                 cfg = table.get((name, rows)) or S.choose_config(rows, *w.shape)
-                cfg = cfg._replace(prefetch_k=prefetch)
-                return S.launch(a, w, config=cfg)
-            row[f"skinny_trigger{int(trigger)}_prefetch{prefetch}_ms"] = graph_us(lambda: step(proj), 1) / 1e3
+                return S.launch(a, w, config=cfg._replace(prefetch_k=int(share * w.shape[1] / cfg.split_k)))
+            row[f"skinny_trigger{int(trigger)}_prefetch{share}_ms"] = graph_us(lambda: step(proj), 1) / 1e3
         set_pdl("1")
         emit(out, row)
 
@@ -176,7 +206,7 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3.1-8b", help="whose projection shapes (default: llama-3.1-8b)")
     parser.add_argument("--rows", default="1,8,16,32")
     parser.add_argument("--table", help="a shapes run's jsonl: the best config per (shape, rows) for chain")
-    parser.add_argument("--fp8", action="store_true", help="shapes: the e4m3 kernel (fp8_skinny_linear.py)")
+    parser.add_argument("--fp8", action="store_true", help="the e4m3 kernel (fp8_skinny_linear.py)")
     parser.add_argument("--split-k", default="1", help="shapes: splits of K to sweep, e.g. 1,2,4 (default 1)")
     parser.add_argument("--shapes", help="shapes: only these projections, e.g. o,down (default: all five)")
     args = parser.parse_args()
@@ -186,8 +216,6 @@ def main() -> None:
         for line in open(args.table):
             r = json.loads(line)
             table[(r["shape"], r["rows"])] = S.Config(*r["best_cfg"])
-    if args.fp8 and args.phase != "shapes":
-        parser.error("--fp8 times shapes only")
     shapes, num_layers = model_shapes(args.model)
     if args.shapes:
         unknown = set(args.shapes.split(",")) - set(shapes)
@@ -200,7 +228,7 @@ def main() -> None:
         if args.phase == "shapes":
             run_shapes(shapes, rows_list, out, args.fp8, tuple(int(k) for k in args.split_k.split(",")))
         else:
-            run_chain(shapes, num_layers, rows_list, table, out)
+            run_chain(shapes, num_layers, rows_list, table, out, args.fp8)
 
 
 if __name__ == "__main__":
