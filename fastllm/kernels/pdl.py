@@ -53,6 +53,11 @@ def enabled(device: torch.device) -> bool:
     return _device_mode(device) > 0
 
 
+def triggers(device: torch.device) -> bool:
+    """Whether each kernel lets the next one launch as it starts (FASTLLM_PDL=trigger)."""
+    return _device_mode(device) == 2
+
+
 def launch_options(device: torch.device) -> dict:
     """Keyword arguments for a Triton launch plus the USE_PDL constexpr (0 when PDL is off; see wait)."""
     mode = _device_mode(device)

@@ -171,14 +171,24 @@ _TUNED = {  # (row bucket, N, K)
 }
 
 
+# Weights this small are latency-bound at decode rows: under PDL early triggers (the kernel before lets
+# this one start), a quarter of each program's share of K is fetched into L2 before the wait
+# (tune_skinny_linear.py chain: Qwen3-0.6B's projections at 1-8 rows gained, the 8B's larger ones lost).
+SMALL_WEIGHT_BYTES = 16 << 20
+
+
 def row_bucket(num_rows: int) -> int:
     """The tables' row bucket of a batch of 1..MAX_ROWS rows."""
     return next(bucket for bucket in (1, 8, 16, 32) if num_rows <= bucket)
 
 
-def choose_config(num_rows: int, n_out: int, k_in: int, element_size: int = 2) -> Config:
+def choose_config(num_rows: int, n_out: int, k_in: int, element_size: int = 2, triggers: bool = False
+                  ) -> Config:
+    """The table's config; `triggers`: PDL early triggers are on (small weights then prefetch)."""
     bucket = row_bucket(num_rows)
     cfg = _TUNED.get((bucket, n_out, k_in), _DEFAULT[bucket])
+    if triggers and n_out * k_in * element_size <= SMALL_WEIGHT_BYTES:
+        cfg = cfg._replace(prefetch_k=k_in // (4 * cfg.split_k))
     if element_size > 2:  # fp32 (test models): the same tile bytes, so the pipeline still fits in shared memory
         cfg = cfg._replace(block_k=cfg.block_k * 2 // element_size)
     return cfg
@@ -203,7 +213,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if out is None:
         out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
     assert out.shape == (num_rows, n_out) and out.is_contiguous() and out.dtype == x.dtype
-    cfg = config or choose_config(num_rows, n_out, k_in, x.element_size())
+    cfg = config or choose_config(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
     line = 128 // x.element_size()  # elements per 128-byte cache line
     tiles = triton.cdiv(n_out, cfg.block_n)

@@ -90,6 +90,18 @@ def test_pdl_options_gpu(cfg):
         _check("cuda", torch.bfloat16, rows, 4096, 4096, cfg, bias=True)
 
 
+def test_small_weights_prefetch_a_quarter_of_k_under_pdl_triggers(monkeypatch):
+    """Under early triggers a weight of <= 16 MiB (Qwen3-0.6B's) prefetches a quarter of each program's K;
+    larger ones (Llama-3.1-8B's), or no triggers, prefetch nothing."""
+    assert S.choose_config(1, 4096, 1024, 2, triggers=True).prefetch_k == 256
+    assert S.choose_config(8, 6144, 1024, 2, triggers=True).prefetch_k == 256
+    monkeypatch.setitem(S._TUNED, (1, 96, 4096), S.Config(8, 1024, 4, 2, False, split_k=2))
+    assert S.choose_config(1, 96, 4096, 2, triggers=True).prefetch_k == 512  # a quarter of the split's K
+    assert S.choose_config(1, 4096, 1024, 2, triggers=False).prefetch_k == 0
+    assert S.choose_config(8, 6144, 4096, 2, triggers=True).prefetch_k == 0  # 48 MiB
+    assert S.choose_config(1, 4096, 4096, 4, triggers=True).prefetch_k == 0  # fp32: 64 MiB
+
+
 def test_row_buckets():
     assert [S.row_bucket(rows) for rows in (1, 2, 8, 9, 16, 17, 32)] == [1, 8, 8, 16, 16, 32, 32]
     assert bucket_edges(1) == [1] and bucket_edges(32) == [17, 32]
