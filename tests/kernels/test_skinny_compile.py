@@ -53,8 +53,9 @@ def fp8_kernel(capability: int, cfg: S.Config, rows: int, prequant: bool = False
     signature = {"x_ptr": "*fp8e4nv" if prequant else "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
                  "bias_ptr": "*fp32", "input_scale_ptr": "*fp32", "out_ptr": "*bf16", **_SPLIT_ARGS, **_SHAPE_ARGS}
     constexprs = dict(HAS_BIAS=True, STATIC=False, PREQUANT=prequant, BLOCK_M=max(16, rows) if dot else 1,
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=dot, SWAP_AB=dot and swap_ab,
-                      SPLIT_K=cfg.split_k, FP8_MAX=448.0, MIN_AMAX=1e-12, USE_PDL=capability >= 90)
+                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, USE_DOT=dot,
+                      SWAP_AB=dot and swap_ab, SPLIT_K=cfg.split_k, FP8_MAX=448.0, MIN_AMAX=1e-12,
+                      USE_PDL=capability >= 90, PREFETCH_LINES=0, LINE=128)
     return compile_for(capability, F._fp8_skinny_linear_kernel, signature, constexprs, cfg)
 
 
