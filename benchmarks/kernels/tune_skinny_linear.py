@@ -151,24 +151,25 @@ def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, 
     hidden_size, q_size = shapes["o"]
     lm_head, nw = rand(*shapes["lm_head"]), torch.ones(hidden_size, device="cuda", dtype=DT)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    act = silu_and_mul_fp8 if fp8 else silu_and_mul  # FP8: (x_q, x_scale), as add_norm
+
+    def add_norm(h, res):  # FP8: ((x_q, x_scale), residual), quantized for the projection after it
+        if fp8:
+            q, scale, res = fused_add_rms_norm_fp8(h, res, nw, EPS)
+            return (q, scale), res
+        return fused_add_rms_norm(h, res, nw, EPS)
+
     for rows in rows_list:
         hidden = rand(rows, hidden_size)
 
         def step(proj):
             h, res = hidden, hidden
             for layer in layers:
-                if fp8:  # the norms and SiLU quantize for the projection after them, as the FP8 model's
-                    *a, res = fused_add_rms_norm_fp8(h, res, nw, EPS)
-                    qkv = proj("qkv", a, layer["qkv"])
-                    h = proj("o", qkv[:, :q_size].contiguous(), layer["o"])
-                    *a, res = fused_add_rms_norm_fp8(h, res, nw, EPS)
-                    h = proj("down", silu_and_mul_fp8(proj("gate_up", a, layer["gate_up"])), layer["down"])
-                else:
-                    a, res = fused_add_rms_norm(h, res, nw, EPS)
-                    qkv = proj("qkv", a, layer["qkv"])
-                    h = proj("o", qkv[:, :q_size].contiguous(), layer["o"])
-                    a, res = fused_add_rms_norm(h, res, nw, EPS)
-                    h = proj("down", silu_and_mul(proj("gate_up", a, layer["gate_up"])), layer["down"])
+                a, res = add_norm(h, res)
+                qkv = proj("qkv", a, layer["qkv"])
+                h = proj("o", qkv[:, :q_size].contiguous(), layer["o"])
+                a, res = add_norm(h, res)
+                h = proj("down", act(proj("gate_up", a, layer["gate_up"])), layer["down"])
             a, _ = fused_add_rms_norm(h, res, nw, EPS)
             proj("lm_head", a, lm_head)
 
@@ -181,7 +182,7 @@ def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, 
 
             def proj(name, a, w):
                 if isinstance(w, tuple):  # e4m3: a is (x_q, x_scale) from a quantizing kernel, or 16-bit
-                    quantized = isinstance(a, (tuple, list))
+                    quantized = isinstance(a, tuple)
                     n, k = w[0].shape
                     cfg = fp8_skinny_linear.choose_config(rows, n, k, quantized, num_sms)
                     cfg = cfg._replace(prefetch_k=int(share * k / cfg.split_k))
