@@ -180,8 +180,11 @@ def print_profile(result: dict, file=None) -> None:
     file = file or sys.stdout  # (looked up per call: a default would keep the stdout of import time)
     with pd.option_context("display.width", 200, "display.max_columns", None, "display.max_colwidth", 80,
                            "display.float_format", "{:.3f}".format):
-        print(f"\nprofile trace: {result['trace']} ({result['steps']} decode steps, "
-              f"{result['cascade_steps']} with cascade attention)", file=file)
+        cascade = result.get("cascade_steps")  # (profile_decode's; beam search's profile has none)
+        steps = f"{result['steps']} decode steps"
+        if cascade is not None:
+            steps += f", {cascade} with cascade attention"
+        print(f"\nprofile trace: {result['trace']} ({steps})", file=file)
         what = "kernels by device time" if result["on_gpu"] else "CPU ops by self time (no GPU)"
         print(f"top {what}:", file=file)
         print(result["top"].to_string(index=False), file=file)

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from fastllm.bench.profile import attention_kernel_names, gpu_timeline
+import pandas as pd
+
+from fastllm.bench.profile import attention_kernel_names, gpu_timeline, print_profile
 
 
 def kernel(name: str, ts: float, dur: float, cat: str = "kernel") -> dict:
@@ -41,3 +43,15 @@ def test_attention_kernels_are_the_attention_layers():
     assert {"_decode_split_kernel", "_cascade_prefix_kernel", "_prefill_kernel", "_merge_kernel",
             "_rotary_kv_write_kernel"} <= names
     assert not names & {"_rms_norm_kernel", "_silu_and_mul_kernel", "_argmax_part_kernel"}
+
+
+@pytest.mark.parametrize("cascade_steps", [None, 3])
+def test_print_profile_takes_profiles_without_cascade_steps(cascade_steps, capsys):
+    """bench_beam_search.py's profile has no cascade count (printing it raised a KeyError)."""
+    result = {"trace": "t.json", "top": pd.DataFrame([{"op": "aten::mm", "calls": 2, "total_ms": 1.0}]),
+              "ranges": pd.DataFrame(), "on_gpu": False, "steps": 5, "host": None}
+    if cascade_steps is not None:
+        result["cascade_steps"] = cascade_steps
+    print_profile(result)
+    want = "(5 decode steps)" if cascade_steps is None else "(5 decode steps, 3 with cascade attention)"
+    assert f"profile trace: t.json {want}" in capsys.readouterr().out
