@@ -87,7 +87,7 @@ def profile_beam_steps(engine: LLMEngine, prompt: list[int], width: int, out_dir
     return {"trace": str(trace), "top": profile.top_ops(prof, on_gpu), "on_gpu": on_gpu, "steps": steps,
             "ranges": profile.range_table(prof, steps, on_gpu),
             "host": profile.top_ops(prof, on_gpu=False) if on_gpu else None,
-            "timeline": profile.gpu_timeline(trace, steps) if on_gpu else None}
+            **profile.device_tables(trace, steps, on_gpu)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,8 @@ outside the profiler, then `steps` pure decode steps are recorded to a Chrome tr
 (chrome://tracing or https://ui.perfetto.dev). The summary: top kernels by device time (top CPU
 ops on a CPU run), the time of each engine range per step and, on a GPU, the step's timeline: the span
 of its kernels, the time some kernel ran (busy; kernels that overlap, as PDL's and side streams' do,
-count once), and how much of that the attention kernels account for (what a step would save with
-attention free).
+count once), how much of that the attention kernels account for (what a step would save with
+attention free), and the kernels by launch grid (one projection a grid for the weight-streaming kernels).
 """
 
 from __future__ import annotations
@@ -70,9 +70,13 @@ def top_ops(prof, on_gpu: bool, limit: int = 15) -> pd.DataFrame:
     total = sum(us for _, _, us in rows) or 1.0
     rows.sort(key=lambda r: -r[2])
     kind = "kernel" if on_gpu else "op"
-    return pd.DataFrame([{kind: (name if len(name) <= 70 else name[:67] + "..."), "calls": count,
+    return pd.DataFrame([{kind: _short(name), "calls": count,
                           "total_ms": us / 1e3, "avg_us": us / max(count, 1), "pct": 100 * us / total}
                          for name, count, us in rows[:limit]])
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= 70 else name[:67] + "..."
 
 
 def range_table(prof, steps: int, on_gpu: bool) -> pd.DataFrame:
@@ -137,7 +141,16 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: 
     prof.export_chrome_trace(str(trace))
     return {"trace": str(trace), "top": top_ops(prof, on_gpu), "ranges": range_table(prof, steps, on_gpu),
             "host": top_ops(prof, on_gpu=False) if on_gpu else None, "on_gpu": on_gpu, "steps": steps,
-            "cascade_steps": cascaded, "timeline": gpu_timeline(trace, steps) if on_gpu else None}
+            "cascade_steps": cascaded, **device_tables(trace, steps, on_gpu)}
+
+
+def device_tables(trace: Path, steps: int, on_gpu: bool) -> dict:
+    """A GPU profile's timeline and kernels by grid (print_profile's "timeline" and "grids"); None on a
+    CPU."""
+    if not on_gpu:
+        return {"timeline": None, "grids": None}
+    events = device_events(trace)
+    return {"timeline": gpu_timeline(events, steps), "grids": kernels_by_grid(events, steps)}
 
 
 def attention_kernel_names() -> set[str]:
@@ -161,12 +174,17 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def gpu_timeline(trace: Path, steps: int) -> dict | None:
-    """ms a step on the GPU timeline of a trace: span (first kernel's start to last one's end), busy (the
-    union of kernels and copies), attention (the union of the attention kernels); None without kernels."""
-    events = json.loads(Path(trace).read_text())["traceEvents"]
-    device = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
-              if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+def device_events(trace: Path) -> list[dict]:
+    """A Chrome trace's GPU events: kernels, copies and memsets."""
+    return [e for e in json.loads(Path(trace).read_text())["traceEvents"]
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+
+
+def gpu_timeline(events: list[dict], steps: int) -> dict | None:
+    """ms a step on the GPU timeline of a trace's device_events: span (first kernel's start to last one's
+    end), busy (the union of kernels and copies), attention (the union of the attention kernels); None
+    without kernels."""
+    device = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events]
     if not device:
         return None
     attention = attention_kernel_names()
@@ -174,6 +192,21 @@ def gpu_timeline(trace: Path, steps: int) -> dict | None:
     return {"span_ms": (max(e for _, e, _ in device) - min(s for s, _, _ in device)) / per_step,
             "busy_ms": _union_us([(s, e) for s, e, _ in device]) / per_step,
             "attention_ms": _union_us([(s, e) for s, e, name in device if name in attention]) / per_step}
+
+
+def kernels_by_grid(events: list[dict], steps: int, limit: int = 20) -> pd.DataFrame:
+    """A trace's kernels by name and launch grid, by device time (calls and ms a step, us a call). The grid
+    tells one kernel's shapes apart: the weight-streaming projections launch a grid a weight (qkv, o,
+    gate_up, down, lm_head), so the step's time is split by projection."""
+    groups: dict[tuple[str, str], list[float]] = {}
+    for e in events:
+        if e["cat"] == "kernel":
+            grid = "x".join(str(g) for g in e.get("args", {}).get("grid", ())) or "?"
+            groups.setdefault((e["name"], grid), []).append(e["dur"])
+    rows = sorted(groups.items(), key=lambda item: -sum(item[1]))[:limit]
+    return pd.DataFrame([{"kernel": _short(name), "grid": grid, "calls_per_step": len(durs) / steps,
+                          "us_per_call": sum(durs) / len(durs), "ms_per_step": sum(durs) / steps / 1e3}
+                         for (name, grid), durs in rows])
 
 
 def print_profile(result: dict, file=None) -> None:
@@ -194,6 +227,9 @@ def print_profile(result: dict, file=None) -> None:
         if len(result["ranges"]):
             print("engine ranges per decode step:", file=file)
             print(result["ranges"].to_string(index=False), file=file)
+        if result.get("grids") is not None and len(result["grids"]):
+            print("kernels by launch grid, per decode step:", file=file)
+            print(result["grids"].to_string(index=False), file=file)
         if result.get("timeline"):
             t = result["timeline"]
             rest = t["busy_ms"] - t["attention_ms"]
