@@ -21,6 +21,9 @@ chain: the 32 layers' projections of one decode step with their norms and SiLU (
   early triggers (FASTLLM_PDL=trigger: all our kernels) and the L2 weight prefetch (CHAIN_VARIANTS).
   --fp8: e4m3 projections (the quantizing norms and SiLU before them, o's input quantized by its own
   launch above one row, as the FP8 model runs them) and the bf16 lm_head; no cuBLAS column.
+  --max-stages N caps every config's pipeline stages: an Llama-3.1-8B e4m3 program at 32 rows takes
+  96-120 KB of shared memory with 4-5 stages, so the next projection's programs (early under PDL triggers,
+  to prefetch) cannot start beside it on an SM's 228 KB until it ends.
 """
 
 from __future__ import annotations
@@ -138,8 +141,8 @@ def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False, split
 CHAIN_VARIANTS = ((False, 0.0), (False, 1.0), (True, 0.0), (True, 0.25), (True, 0.5), (True, 1.0))
 
 
-def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, out, fp8: bool = False
-              ) -> None:
+def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, out, fp8: bool = False,
+              max_stages: int | None = None) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, device="cuda", dtype=DT, generator=g) * 0.02  # noqa: E731
     layers = [{name: rand(*shapes[name]) for name in ("qkv", "o", "gate_up", "down")} for _ in range(num_layers)]
@@ -151,6 +154,10 @@ def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, 
     hidden_size, q_size = shapes["o"]
     lm_head, nw = rand(*shapes["lm_head"]), torch.ones(hidden_size, device="cuda", dtype=DT)
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def capped(cfg: S.Config) -> S.Config:  # --max-stages: less shared memory a program
+        return cfg._replace(num_stages=min(cfg.num_stages, max_stages)) if max_stages else cfg
+
     act = silu_and_mul_fp8 if fp8 else silu_and_mul  # FP8: (x_q, x_scale), as add_norm
 
     def add_norm(h, res):  # FP8: ((x_q, x_scale), residual), quantized for the projection after it
@@ -174,7 +181,7 @@ def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, 
             proj("lm_head", a, lm_head)
 
         set_pdl("1")
-        row = {"rows": rows, "fp8": fp8}
+        row = {"rows": rows, "fp8": fp8, "max_stages": max_stages}
         if not fp8:
             row["cublas_ms"] = graph_us(lambda: step(lambda name, a, w: F.linear(a, w)), 1) / 1e3
         for trigger, share in CHAIN_VARIANTS:
@@ -184,12 +191,12 @@ def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, 
                 if isinstance(w, tuple):  # e4m3: a is (x_q, x_scale) from a quantizing kernel, or 16-bit
                     quantized = isinstance(a, tuple)
                     n, k = w[0].shape
-                    cfg = fp8_skinny_linear.choose_config(rows, n, k, quantized, num_sms)
+                    cfg = capped(fp8_skinny_linear.choose_config(rows, n, k, quantized, num_sms))
                     cfg = cfg._replace(prefetch_k=int(share * k / cfg.split_k))
                     if quantized:
                         return fp8_skinny_linear.launch_quantized(*a, *w, None, DT, config=cfg)
                     return fp8_skinny_linear.launch(a, *w, config=cfg)
-                cfg = table.get((name, rows)) or S.choose_config(rows, *w.shape)
+                cfg = capped(table.get((name, rows)) or S.choose_config(rows, *w.shape))
                 return S.launch(a, w, config=cfg._replace(prefetch_k=int(share * w.shape[1] / cfg.split_k)))
             row[f"skinny_trigger{int(trigger)}_prefetch{share}_ms"] = graph_us(lambda: step(proj), 1) / 1e3
         set_pdl("1")
@@ -210,6 +217,8 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="the e4m3 kernel (fp8_skinny_linear.py)")
     parser.add_argument("--split-k", default="1", help="shapes: splits of K to sweep, e.g. 1,2,4 (default 1)")
     parser.add_argument("--shapes", help="shapes: only these projections, e.g. o,down (default: all five)")
+    parser.add_argument("--max-stages", type=int, help="chain: at most this many pipeline stages a config (a "
+                        "program then leaves the next kernel's room in shared memory to start beside it)")
     args = parser.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     table = {}
@@ -217,6 +226,8 @@ def main() -> None:
         for line in open(args.table):
             r = json.loads(line)
             table[(r["shape"], r["rows"])] = S.Config(*r["best_cfg"])
+    if args.max_stages is not None and args.phase != "chain":
+        parser.error("--max-stages caps the chain's configs only")
     shapes, num_layers = model_shapes(args.model)
     if args.shapes:
         unknown = set(args.shapes.split(",")) - set(shapes)
@@ -229,7 +240,7 @@ def main() -> None:
         if args.phase == "shapes":
             run_shapes(shapes, rows_list, out, args.fp8, tuple(int(k) for k in args.split_k.split(",")))
         else:
-            run_chain(shapes, num_layers, rows_list, table, out, args.fp8)
+            run_chain(shapes, num_layers, rows_list, table, out, args.fp8, args.max_stages)
 
 
 if __name__ == "__main__":
