@@ -27,7 +27,7 @@ import triton.language as tl
 from fastllm.kernels import pdl, sm_count
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token, reciprocal, row_scale, to_e4m3
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
-from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_splits, prefetch_lines,
+from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_splits, prefetch_args,
                                           prefetch_weights, row_bucket, split_k_buffers, store_out)
 
 __all__ = ["MAX_ROWS", "choose_config", "launch", "launch_quantized"]
@@ -194,7 +194,7 @@ def _launch(x: torch.Tensor, scales: torch.Tensor | None, prequant: bool, weight
         BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
         SWAP_AB=use_dot and swap_ab(out_dtype), SPLIT_K=cfg.split_k, FP8_MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
-        PREFETCH_LINES=prefetch_lines(cfg, weight.element_size()), LINE=128 // weight.element_size(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
+        **prefetch_args(cfg, weight.element_size()), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_options(x.device),
     )
     return out

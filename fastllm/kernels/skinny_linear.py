@@ -51,9 +51,11 @@ def prefetch_weights(w_rows, k_lo, k_hi, USE_PDL: tl.constexpr, PREFETCH_LINES: 
         _prefetch_l2(w_rows + tl.where(lines[None, :] < k_hi, lines[None, :], k_lo))
 
 
-def prefetch_lines(cfg: Config, element_size: int) -> int:
-    """PREFETCH_LINES for cfg.prefetch_k columns of W (0: none)."""
-    return triton.next_power_of_2(triton.cdiv(cfg.prefetch_k * element_size, 128)) if cfg.prefetch_k else 0
+def prefetch_args(cfg: Config, element_size: int) -> dict:
+    """prefetch_weights' launch constexprs for cfg.prefetch_k columns of W: PREFETCH_LINES (0: none) of
+    LINE elements, a 128-byte cache line each."""
+    lines = triton.next_power_of_2(triton.cdiv(cfg.prefetch_k * element_size, 128)) if cfg.prefetch_k else 0
+    return {"PREFETCH_LINES": lines, "LINE": 128 // element_size}
 
 
 @triton.jit
@@ -215,7 +217,6 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     assert out.shape == (num_rows, n_out) and out.is_contiguous() and out.dtype == x.dtype
     cfg = config or choose_config(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
-    line = 128 // x.element_size()  # elements per 128-byte cache line
     tiles = triton.cdiv(n_out, cfg.block_n)
     part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)
     _skinny_linear_kernel[(tiles, cfg.split_k)](
@@ -223,8 +224,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
         SPLIT_K=cfg.split_k,
-        PREFETCH_LINES=prefetch_lines(cfg, x.element_size()), LINE=line, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl.launch_options(x.device),
+        **prefetch_args(cfg, x.element_size()), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_options(x.device),
     )
     return out
 
