@@ -199,7 +199,8 @@ def test_gpu_split_engine_with_graphs_agrees_with_one_gpu(fp8_checkpoint):
     from fastllm import LLM
     from tests.engine.test_fp8_combinations import agree_until_near_ties
 
-    gpu = dict(device="cuda", dtype="float32", num_gpu_blocks=256, max_model_len=128, kv_cache_dtype="fp8")
+    gpu = dict(device="cuda", dtype="float32", num_gpu_blocks=256, max_model_len=128, max_num_batched_tokens=128,
+               kv_cache_dtype="fp8")
     one = LLM(fp8_checkpoint, enforce_eager=True, **gpu)
     want = one.generate(FIRST, greedy(logprobs=2), use_tqdm=False)
     del one

@@ -21,8 +21,10 @@ from tests.models.test_llama_vs_hf import make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
 
-# A fixed pool (no profiling run) small enough for two engines on one GPU.
-GPU = dict(device="cuda", num_gpu_blocks=256, max_model_len=256, cuda_graph_sizes=[1, 2, 4, 8])
+# A fixed pool (no profiling run) small enough for two engines on one GPU; a step budget of 256 tokens
+# keeps each engine's startup (its mixed-step graphs and warm-up steps) to seconds.
+GPU = dict(device="cuda", num_gpu_blocks=256, max_model_len=256, max_num_batched_tokens=256,
+           cuda_graph_sizes=[1, 2, 4, 8])
 
 
 def start(model: str, **kwargs):
