@@ -18,6 +18,10 @@ value (a rejected position takes the target's own token): every cost stays real,
 set. Random-weight text never repeats, so with it an n-gram lookup that finds nothing proposes the
 request's last k tokens (its hit rate taken as 1). It exists only here (LLM(...), the CLI and the server
 refuse it); rows that use it say so.
+
+--profile DIR adds, after each engine's timed runs, a torch-profiler trace of a few of its decode steps at
+each batch size (speculative engines: at the last acceptance given) and its kernels by launch grid
+(fastllm bench --profile's tables): where a speculative step's draft and verify time goes.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import pandas as pd
 import torch
 
 from fastllm.bench import ceilings, report
+from fastllm.bench.profile import print_profile, profile_decode
 from fastllm.bench.runner import run_requests, spec_columns
 from fastllm.config import EngineConfig, SpeculativeConfig
 from fastllm.engine.llm_engine import LLMEngine
@@ -74,6 +79,9 @@ def with_engine(args, spec: SpeculativeConfig | None, measure_all):
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+PROFILE_INPUT_LEN = 16  # --profile's random prompts when the runs take story prompts (--input-len 0)
 
 
 def prompts(engine: LLMEngine, batch_size: int, input_len: int, seed: int) -> list:
@@ -142,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--output-json", default=None)
     p.add_argument("--output-csv", default=None)
+    p.add_argument("--profile", metavar="DIR",
+                   help="after each engine's runs, a torch-profiler trace of a few decode steps per batch "
+                   "size to DIR/<row> and its kernels by launch grid")
     p.add_argument("-v", "--verbose", action="store_true", help="the engine's log (paths taken, policy decisions)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -155,9 +166,18 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"model": args.model or "stories260K", "dtype": args.dtype, "seed": args.seed}
 
+    def profiled(engine, name: str, tokens_per_step: int = 1) -> None:
+        for b in batch_sizes if args.profile else ():
+            print(f"\n== profile: {name}, batch {b}")
+            trace_dir = f"{args.profile}/{name}_b{b}"
+            print_profile(profile_decode(engine, b, args.input_len or PROFILE_INPUT_LEN, trace_dir,
+                                         tokens_per_step=tokens_per_step))
+
     def plain(engine):
         meta.update(ceilings.environment(engine.worker.device))
-        return {b: measure(engine, b, args) for b in batch_sizes}
+        measured = {b: measure(engine, b, args) for b in batch_sizes}
+        profiled(engine, "plain")
+        return measured
 
     baseline = with_engine(args, None, plain)
     rows = []
@@ -175,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "plain_tok_s": baseline[b]["decode_tok_s"], "spec_tok_s": got.pop("decode_tok_s"),
                                  **got})
                     rows[-1]["speedup"] = rows[-1]["spec_tok_s"] / rows[-1]["plain_tok_s"]
+            profiled(engine, f"{method}_k{k}", tokens_per_step=k + 1)
         return run
 
     for method, draft in methods:

@@ -30,6 +30,7 @@ from fastllm.tracing import enable_nvtx
 # forward_graph: a decode step replayed from a CUDA graph; forward: eager or compiled.
 RANGES = ("schedule", "prepare_inputs", "forward", "forward_graph", "sample", "wait_tokens", "update", "detokenize")
 WARMUP_STEPS = 3
+STEPS = 5  # profiled decode steps, by default
 # The modules of the attention layer's kernels (K/V writes included: a cascade step writes apart from them)
 ATTENTION_MODULES = ("cascade_attention", "paged_decode_attention", "prefill_attention",
                      "prefill_attention_hopper", "merge_attn_states", "rotary_kv_cache_write",
@@ -97,13 +98,14 @@ def range_table(prof, steps: int, on_gpu: bool) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: str, steps: int = 5,
+def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: str, steps: int = STEPS,
                    layers: bool = False, seed: int = 1, shared_prefix_len: int = 0,
-                   unshared: int = 0) -> dict:
+                   unshared: int = 0, tokens_per_step: int = 1) -> dict:
     """Record `steps` decode steps of batch_size requests to out_dir; returns the paths and tables.
     shared_prefix_len: the prompts start with the same that many tokens (`bench prefix`'s workload); their
     requests share its blocks in the prefix cache (the groups of cascade attention, where its cost model
-    takes them). unshared: that many prompts have a prefix of their own (make_prompts)."""
+    takes them). unshared: that many prompts have a prefix of their own (make_prompts). tokens_per_step:
+    the most a step gives a request (k + 1 when it speculates k drafts), so none finishes in the trace."""
     enable_nvtx(layers=layers)
     device = engine.worker.device
     on_gpu = device.type == "cuda"
@@ -113,7 +115,8 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: 
                            unshared)
     # Early requests decode while later ones still prefill (chunked): leave them room to keep going.
     prefill_steps = -(-batch_size * input_len // engine.config.scheduler.max_num_batched_tokens)
-    max_tokens = min(prefill_steps + WARMUP_STEPS + steps + 2, engine.config.model.max_model_len - input_len)
+    max_tokens = min(prefill_steps + (WARMUP_STEPS + steps + 2) * tokens_per_step,
+                     engine.config.model.max_model_len - input_len)
     if max_tokens < prefill_steps + WARMUP_STEPS + steps + 1:
         raise ValueError(f"--input-len {input_len} leaves no room for {steps} profiled decode steps")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
@@ -137,6 +140,8 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: 
         cascaded = cascade.num_planned - cascaded
     finally:
         engine.abort_request(ids)
+        while engine.has_unfinished_requests():  # the step still in flight (async scheduling)
+            engine.step()
     trace = out / f"decode_bs{batch_size}_{device.type}.trace.json"
     prof.export_chrome_trace(str(trace))
     return {"trace": str(trace), "top": top_ops(prof, on_gpu), "ranges": range_table(prof, steps, on_gpu),

@@ -333,6 +333,23 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
     assert "spec_mean_accepted_len" in capsys.readouterr().out
 
 
+def test_a_speculative_profile_traces_speculative_steps(tmp_path):
+    """profile_decode's requests last tokens_per_step tokens a step (k + 1 with k drafts), so every warm-up
+    and profiled step verifies drafts; at a token a step the stories pair (~3.75 tokens a verify) ended them
+    in the warm-up and the trace held empty steps."""
+    import dataclasses
+
+    from fastllm.bench.profile import STEPS, WARMUP_STEPS, profile_decode
+    from tests.conftest import DRAFT, cached_llm
+
+    engine = cached_llm(speculative_config={"model": DRAFT, "num_speculative_tokens": 4}).engine
+    before = dataclasses.replace(engine.scheduler.spec_stats)
+    profile_decode(engine, 1, 16, str(tmp_path), tokens_per_step=5)
+    assert engine.scheduler.spec_stats.since(before).num_drafts >= WARMUP_STEPS + STEPS
+    assert not engine.has_unfinished_requests()  # the profile aborted its requests and drained the engine
+    engine.check_kv_pool_whole()
+
+
 def test_decode_steps_leave_out_the_prefill():
     """Neither the prefill's launch (no tokens back) nor the step that waited for the prefill (the first tokens)
     counts as decode."""
