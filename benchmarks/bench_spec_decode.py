@@ -166,12 +166,11 @@ def main(argv: list[str] | None = None) -> int:
 
     meta = {"model": args.model or "stories260K", "dtype": args.dtype, "seed": args.seed}
 
-    def profiled(engine, name: str, tokens_per_step: int = 1) -> None:
+    def profiled(engine, name: str) -> None:
         for b in batch_sizes if args.profile else ():
             print(f"\n== profile: {name}, batch {b}")
             trace_dir = f"{args.profile}/{name}_b{b}"
-            print_profile(profile_decode(engine, b, args.input_len or PROFILE_INPUT_LEN, trace_dir,
-                                         tokens_per_step=tokens_per_step))
+            print_profile(profile_decode(engine, b, args.input_len or PROFILE_INPUT_LEN, trace_dir))
 
     def plain(engine):
         meta.update(ceilings.environment(engine.worker.device))
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "plain_tok_s": baseline[b]["decode_tok_s"], "spec_tok_s": got.pop("decode_tok_s"),
                                  **got})
                     rows[-1]["speedup"] = rows[-1]["spec_tok_s"] / rows[-1]["plain_tok_s"]
-            profiled(engine, f"{method}_k{k}", tokens_per_step=k + 1)
+            profiled(engine, f"{method}_k{k}")
         return run
 
     for method, draft in methods:

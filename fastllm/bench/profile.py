@@ -100,12 +100,12 @@ def range_table(prof, steps: int, on_gpu: bool) -> pd.DataFrame:
 
 def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: str, steps: int = STEPS,
                    layers: bool = False, seed: int = 1, shared_prefix_len: int = 0,
-                   unshared: int = 0, tokens_per_step: int = 1) -> dict:
+                   unshared: int = 0) -> dict:
     """Record `steps` decode steps of batch_size requests to out_dir; returns the paths and tables.
     shared_prefix_len: the prompts start with the same that many tokens (`bench prefix`'s workload); their
     requests share its blocks in the prefix cache (the groups of cascade attention, where its cost model
-    takes them). unshared: that many prompts have a prefix of their own (make_prompts). tokens_per_step:
-    the most a step gives a request (k + 1 when it speculates k drafts), so none finishes in the trace."""
+    takes them). unshared: that many prompts have a prefix of their own (make_prompts). The requests last
+    as many steps as a speculative engine's k + 1 tokens a step take, so none finishes in the trace."""
     enable_nvtx(layers=layers)
     device = engine.worker.device
     on_gpu = device.type == "cuda"
@@ -115,6 +115,7 @@ def profile_decode(engine: LLMEngine, batch_size: int, input_len: int, out_dir: 
                            unshared)
     # Early requests decode while later ones still prefill (chunked): leave them room to keep going.
     prefill_steps = -(-batch_size * input_len // engine.config.scheduler.max_num_batched_tokens)
+    tokens_per_step = 1 + engine.config.speculative.lookahead  # (a verify gives up to k + 1)
     max_tokens = min(prefill_steps + (WARMUP_STEPS + steps + 2) * tokens_per_step,
                      engine.config.model.max_model_len - input_len)
     if max_tokens < prefill_steps + WARMUP_STEPS + steps + 1:

@@ -334,9 +334,9 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
 
 
 def test_a_speculative_profile_traces_speculative_steps(tmp_path):
-    """profile_decode's requests last tokens_per_step tokens a step (k + 1 with k drafts), so every warm-up
-    and profiled step verifies drafts; at a token a step the stories pair (~3.75 tokens a verify) ended them
-    in the warm-up and the trace held empty steps."""
+    """profile_decode sizes its requests for a speculative engine's k + 1 tokens a step, so every warm-up
+    and profiled step verifies drafts; sized at a token a step, the stories pair (~3.75 tokens a verify)
+    ended them in the warm-up and the trace held empty steps."""
     import dataclasses
 
     from fastllm.bench.profile import STEPS, WARMUP_STEPS, profile_decode
@@ -344,7 +344,7 @@ def test_a_speculative_profile_traces_speculative_steps(tmp_path):
 
     engine = cached_llm(speculative_config={"model": DRAFT, "num_speculative_tokens": 4}).engine
     before = dataclasses.replace(engine.scheduler.spec_stats)
-    profile_decode(engine, 1, 16, str(tmp_path), tokens_per_step=5)
+    profile_decode(engine, 1, 16, str(tmp_path))
     assert engine.scheduler.spec_stats.since(before).num_drafts >= WARMUP_STEPS + STEPS
     assert not engine.has_unfinished_requests()  # the profile aborted its requests and drained the engine
     engine.check_kv_pool_whole()
