@@ -74,8 +74,12 @@ def test_a_killed_worker_is_an_error_naming_its_rank(layout):
     finally:
         procs = worker_processes(llm)
         llm.engine.shutdown()
-    alive = {rank: os_process_state(p.pid) for rank, p in procs.items() if p.is_alive()}
-    assert not alive, f"ranks multiprocessing counts alive after shutdown (the OS's view): {alive}"
+    # A child reaped outside multiprocessing (a waitpid elsewhere in the process: CI hit it once in ~10 runs,
+    # the OS saying "no such process") stays alive to is_alive() forever; close() logs it. Gone is what the
+    # OS says: a rank counts alive only where both see it.
+    states = {rank: os_process_state(p.pid) for rank, p in procs.items() if p.is_alive()}
+    alive = {rank: state for rank, state in states.items() if state != "no such process"}
+    assert not alive, f"ranks alive after shutdown (the OS's view): {alive}"
 
 
 def test_os_process_state_tells_a_live_pid_from_a_reaped_one():
