@@ -27,7 +27,7 @@ import triton.language as tl
 from fastllm.kernels import pdl, sm_count
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token, reciprocal, row_scale, to_e4m3
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
-from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_range, merge_k_splits, prefetch_args,
+from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_mask, k_range, merge_k_splits, prefetch_args,
                                           prefetch_weights, row_bucket, split_k_buffers, store_out)
 
 __all__ = ["MAX_ROWS", "choose_config", "launch", "launch_quantized"]
@@ -110,10 +110,7 @@ def _fp8_skinny_linear_kernel(
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:  # (whole tiles in every split too)
-            k_ok = tl.full([BLOCK_K], 1, tl.int1)
-        else:
-            k_ok = ks < k_hi
+        k_ok = k_mask(ks, k_hi, EVEN_K)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if PREQUANT:

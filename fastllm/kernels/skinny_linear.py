@@ -59,6 +59,15 @@ def prefetch_args(cfg: Config, element_size: int) -> dict:
 
 
 @triton.jit
+def k_mask(ks, k_hi, EVEN_K: tl.constexpr):
+    """Which of a K tile's columns ks lie in this program's part (below k_hi): all of them when K is whole
+    BLOCK_K tiles (EVEN_K; every split's part is then whole tiles too), so the loads go unmasked."""
+    if EVEN_K:
+        return tl.full(ks.shape, 1, tl.int1)
+    return ks < k_hi
+
+
+@triton.jit
 def k_range(k_in, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
     """This program's part [lo, hi) of K: all of it, or split k's share in whole BLOCK_K tiles (a share past K
     is empty)."""
@@ -115,10 +124,7 @@ def _skinny_linear_kernel(
     pdl.wait(USE_PDL)  # launched with PDL (pdl.py): nothing before it reads what an earlier kernel wrote
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:  # (whole tiles in every split too)
-            k_ok = tl.full([BLOCK_K], 1, tl.int1)
-        else:
-            k_ok = ks < k_hi
+        k_ok = k_mask(ks, k_hi, EVEN_K)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if USE_DOT:
