@@ -21,9 +21,10 @@ chain: the 32 layers' projections of one decode step with their norms and SiLU (
   early triggers (FASTLLM_PDL=trigger: all our kernels) and the L2 weight prefetch (CHAIN_VARIANTS).
   --fp8: e4m3 projections (the quantizing norms and SiLU before them, o's input quantized by its own
   launch above one row, as the FP8 model runs them) and the bf16 lm_head; no cuBLAS column.
-  --max-stages N caps every config's pipeline stages: an Llama-3.1-8B e4m3 program at 32 rows takes
-  96-120 KB of shared memory with 4-5 stages, so the next projection's programs (early under PDL triggers,
-  to prefetch) cannot start beside it on an SM's 228 KB until it ends.
+  --max-stages N caps every config's pipeline stages, to test whether shared memory kept the next
+  projection's programs (early under PDL triggers, to prefetch) from starting beside the current one (an
+  Llama-3.1-8B e4m3 program at 32 rows takes 96-120 KB of an SM's 228 KB with 4-5 stages): at 4 and 3
+  stages every variant was slower and prefetching still lost (README, "FP8 weights").
 """
 
 from __future__ import annotations
