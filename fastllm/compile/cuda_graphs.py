@@ -85,6 +85,16 @@ def record_graph(step, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def reset_graphs(table: dict) -> None:
+    """Destroy the graphs of a {key: graph or list of graphs} table now, whoever else still holds them,
+    and empty it. NCCL (2.26+) tears a communicator down only once every graph that captured one of its
+    collectives is gone, so a sharded model's graphs must go before its process groups."""
+    for entry in table.values():
+        for graph in entry if isinstance(entry, list) else (entry,):
+            graph.reset()
+    table.clear()
+
+
 def time_graph(graph: torch.cuda.CUDAGraph, repeats: int = 5) -> float:
     """Milliseconds of one replay (after one untimed replay), by CUDA events."""
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -218,6 +228,11 @@ class CUDAGraphRunner:
         self.pool_bytes = torch.cuda.memory_allocated() - before + self.static_bytes  # with the static buffers
         logger.info("captured %d CUDA graphs (batch sizes %d..%d) in %.1f s, %.2f GiB",
                     len(self.graphs), self.sizes[0], self.max_bs, self.capture_seconds, self.pool_bytes / 2**30)
+
+    def reset(self) -> None:
+        """Destroy every graph of this runner (it replays none after)."""
+        for table in (self.graphs, self.sampling_graphs, self.cascade_graphs):
+            reset_graphs(table)
 
     def time_replays(self, sizes: list[int], repeats: int = 5) -> dict[int, float]:
         """Milliseconds of one replay per captured size in `sizes`. Only before the first step: the

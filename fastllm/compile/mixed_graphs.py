@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastllm.compile.cuda_graphs import CUDAGraphRunner
+from fastllm.compile.cuda_graphs import CUDAGraphRunner, reset_graphs
 from fastllm.kernels.prefill_tiles import build_tile_map, max_tiles, query_tile_size
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 
@@ -189,6 +189,10 @@ class MixedGraphRunner:
         else:
             hidden = self._run(tokens)
         return hidden[:num_tokens]
+
+    def reset(self) -> None:
+        """Destroy every graph of this runner (it replays none after)."""
+        reset_graphs(self.graphs)
 
     def _run(self, tokens: int) -> torch.Tensor:
         b = self.views[tokens]

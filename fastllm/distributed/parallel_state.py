@@ -116,9 +116,18 @@ def init_distributed(rank: ParallelRank, device: torch.device, init_method: str,
 
 
 def destroy_distributed() -> None:
+    """Leave the engine's process groups, without waiting for the other ranks. The model's CUDA graphs
+    must be gone first (Worker.release_graphs): NCCL waits for them.
+
+    NCCL communicators are aborted, not finalized: the ranks leave one after another (rank 0 after its
+    workers have exited), and abort never waits on a peer. Every step has finished by now: nothing in
+    flight is lost. A gloo group's teardown is local already."""
     set_tp_group(None)
     if dist.is_initialized():
         try:
-            dist.destroy_process_group()
+            if dist.get_backend() == "nccl":
+                dist.distributed_c10d._abort_process_group()  # every group, the gloo one included
+            else:
+                dist.destroy_process_group()
         except Exception as e:  # noqa: BLE001  (an aborted group may refuse; the process goes on)
             logger.warning("leaving the process group: %s", e)

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fastllm.compile.cuda_graphs import SAMPLING_ROWS, graph_sampling_metadata, record_graph, time_graph
+from fastllm.compile.cuda_graphs import (SAMPLING_ROWS, graph_sampling_metadata, record_graph, reset_graphs,
+                                         time_graph)
 from fastllm.kernels import dispatch as kernels
 from fastllm.layers.sampler import exponential_noise, filtered_probs
 from fastllm.spec_decode.rejection_sampler import accept_drafts
@@ -282,6 +283,10 @@ class SpecDecodeStep:
         self.step_ms = {bs: sum(time_graph(g) for g in self.graphs[(bs, False)]) for bs in self.sizes}
         logger.info("speculative decoding: captured %d CUDA graphs of k=%d (batch sizes %d..%d) in %.1f s",
                     len(self.sizes), self.k, self.sizes[0], self.max_bs, self.capture_seconds)
+
+    def reset(self) -> None:
+        """Destroy every graph of this step (it replays none after)."""
+        reset_graphs(self.graphs)
 
     def _capture(self, bs: int, sampling: bool) -> list[torch.cuda.CUDAGraph]:
         """Warm up on the staged inputs (a real step's, when a sampling graph is first needed: the warm-up

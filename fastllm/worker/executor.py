@@ -444,6 +444,7 @@ class MultiprocExecutor:
         if self.config.parallel.reuse_workers and self.failure is None and not launched_by_torchrun():
             if _parked is not None:
                 _parked._end()
+            self.worker.release_graphs()  # the engine may still hold this Worker (reset_graphs)
             self.worker = None
             _parked = self
             return
@@ -451,6 +452,8 @@ class MultiprocExecutor:
 
     def _end(self) -> None:
         self._finalizer.detach()
+        if self.worker is not None:
+            self.worker.release_graphs()  # before the process groups (reset_graphs)
         self.workers.close(failed=self.failure is not None)
 
 

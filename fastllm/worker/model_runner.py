@@ -175,6 +175,14 @@ class ModelRunner:
         self.mixed_graphs.capture()
         logger.info("execution: prefill and mixed steps of up to %d tokens replay CUDA graphs", max_tokens)
 
+    def release_graphs(self) -> None:
+        """Destroy every CUDA graph this runner captured, before a sharded model's process groups go
+        (reset_graphs says why). For shutdown: the runner takes no step after."""
+        spec_step = self.spec.step if self.spec is not None else None
+        for owner in (self.graphs, self.mixed_graphs, spec_step):
+            if owner is not None:
+                owner.reset()
+
     def step_costs(self) -> tuple[dict[int, float], dict[int, float]]:
         """Measured milliseconds of a speculative and of a plain decode graph's replay, by batch size
         (empty without CUDA graphs): the speculation policy's cost model."""

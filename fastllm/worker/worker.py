@@ -133,6 +133,9 @@ class Worker:
     def step_costs(self) -> tuple[dict[int, float], dict[int, float]]:
         return self.runner.step_costs()
 
+    def release_graphs(self) -> None:
+        self.runner.release_graphs()
+
     # On one device the Worker is the engine's executor (with several ranks: executor.MultiprocExecutor).
 
     @property

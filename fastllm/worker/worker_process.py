@@ -159,6 +159,7 @@ class WorkerLoop:
                 self.rebuild(*payload)
             elif kind == SHUTDOWN:
                 self.finish(len(self.pending))
+                self.worker.release_graphs()  # before the process groups (reset_graphs)
                 return
 
     def set_overlap(self, config: EngineConfig) -> None:
