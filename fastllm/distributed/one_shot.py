@@ -28,6 +28,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = {2: 512 * 1024, 4: 256 * 1024, 8: 128 * 1024}
 ENV_MAX_BYTES = "FASTLLM_ONE_SHOT_MAX_BYTES"
 
+# The groups this process has rendezvoused symmetric memory on, by name. torch keeps a group's rendezvous
+# store by name for the life of the process, and a later engine's process groups take the same names
+# (counted from 0 again once the groups are gone): its ranks would meet on different stores and wait
+# forever, so a later engine in this process all-reduces over NCCL. (Reloading a model into the same
+# ranks, reuse_workers, keeps the group: it takes the one-shot path again.)
+_rendezvoused: dict[str, dist.ProcessGroup] = {}
+
 
 def max_one_shot_bytes(group_size: int) -> int:
     value = os.environ.get(ENV_MAX_BYTES)
@@ -62,6 +69,7 @@ class OneShotAllReduce:
         self.dtype, self.max_bytes = dtype, max_bytes
         self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, self.group_name)  # collective: maps every rank's buffer here
+        _rendezvoused[self.group_name] = group
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
@@ -71,6 +79,9 @@ class OneShotAllReduce:
         size = dist.get_world_size(group)
         max_bytes = max_one_shot_bytes(size)
         reason = unavailable_reason(device, dtype, size) if max_bytes > 0 else f"{ENV_MAX_BYTES}=0"
+        if reason is None and _rendezvoused.get(group.group_name, group) is not group:
+            reason = (f"an earlier engine of this process rendezvoused on group name {group.group_name!r}, "
+                      "and torch keeps its store for the process")
         ok = torch.tensor([0 if reason else 1], dtype=torch.int32)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=cpu_group)
         if reason is None and not ok.item():
