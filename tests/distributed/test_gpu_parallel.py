@@ -120,13 +120,16 @@ def one_shot_vs_nccl(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
-def test_one_shot_all_reduce_sums_what_nccl_sums():
-    from fastllm.distributed.one_shot import unavailable_reason
-    from fastllm.worker.executor import free_port
-
+def skip_without_one_shot() -> None:
     reason = unavailable_reason(torch.device("cuda", 0), torch.bfloat16, 2)
     if reason is not None:
         pytest.skip(f"one-shot all-reduce unavailable: {reason}")
+
+
+def test_one_shot_all_reduce_sums_what_nccl_sums():
+    from fastllm.worker.executor import free_port
+
+    skip_without_one_shot()
     ctx = multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=one_shot_vs_nccl, args=(rank, port, results)) for rank in range(2)]
@@ -173,8 +176,8 @@ def test_a_killed_gpu_worker_is_an_error_naming_its_rank(tiny, path):
     return once the monitor aborts the groups; torch's one-shot kernel waits on the peer's signal with no
     timeout. Each case runs in a process of its own, so that a hang fails the test rather than stopping the
     session."""
-    if path == "one-shot" and (reason := unavailable_reason(torch.device("cuda", 0), torch.bfloat16, 2)):
-        pytest.skip(f"one-shot all-reduce unavailable: {reason}")
+    if path == "one-shot":
+        skip_without_one_shot()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     one_shot_max_bytes = "0" if path == "nccl" else None  # None: the default limit
