@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism on GPUs over NCCL (skipped unless 2 GPUs are visible; TP 2 x PP 2
 needs 4): the split engine compiled, its decode steps replaying CUDA graphs with the all-reduces
-inside, gives one GPU's greedy tokens in float32; bf16 agrees to near-ties; the one-shot all-reduce
-sums what NCCL sums, eagerly and inside a CUDA graph; a killed worker is an error naming its rank."""
+inside, gives one GPU's greedy tokens in float32; in bf16 it scores text as one GPU does; the one-shot
+all-reduce sums what NCCL sums, eagerly and inside a CUDA graph; a killed worker is an error naming its
+rank."""
 
 from __future__ import annotations
 
@@ -68,25 +69,58 @@ def test_split_engine_float32_equals_one_gpu(tiny, layout):
     assert compare(got, want) >= 0.9 * len(want) * MAX_TOKENS
 
 
-def test_tp2_bfloat16_agrees_with_one_gpu_to_near_ties(tiny):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, logprobs=2)
-    one = start(tiny, dtype="bfloat16")
-    want = one.generate(prompts_of(), params, use_tqdm=False)
+def scores(llm, prompts: list[dict], text: list[list[int]]) -> list[list[tuple[float, int, float]]]:
+    """Teacher-forced: for each token of each prompt's continuation, (its logprob, the model's top token,
+    the top-2 margin), with prompt and continuation fed as one prompt."""
+    fed = [{"prompt_token_ids": p["prompt_token_ids"] + t} for p, t in zip(prompts, text)]
+    outs = llm.generate(fed, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    result = []
+    for p, t, out in zip(prompts, text, outs):
+        n, row = len(p["prompt_token_ids"]), []
+        for i, token in enumerate(t):
+            entries = sorted(((lp.logprob, k) for k, lp in out.prompt_logprobs[n + i].items()), reverse=True)
+            (top, best), second = entries[0], entries[1][0]
+            row.append((out.prompt_logprobs[n + i][token].logprob, best, top - second))
+        result.append(row)
+    return result
+
+
+def check_bf16_split_scores_as_one_device(start_one, start_split) -> None:
+    """bf16 rounding moves these logits by whole ulps (1/16 at the tiny model's magnitudes), so greedy paths
+    of two bf16 runs part at any near-tie and the parting says nothing. The check is teacher-forced
+    instead: every run scores float32's greedy continuation. The split bf16 engine must stay as close to
+    float32 as one device in bf16 does, and pick float32's token wherever float32's margin is clear of that
+    noise."""
+    prompts = prompts_of()
+    fp32 = start_one(dtype="float32")
+    text = [list(o.outputs[0].token_ids) for o in fp32.generate(prompts, greedy(), use_tqdm=False)]
+    truth = scores(fp32, prompts, text)
+    del fp32
+    one = start_one(dtype="bfloat16")
+    one_bf16 = scores(one, prompts, text)
     del one
-    llm = start(tiny, dtype="bfloat16", tensor_parallel_size=2)
+    split = start_split(dtype="bfloat16")
     try:
-        got = llm.generate(prompts_of(), params, use_tqdm=False)
+        split_bf16 = scores(split, prompts, text)
     finally:
-        shutdown_parallel_llm(llm)
-    for g, w in zip(got, want):
-        g, w = g.outputs[0], w.outputs[0]
-        first = w.token_ids[0]  # the first token's logprob: the same prompt, bf16 rounding apart
-        assert abs(g.logprobs[0][first].logprob - w.logprobs[0][first].logprob) < 0.05
-        for i, token in enumerate(w.token_ids):
-            top = sorted((lp.logprob for lp in w.logprobs[i].values()), reverse=True)
-            if top[0] - top[1] < 0.05:  # a bf16 near-tie may go either way
-                break
-            assert g.token_ids[i] == token
+        shutdown_parallel_llm(split)
+    flat = [x for row in truth for x in row]
+
+    def errors(run):
+        return [abs(a[0] - b[0]) for a, b in zip(flat, (x for row in run for x in row))]
+
+    noise, split_err = errors(one_bf16), errors(split_bf16)
+    mean = sum(noise) / len(noise)
+    assert sum(split_err) / len(split_err) <= 1.5 * mean, (split_err, noise)
+    assert max(split_err) <= 2 * max(noise), (split_err, noise)
+    clear = [(x, s) for x, s in zip(flat, (x for row in split_bf16 for x in row)) if x[2] > 2 * max(noise)]
+    assert len(clear) >= len(flat) // 4, "too few clear margins for the token check to mean anything"
+    assert all(s[1] == x[1] for x, s in clear), [(x, s) for x, s in clear if s[1] != x[1]]
+
+
+def test_tp2_bfloat16_scores_text_as_one_gpu_does(tiny):
+    check_bf16_split_scores_as_one_device(lambda **kw: start(tiny, **kw),
+                                          lambda **kw: start(tiny, tensor_parallel_size=2, **kw))
 
 
 def one_shot_vs_nccl(rank: int, port: int, results) -> None:
