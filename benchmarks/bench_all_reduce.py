@@ -1,4 +1,5 @@
-"""The one-shot all-reduce (symmetric memory) against NCCL's, at a decode step's message sizes.
+"""The one-shot all-reduce (our kernel over symmetric memory) against NCCL's and torch's one-shot kernel,
+at a decode step's message sizes.
 
     torchrun --nproc-per-node 2 benchmarks/bench_all_reduce.py --output-csv all_reduce_tp2.csv
     torchrun --nproc-per-node 4 benchmarks/bench_all_reduce.py
@@ -35,6 +36,22 @@ def nccl_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def torch_one_shot(group_name: str, max_bytes: int, dtype: torch.dtype, device: torch.device):
+    """torch's kernel (ours follows its protocol but counts barriers, and adds the abort flag), on a buffer
+    and signal pads of its own; None if this torch has none."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
+        return None
+    buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
+    symm_mem.rendezvous(buffer, group_name)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        slot = buffer[:x.numel()].view(x.shape)
+        return torch.ops.symm_mem.one_shot_all_reduce_copy(slot, x, "sum", group_name)
+    return call
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -52,15 +69,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {rank}: the one-shot all-reduce cannot run here: {reason}", file=sys.stderr)
         return 1
     one_shot = OneShotAllReduce(dist.group.WORLD, device, dtype, max(sizes))
+    torch_kernel = torch_one_shot(one_shot.group_name, max(sizes), dtype, device)
     rows = []
     for size in sizes:
         x = torch.randn(size // dtype.itemsize, device=device).to(dtype) * (rank + 1)
         diff = (one_shot.all_reduce(x).float() - nccl_all_reduce(x).float()).abs().max().item()
         nccl_ms, one_shot_ms = time_calls(nccl_all_reduce, x), time_calls(one_shot.all_reduce, x)
-        rows.append({"bytes": size, **{f"rows@{name}": size / (hidden * dtype.itemsize)
-                                       for name, hidden in HIDDEN.items()},
-                     "nccl_us": nccl_ms * 1e3, "one_shot_us": one_shot_ms * 1e3,
-                     "speedup": nccl_ms / one_shot_ms, "max_abs_diff": diff})
+        row = {"bytes": size,
+               **{f"rows@{name}": size / (hidden * dtype.itemsize) for name, hidden in HIDDEN.items()},
+               "nccl_us": nccl_ms * 1e3, "one_shot_us": one_shot_ms * 1e3, "speedup": nccl_ms / one_shot_ms,
+               "max_abs_diff": diff}
+        if torch_kernel is not None:
+            torch_ms = time_calls(torch_kernel, x)
+            theirs = torch_kernel(x).float() - one_shot.all_reduce(x).float()
+            row.update(torch_one_shot_us=torch_ms * 1e3, vs_torch=torch_ms / one_shot_ms,
+                       torch_diff=theirs.abs().max().item())
+        rows.append(row)
     if rank == 0:
         frame = pd.DataFrame(rows)
         env = ceilings.environment(device)

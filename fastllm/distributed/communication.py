@@ -41,6 +41,11 @@ class TensorParallelGroup:
         _all_gather_single(out, x.contiguous(), group=self.group)
         return out.view(self.size, *x.shape)
 
+    def abort(self) -> None:
+        """A peer is gone: one-shot calls waiting on it leave (NCCL's kernels leave when the groups abort)."""
+        if self.one_shot is not None:
+            self.one_shot.abort()
+
     def enable_one_shot(self, dtype: torch.dtype, cpu_group: dist.ProcessGroup) -> None:
         from fastllm.distributed.one_shot import OneShotAllReduce
 

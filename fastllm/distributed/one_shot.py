@@ -1,9 +1,11 @@
-"""The one-shot all-reduce for small messages: torch's symmetric-memory kernel
-(torch.ops.symm_mem.one_shot_all_reduce_copy).
+"""The one-shot all-reduce for small messages: our kernel (kernels/one_shot_all_reduce.py) over torch's
+symmetric memory.
 
 Each rank copies its input into its slot of a buffer every rank of the group maps (CUDA IPC over
 NVLink), the ranks meet at a barrier of signal flags, and each rank reads all the slots and sums them:
-one kernel, no NCCL protocol or channel setup. For a decode step's [batch, hidden] messages (tens of KB)
+one kernel, no NCCL protocol or channel setup. It is torch's one_shot_all_reduce with one difference:
+its waits also read an abort flag, which the worker monitor raises when a rank dies (abort()), so that
+rank 0 is not left spinning on a dead peer's signal. For a decode step's [batch, hidden] messages (tens of KB)
 latency is everything and this beats NCCL's ring; for large ones NCCL's bandwidth-optimal algorithms
 win, so messages above max_bytes go to NCCL. benchmarks/bench_all_reduce.py measures both at decode
 sizes and says where they cross; FASTLLM_ONE_SHOT_MAX_BYTES sets the limit (0 turns it off).
@@ -23,9 +25,10 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 # Messages up to this size take the one-shot kernel, by group size. Each rank reads (size - 1) peer
-# buffers, so the traffic grows with the group: the limit shrinks as it grows. Conservative defaults,
-# to be replaced by the crossover bench_all_reduce.py finds on the target machine.
-DEFAULT_MAX_BYTES = {2: 512 * 1024, 4: 256 * 1024, 8: 128 * 1024}
+# buffers, so the traffic grows with the group: the limit shrinks as it grows. Two ranks: the crossover
+# bench_all_reduce.py measured on two H200s (README's table); four and eight: guesses on the same scale,
+# to be replaced by the crossover it finds on the target machine.
+DEFAULT_MAX_BYTES = {2: 64 * 1024, 4: 32 * 1024, 8: 16 * 1024}
 ENV_MAX_BYTES = "FASTLLM_ONE_SHOT_MAX_BYTES"
 
 # The groups this process has rendezvoused symmetric memory on, by name. torch keeps a group's rendezvous
@@ -49,8 +52,12 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, group_size: int
         return f"device {device.type}"
     if dtype not in (torch.bfloat16, torch.float32):
         return f"the kernel sums bfloat16 and float32 only, not {dtype}"
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy"):
-        return f"torch {torch.__version__} has no symmetric-memory one-shot all-reduce"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError:
+        return f"torch {torch.__version__} has no symmetric memory"
+    if not hasattr(symm_mem, "rendezvous"):
+        return f"torch {torch.__version__} has no symmetric-memory rendezvous"
     local = torch.cuda.device_count()
     if int(os.environ.get("LOCAL_WORLD_SIZE", local)) < group_size:
         return "the group spans nodes (symmetric memory maps GPUs of one node)"
@@ -63,13 +70,25 @@ class OneShotAllReduce:
     def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype, max_bytes: int):
         import torch.distributed._symmetric_memory as symm_mem
 
+        from fastllm.kernels.one_shot_all_reduce import signal_pad_bytes
+
         self.group_name = group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(self.group_name)
         self.dtype, self.max_bytes = dtype, max_bytes
         self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)  # collective: maps every rank's buffer here
+        # Collective: maps every rank's buffer and signal pad here.
+        handle = symm_mem.rendezvous(self.buffer, self.group_name)
         _rendezvoused[self.group_name] = group
+        if handle.signal_pad_size < signal_pad_bytes(handle.world_size):
+            raise RuntimeError(f"symmetric memory's signal pads hold {handle.signal_pad_size} bytes, the "
+                               f"one-shot kernel needs {signal_pad_bytes(handle.world_size)}")
+        self.rank = handle.rank
+        self.buffers = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.pads = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        # Host memory the kernel reads (pinned, so mapped into the GPU's address space): raising it is a
+        # plain host write, which needs no CUDA call while the device is busy.
+        self.abort_flag = torch.zeros(1, dtype=torch.int32).pin_memory()
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
@@ -98,7 +117,10 @@ class OneShotAllReduce:
         return x.dtype == self.dtype and nbytes <= self.max_bytes and nbytes % 16 == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        # A view of the buffer's first bytes, shaped like x: the kernel copies x into it (this rank's
-        # slot), syncs with the peers, and writes the sum to a new tensor.
-        slot = self.buffer[:x.numel()].view(x.shape)
-        return torch.ops.symm_mem.one_shot_all_reduce_copy(slot, x.contiguous(), "sum", self.group_name)
+        from fastllm.kernels.one_shot_all_reduce import one_shot_all_reduce
+
+        return one_shot_all_reduce(x, self.buffers, self.pads, self.abort_flag, self.rank)
+
+    def abort(self) -> None:
+        """Make every running and later call leave its waits (their results are garbage): a peer is gone."""
+        self.abort_flag[0] = 1

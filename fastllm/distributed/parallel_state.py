@@ -13,6 +13,7 @@ time: a second one can start once the first has shut down.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -82,15 +83,36 @@ class ProcessGroups:
     rank: ParallelRank
     cpu: dist.ProcessGroup  # gloo, for host-side collectives (the default group itself on the CPU)
     device: list[dist.ProcessGroup]  # the default group and this rank's tensor-parallel group
+    tp: TensorParallelGroup | None = None  # the collectives over the tensor-parallel group (tp_size > 1)
 
     def abort(self) -> None:
-        """Abort the device groups' communicators, so that a thread blocked in a collective whose peer
-        is gone returns (NCCL; a gloo collective fails on its own when a peer's connection closes)."""
+        """Make the kernels of every collective whose peer is gone return: the one-shot all-reduce's flag
+        goes up, and the device groups' communicators abort (NCCL; a gloo collective fails on its own when
+        a peer's connection closes).
+
+        The communicators abort all at once, each in a thread of its own, not waited for: an abort first
+        raises its communicator's abort flag, which ends that communicator's kernels, and then frees its
+        resources; a free waits for the whole device, where another group's kernel may still spin (and
+        NCCL waits for the CUDA graphs that captured its collectives, which live until shutdown).
+        destroy_distributed joins the threads."""
+        if self.tp is not None:
+            self.tp.abort()
         for group in self.device:
-            try:
-                group.abort()
-            except Exception as e:  # noqa: BLE001  (best effort: the timeout still ends the wait)
-                logger.warning("could not abort a process group: %s", e)
+            thread = threading.Thread(target=_abort_group, args=(group,), name="fastllm-abort-group",
+                                      daemon=True)
+            thread.start()
+            _aborting.append(thread)
+
+
+_aborting: list[threading.Thread] = []  # ProcessGroups.abort's threads, joined before the groups go
+ABORT_JOIN_S = 60.0
+
+
+def _abort_group(group: dist.ProcessGroup) -> None:
+    try:
+        group.abort()
+    except Exception as e:  # noqa: BLE001  (best effort: the timeout still ends the wait)
+        logger.warning("could not abort a process group: %s", e)
 
 
 def init_distributed(rank: ParallelRank, device: torch.device, init_method: str,
@@ -109,10 +131,11 @@ def init_distributed(rank: ParallelRank, device: torch.device, init_method: str,
         if stage == rank.pp_rank:
             tp_group = group
     cpu = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-    set_tp_group(TensorParallelGroup(tp_group, rank.tp_size, device) if rank.tp_size > 1 else None)
+    tp = TensorParallelGroup(tp_group, rank.tp_size, device) if rank.tp_size > 1 else None
+    set_tp_group(tp)
     logger.info("rank %d of %d (tensor-parallel rank %d of %d, pipeline stage %d of %d) joined over %s",
                 rank.rank, rank.world_size, rank.tp_rank, rank.tp_size, rank.pp_rank, rank.pp_size, backend)
-    return ProcessGroups(rank, cpu, [dist.group.WORLD, tp_group])
+    return ProcessGroups(rank, cpu, [dist.group.WORLD, tp_group], tp)
 
 
 def destroy_distributed() -> None:
@@ -123,6 +146,14 @@ def destroy_distributed() -> None:
     workers have exited), and abort never waits on a peer. Every step has finished by now: nothing in
     flight is lost. A gloo group's teardown is local already."""
     set_tp_group(None)
+    while _aborting:
+        thread = _aborting.pop()
+        thread.join(timeout=ABORT_JOIN_S)
+        if thread.is_alive():  # tearing the groups down under a running abort would free them twice
+            logger.error("a process group's abort is still running after %.0f s: the groups are left to the "
+                         "process's exit", ABORT_JOIN_S)
+            _aborting.clear()
+            return
     if dist.is_initialized():
         try:
             if dist.get_backend() == "nccl":

@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 
@@ -178,25 +179,37 @@ def test_one_shot_all_reduce_sums_what_nccl_sums():
 
 def kill_a_worker_mid_generate(model: str, one_shot_max_bytes: str | None, results) -> None:
     """In a fresh process, whose first multi-process engine may take the one-shot all-reduce: kill rank 1
-    between two generates. Reports ("step", one-shot path?, what the second generate raised, seconds), then
-    ("shutdown", whether a worker outlived it); or ("failed", traceback)."""
+    while a generate runs, steps into it (rank 0 is then inside a step's collectives, replaying a graph).
+    Reports ("step", one-shot path?, what the generate raised, seconds from the kill), then ("shutdown",
+    whether a worker outlived it); or ("failed", traceback)."""
     try:
         if one_shot_max_bytes is not None:
             os.environ[ENV_MAX_BYTES] = one_shot_max_bytes
         from fastllm.distributed.communication import get_tp_group
 
         llm = start(model, dtype="bfloat16", tensor_parallel_size=2)
-        procs = dict(llm.engine.executor.workers.procs)
+        executor = llm.engine.executor
+        procs = dict(executor.workers.procs)
+        killed_at = []
+
+        def kill_mid_generate(first_step: int):
+            while executor._last_sent_step < first_step + 20:
+                time.sleep(1e-4)
+            killed_at.append(time.monotonic())
+            os.kill(procs[1].pid, signal.SIGKILL)
+
         try:
             one_shot = get_tp_group().one_shot is not None
             llm.generate(prompts_of(2), SamplingParams(max_tokens=4), use_tqdm=False)
-            os.kill(procs[1].pid, signal.SIGKILL)
-            begin, error = time.monotonic(), "no error"
-            try:
-                llm.generate(prompts_of(2), SamplingParams(max_tokens=64), use_tqdm=False)
+            threading.Thread(target=kill_mid_generate, args=(executor._last_sent_step,), daemon=True).start()
+            error = "no error"
+            try:  # 8 requests: every decode step replays a graph; 180 tokens outlast the 20 steps
+                llm.generate(prompts_of() + prompts_of(2), SamplingParams(max_tokens=180, ignore_eos=True),
+                             use_tqdm=False)
             except RuntimeError as e:
                 error = str(e)
-            results.put(("step", one_shot, error, time.monotonic() - begin))
+            seconds = time.monotonic() - killed_at[0] if killed_at else None
+            results.put(("step", one_shot, error, seconds))
         finally:
             llm.engine.shutdown()
         results.put(("shutdown", any(p.is_alive() for p in procs.values())))
@@ -206,10 +219,9 @@ def kill_a_worker_mid_generate(model: str, one_shot_max_bytes: str | None, resul
 
 @pytest.mark.parametrize("path", ["one-shot", "nccl"])
 def test_a_killed_gpu_worker_is_an_error_naming_its_rank(tiny, path):
-    """On either all-reduce path. A step blocked in a collective whose peer is gone must end: NCCL's kernels
-    return once the monitor aborts the groups; torch's one-shot kernel waits on the peer's signal with no
-    timeout. Each case runs in a process of its own, so that a hang fails the test rather than stopping the
-    session."""
+    """On either all-reduce path. A step blocked in a collective whose peer is gone must end: the monitor
+    raises the one-shot kernel's abort flag and aborts the NCCL groups, whose kernels then return. Each case
+    runs in a process of its own, so that a hang fails the test rather than stopping the session."""
     if path == "one-shot":
         skip_without_one_shot()
     ctx = multiprocessing.get_context("spawn")
