@@ -2,13 +2,13 @@
 symmetric memory.
 
 Each rank copies its input into its slot of a buffer every rank of the group maps (CUDA IPC over
-NVLink), the ranks meet at a barrier of signal flags, and each rank reads all the slots and sums them:
-one kernel, no NCCL protocol or channel setup. It is torch's one_shot_all_reduce with one difference:
-its waits also read an abort flag, which the worker monitor raises when a rank dies (abort()), so that
-rank 0 is not left spinning on a dead peer's signal. For a decode step's [batch, hidden] messages (tens of KB)
-latency is everything and this beats NCCL's ring; for large ones NCCL's bandwidth-optimal algorithms
-win, so messages above max_bytes go to NCCL. benchmarks/bench_all_reduce.py measures both at decode
-sizes and says where they cross; FASTLLM_ONE_SHOT_MAX_BYTES sets the limit (0 turns it off).
+NVLink), the ranks meet at a barrier of signals, and each rank reads all the slots and sums them: one
+kernel, no NCCL protocol or channel setup. Unlike torch's one_shot_all_reduce, its waits also read an
+abort flag, which the worker monitor raises when a rank dies (abort()), so that rank 0 is not left
+spinning on a dead peer's signal. For a decode step's [batch, hidden] messages (tens of KB) latency is
+everything and this beats NCCL's ring; for large ones NCCL's bandwidth-optimal algorithms win, so
+messages above max_bytes go to NCCL. benchmarks/bench_all_reduce.py measures both at decode sizes and
+says where they cross; FASTLLM_ONE_SHOT_MAX_BYTES sets the limit (0 turns it off).
 
 Every rank of the group must take the same path for the same call: the decision to enable it is agreed
 across the ranks at startup, and the per-call choice depends only on the message size.

@@ -2,12 +2,14 @@
 memory, CUDA IPC over NVLink), whose waits also read an abort flag.
 
 Each program (block b) copies its chunks of x into this rank's buffer, meets block b of every rank at a
-barrier of signal flags, sums every rank's chunks in rank order (the same bits on every rank), and meets
-them again, so that no rank's next call overwrites its buffer while a peer still reads it. This is the
-protocol of torch's one_shot_all_reduce; ours differs in one thing: a rank whose peer died spins at the
-barrier forever in torch's kernel, wedging the GPU and the engine waiting on it. Here every spin also
-polls `abort` (an int32 in pinned host memory, which the engine's worker monitor sets with a plain host
-write), and leaves once it is non-zero: the result is then garbage, and the engine fails the step.
+barrier, sums every rank's chunks in rank order (the same bits on every rank), and meets them again, so
+that no rank's next call overwrites its buffer while a peer still reads it. This is the protocol of
+torch's one_shot_all_reduce, with two differences:
+- a rank whose peer died spins at torch's barrier forever, wedging the GPU and the engine waiting on it.
+  Here every spin also polls `abort` (an int32 in pinned host memory, which the engine's worker monitor
+  sets with a plain host write), and leaves once it is non-zero: the result is then garbage, and the
+  engine fails the step;
+- the barriers count rather than flip flags (below), so a signal never waits for its slot to be consumed.
 
 Signal pads hold counters: pads[target][b * WORLD + source] counts the barriers block b of the source
 has reached (an add from the source, which never waits), pads[r][b * WORLD + r] those block b of rank r
@@ -21,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_PROGRAMS = 24  # (torch's kernel uses as many blocks at most: enough to stream 256 KB over NVLink)
+MAX_PROGRAMS = 24  # (each program signals every peer twice a call: more programs, more signals)
 BLOCK = 1024  # elements a program moves per iteration: 8 per thread at 4 warps, 16 B of bf16
 ABORT_EVERY = 256  # spins between reads of the abort flag, which cross PCIe
 
