@@ -13,8 +13,8 @@ torch's one_shot_all_reduce, with two differences:
 
 Signal pads hold counters: pads[target][b * WORLD + source] counts the barriers block b of the source
 has reached (an add from the source, which never waits), pads[r][b * WORLD + r] those block b of rank r
-has passed; a barrier waits for every peer's count to reach its own. The reference (CPU path) is the sum
-in rank order.
+has passed; a barrier waits for every peer's count to reach its own. The test oracle is
+reference.all_reduce_sum (on the CPU the engine all-reduces over gloo, not through this kernel).
 """
 
 from __future__ import annotations
@@ -101,10 +101,3 @@ def one_shot_all_reduce(x: torch.Tensor, buffers: torch.Tensor, pads: torch.Tens
                                       WORLD=buffers.numel(), BLOCK=BLOCK, ABORT_EVERY=ABORT_EVERY)
     return out
 
-
-def one_shot_all_reduce_ref(xs: list[torch.Tensor]) -> torch.Tensor:
-    """Every rank's x summed in rank order in float32, as the kernel does."""
-    acc = torch.zeros_like(xs[0], dtype=torch.float32)
-    for x in xs:
-        acc += x.float()
-    return acc.to(xs[0].dtype)

@@ -365,6 +365,15 @@ def argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tenso
     return torch.argmax(logits, dim=-1, out=out) if out is not None else torch.argmax(logits, dim=-1)
 
 
+def all_reduce_sum(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The one-shot all-reduce's result (one_shot_all_reduce.py), given every rank's x: summed in rank
+    order in float32, then cast back, as the kernel does on every rank."""
+    acc = torch.zeros_like(xs[0], dtype=torch.float32)
+    for x in xs:
+        acc += x.float()
+    return acc.to(xs[0].dtype)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: [T, 2 * I] laid out as [gate | up]; returns silu(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)

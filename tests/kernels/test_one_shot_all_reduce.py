@@ -1,4 +1,4 @@
-"""The one-shot all-reduce kernel against the rank-order sum, and its abort flag.
+"""The one-shot all-reduce kernel against the rank-order sum (reference.all_reduce_sum), and its abort flag.
 
 On the CPU (TRITON_INTERPRET=1) the ranks' buffers and signal pads are ordinary (shared) memory: one rank
 sums to itself; two ranks, each in a process of its own over shared memory (each maps the buffers at its
@@ -21,9 +21,9 @@ from fastllm.kernels.one_shot_all_reduce import (
     BLOCK,
     MAX_PROGRAMS,
     one_shot_all_reduce,
-    one_shot_all_reduce_ref,
     signal_pad_bytes,
 )
+from fastllm.kernels.reference import all_reduce_sum
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -81,7 +81,7 @@ def test_two_ranks_in_two_processes_sum_alike():
             if p.is_alive():
                 p.kill()
     for c in range(calls):
-        want = one_shot_all_reduce_ref(xs[c])
+        want = all_reduce_sum(xs[c])
         assert all(torch.equal(torch.tensor(outs[r][c]), want) for r in range(world)), c
     assert all(torch.equal(p, barrier_counts(world, numel, calls)) for p in pads)
 
