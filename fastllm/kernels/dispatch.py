@@ -34,6 +34,8 @@ KERNEL_NAMES = (
     "rotary_kv_cache_write",
     "rotary_decode_attention",
     "linear",
+    "add_rms_norm_linear",
+    "silu_and_mul_linear",
     "cascade_prefix_attention",
     "merge_attn_states",
     "cascade_decode_attention",
@@ -55,6 +57,8 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "rotary_kv_cache_write": "rotary_kv_cache_write",
     "rotary_decode_attention": "paged_decode_attention",
     "linear": "skinny_linear",
+    "add_rms_norm_linear": "skinny_linear",
+    "silu_and_mul_linear": "skinny_linear",
     "cascade_prefix_attention": "cascade_attention",
     "merge_attn_states": "merge_attn_states",
     "cascade_decode_attention": "cascade_attention",
@@ -221,6 +225,15 @@ def rotary_decode_attention(
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor | None = None) -> Tensor:
     return _select("linear", x.device)(x, weight, bias, out)
+
+
+def add_rms_norm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                        bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    return _select("add_rms_norm_linear", x.device)(x, residual, norm_weight, eps, weight, bias)
+
+
+def silu_and_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return _select("silu_and_mul_linear", x.device)(x, weight, bias)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,

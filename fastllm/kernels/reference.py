@@ -388,6 +388,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out.copy_(F.linear(x, weight, bias))
 
 
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual): a pre-norm projection and the new residual."""
+    normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), residual
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """linear(silu_and_mul(x)): the gated MLP's down projection of x = [gate | up]."""
+    return linear(silu_and_mul(x), weight, bias)
+
+
 # FP8 e4m3: weights [N, K] with a float32 scale per output row, activations quantized per token.
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value

@@ -6,11 +6,18 @@ of x stay in L2. One row takes an FMA path (per-lane partial sums over the loop,
 at the end); more rows tl.dot, padded to 16 rows. Up to MAX_ROWS rows; larger batches are GEMMs, which
 cuBLAS does better, and the public `linear` hands them to it.
 
+On the one-row FMA path the input may be computed in the loads rather than read (Prologue): rms_norm(x +
+residual), the first program storing the residual sum, or silu(gate) * up of x = [gate | up]. Every program
+recomputes its tiles from L2: a launch saved for a little elementwise work. The norm's 1 / rms is a per-row
+factor, so it divides the finished sums (sum_k W[n, k] w[k] h[k] / rms(h)) and no pass over K precedes the
+weights' stream; so a program needs all of K (unsplit). The fused ops take it for latency-bound weights
+(<= SMALL_WEIGHT_BYTES): every program's re-reads of x cost more than the launch saved on Qwen3-8B's
+(tune_skinny_linear.py chain at one row: Qwen3-0.6B's projections 0.73 -> 0.66 ms a step, the 8B's 4.06 ->
+4.32). Not under tl.dot: a tile from registers rather than shared memory made the 0.6B's projections 3-4x
+slower at 2-8 rows.
+
 It beat cuBLAS on every projection of Llama-3.1-8B at 1 to 32 rows (tune_skinny_linear.py shapes:
 CUDA-graph replays over weight copies larger than L2, bf16; README, "Kernel choices").
-Tried and dropped: building the preceding RMSNorm or SiLU-and-mul inside this kernel. Every program
-recomputes it over all of K (for 16 padded rows under tl.dot), while the standalone kernel costs little
-beside its GEMM with PDL: the fusion won at one row and lost by far at eight.
 
 Math: fp32 accumulation, one rounding to the output dtype (fp32 inputs: IEEE fp32 products).
 Memory traffic: N * K * elt of W, once; N * rows * elt written.
@@ -27,6 +34,8 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import pdl
+from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm
+from fastllm.kernels.silu_and_mul import silu_and_mul
 from fastllm.kernels.split_counters import split_counters
 
 logger = logging.getLogger("fastllm.kernels")
@@ -103,12 +112,47 @@ def merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_ou
     return acc, last
 
 
+# What the kernel's input is (the PROLOGUE constexpr): x itself; rms_norm(x + residual) with the norm's
+# weight; silu(gate) * up of x = [gate | up] (x [rows, 2K]).
+PLAIN, ADD_RMS_NORM, SILU_AND_MUL = 0, 1, 2
+_ADD_RMS_NORM, _SILU_AND_MUL = tl.constexpr(ADD_RMS_NORM), tl.constexpr(SILU_AND_MUL)  # as kernels read them
+
+
+@triton.jit
+def input_tile(x_rows, res_rows, res_out_rows, norm_w_ptr, ks, mask, k_ok, k_in, store,
+               PROLOGUE: tl.constexpr):
+    """The input's [BLOCK_M, BLOCK_K] tile at columns ks in the model dtype, and ADD_RMS_NORM's sums of
+    squares of x + residual over it per row [BLOCK_M] (zeros otherwise). ADD_RMS_NORM's tile is norm_w *
+    (x + residual), not yet divided by the row's rms: the kernel scales the finished sums instead, so no
+    pass over K comes before the weights stream. With `store`, the tile's x + residual is written."""
+    x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+    sum_sq = tl.zeros([x.shape[0]], tl.float32)
+    if PROLOGUE == _ADD_RMS_NORM:
+        # the residual sum, rounded as fused_add_rms_norm rounds it: what the next layer adds to
+        res = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
+        h = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+        if store:
+            tl.store(res_out_rows + ks[None, :], h, mask=mask)
+        hf = h.to(tl.float32)
+        sum_sq = tl.sum(hf * hf, axis=1)
+        norm_w = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0)
+        x = (norm_w.to(tl.float32)[None, :] * hf).to(x.dtype)
+    elif PROLOGUE == _SILU_AND_MUL:
+        up = tl.load(x_rows + k_in + ks[None, :], mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(x.dtype)  # rounded as the SiLU kernel rounds
+        x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    return x, sum_sq
+
+
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, num_rows, n_out, k_in, stride_xm,  # W, out contiguous
+    res_ptr, norm_w_ptr, res_out_ptr, stride_rm, eps,  # ADD_RMS_NORM's (res_out contiguous)
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,  # PDL: W lines (of LINE elements) per row to prefetch
+    PROLOGUE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -120,19 +164,25 @@ def _skinny_linear_kernel(
     x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
+    res_rows, res_out_rows = res_ptr + rows[:, None] * stride_rm, res_out_ptr + rows[:, None] * k_in
+    sum_sq = tl.zeros([BLOCK_M], tl.float32)  # ADD_RMS_NORM's (its launches are unsplit: all of K here)
     prefetch_weights(w_rows, k_lo, k_hi, USE_PDL, PREFETCH_LINES, LINE)
     pdl.wait(USE_PDL)  # launched with PDL (pdl.py): nothing before it reads what an earlier kernel wrote
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = k_mask(ks, k_hi, EVEN_K)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x, tile_sum_sq = input_tile(x_rows, res_rows, res_out_rows, norm_w_ptr, ks,
+                                    row_ok[:, None] & k_ok[None, :], k_ok, k_in, pid == 0, PROLOGUE)
+        sum_sq += tile_sum_sq
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:  # BLOCK_M == 1
             acc_lanes += x.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
     if not USE_DOT:
         acc = tl.sum(acc_lanes, axis=1)[None, :]
+    if PROLOGUE == _ADD_RMS_NORM:  # sum_k W[n, k] * norm_w[k] * h[k], divided by h's rms
+        acc = acc * tl.rsqrt(sum_sq / k_in + eps)[:, None]
     mask = row_ok[:, None] & col_ok[None, :]
     acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
     if last:
@@ -210,33 +260,72 @@ def split_k_buffers(split_k: int, num_rows: int, n_out: int, tiles: int, out: to
     return part, split_counters("skinny linear", out.device, tiles)
 
 
+class Prologue(NamedTuple):
+    """How the kernel computes its input from x: PLAIN (x is the input), ADD_RMS_NORM (rms_norm(x + residual)
+    with norm_weight and eps; the sum goes to residual_out) or SILU_AND_MUL (x = [gate | up], [rows, 2K])."""
+    kind: int = PLAIN
+    residual: torch.Tensor | None = None
+    norm_weight: torch.Tensor | None = None
+    eps: float = 0.0
+    residual_out: torch.Tensor | None = None
+
+
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: Config | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows), weight [N, K] contiguous."""
+           out: torch.Tensor | None = None, prologue: Prologue = Prologue()) -> torch.Tensor:
+    """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows; [rows, 2K] for SILU_AND_MUL), weight
+    [N, K] contiguous."""
     num_rows = x.shape[0]
     n_out, k_in = weight.shape
-    assert x.dim() == 2 and x.shape[1] == k_in and x.stride(1) == 1 and weight.is_contiguous(), \
+    x_width = 2 * k_in if prologue.kind == SILU_AND_MUL else k_in
+    assert x.dim() == 2 and x.shape[1] == x_width and x.stride(1) == 1 and weight.is_contiguous(), \
         (x.shape, x.stride(), weight.shape)
     assert 0 < num_rows <= MAX_ROWS and x.dtype == weight.dtype, (num_rows, x.dtype, weight.dtype)
     if out is None:
         out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
     assert out.shape == (num_rows, n_out) and out.is_contiguous() and out.dtype == x.dtype
+    residual, residual_out = x, out  # placeholders the kernel does not read unless ADD_RMS_NORM
+    if prologue.kind == ADD_RMS_NORM:
+        residual, residual_out, norm_weight = prologue.residual, prologue.residual_out, prologue.norm_weight
+        assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
+        assert residual_out.shape == x.shape and residual_out.dtype == x.dtype
+        assert residual_out.is_contiguous()
+        assert norm_weight.shape == (k_in,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
     cfg = config or choose_config(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
+    assert prologue.kind == PLAIN or not use_dot, "prologues run on the one-row FMA path"
+    assert prologue.kind != ADD_RMS_NORM or cfg.split_k == 1, "the norm's sums of squares need all of K"
     tiles = triton.cdiv(n_out, cfg.block_n)
     part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)
     _skinny_linear_kernel[(tiles, cfg.split_k)](
         x, weight, bias if bias is not None else weight, out, part, counters, num_rows, n_out, k_in, x.stride(0),
+        residual, prologue.norm_weight if prologue.kind == ADD_RMS_NORM else weight, residual_out,
+        residual.stride(0), prologue.eps,
         HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
         SPLIT_K=cfg.split_k,
         **prefetch_args(cfg, x.element_size()), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.launch_options(x.device),
+        **pdl.launch_options(x.device), PROLOGUE=prologue.kind,
     )
     return out
 
 
-_logged: set[str] = set()
+def launch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual) in one launch."""
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = launch(x, weight, bias, config=config,
+                 prologue=Prologue(ADD_RMS_NORM, residual, norm_weight, eps, residual_out))
+    return out, residual_out
+
+
+def launch_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        config: Config | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight^T (+ bias) of x = [gate | up] in one launch."""
+    return launch(x, weight, bias, config=config, prologue=Prologue(SILU_AND_MUL))
+
+
+_logged: set = set()  # reasons a path was not taken, logged once
 
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -266,3 +355,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if out is None:
         return F.linear(x, weight, bias)
     return torch.addmm(bias, x, weight.t(), out=out) if bias is not None else torch.mm(x, weight.t(), out=out)
+
+
+def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Tensor) -> bool:
+    """Whether a fused op runs as one launch here (logged once per reason when not)."""
+    if not _skinny(x, weight):
+        return False
+    why = None
+    cfg = choose_config(x.shape[0], *weight.shape, x.element_size())
+    if x.shape[0] > 1:
+        why = "batches of more than one row"
+    elif weight.numel() * weight.element_size() > SMALL_WEIGHT_BYTES:
+        why = f"weights over {SMALL_WEIGHT_BYTES >> 20} MiB (streaming more than latency-bound)"
+    elif cfg.use_dot:
+        why = f"[{weight.shape[0]}, {weight.shape[1]}] weights, whose one-row config takes tl.dot"
+    elif any(t.dtype != x.dtype or t.stride(-1) != 1 for t in same_dtype):
+        why = "a residual or norm weight not of the input's dtype, or strided"
+    elif op == "add_rms_norm_linear" and cfg.split_k > 1:
+        why = "projections whose config splits K (the norm needs all of K in each program)"
+    if why is None:
+        return True
+    if (op, why) not in _logged:
+        _logged.add((op, why))
+        logger.info("%s: two launches for %s", op, why)
+    return False
+
+
+def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual): one launch at one row (_fuses)."""
+    if _fuses("add_rms_norm_linear", x, weight, residual, norm_weight):
+        return launch_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
+    normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), residual
+
+
+def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight^T (+ bias) of x = [gate | up]: one launch at one row (_fuses)."""
+    if _fuses("silu_and_mul_linear", x, weight):
+        return launch_silu_and_mul(x, weight, bias)
+    return linear(silu_and_mul(x), weight, bias)

@@ -114,3 +114,125 @@ def test_every_tuned_config_gpu(key):
     bucket, n_out, k_in = key
     for rows in bucket_edges(bucket):
         _check("cuda", torch.bfloat16, rows, n_out, k_in)
+
+
+# The fused prologues against their unfused pair: the norm's or SiLU's reference, then F.linear in float64.
+NORM_CONFIGS = [S.Config(16, 64, 4, 2, False), S.Config(8, 256, 8, 3, False)]
+NORM_IDS = ["fma-16x64", "fma-8x256"]
+SILU_CONFIGS, SILU_IDS = NORM_CONFIGS + [S.Config(16, 32, 4, 2, False, split_k=3)], NORM_IDS + ["fma-split3"]
+FUSED_SHAPES = [(40, 64), (100, 200), (64, 96), (33, 1000)]
+
+
+def _fused_inputs(device, dtype, rows, n_out, k_in, width):
+    g = torch.Generator(device="cpu").manual_seed(rows * 1000 + k_in)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device)  # noqa: E731
+    return (rand(rows, width).to(dtype), (rand(n_out, k_in) / k_in ** 0.5).to(dtype), rand(n_out).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_out,k_in", FUSED_SHAPES)
+@pytest.mark.parametrize("cfg", NORM_CONFIGS, ids=NORM_IDS)
+def test_add_rms_norm_prologue_matches_the_norm_then_the_projection(device, dtype, n_out, k_in, cfg):
+    """The projection of rms_norm(x + residual) (K = 200, 1000: partial last tiles), and x + residual
+    exactly as fused_add_rms_norm rounds it. One row: the prologues' path."""
+    from fastllm.kernels import reference
+
+    rows = 1
+    x, w, b = _fused_inputs(device, dtype, rows, n_out, k_in, k_in)
+    residual = torch.randn(rows, k_in, device=device).to(dtype) * 3
+    norm_w = (1 + torch.randn(k_in, device=device) / 4).to(dtype)
+    bias = b if k_in % 3 else None
+    out, res_out = S.launch_add_rms_norm(x, residual, norm_w, 1e-5, w, bias, config=cfg)
+    normed, ref_res = reference.fused_add_rms_norm(x, residual, norm_w, 1e-5)
+    assert torch.equal(res_out, ref_res)
+    ref = F.linear(normed.double(), w.double(), bias.double() if bias is not None else None)
+    assert rel_err(out, ref) <= tolerance(dtype, k_in), (cfg, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n_out,k_in", FUSED_SHAPES)
+@pytest.mark.parametrize("cfg", SILU_CONFIGS, ids=SILU_IDS)
+def test_silu_and_mul_prologue_matches_the_activation_then_the_projection(device, dtype, n_out, k_in, cfg):
+    from fastllm.kernels import reference
+
+    rows = 1
+    x, w, b = _fused_inputs(device, dtype, rows, n_out, k_in, 2 * k_in)
+    x = x * 3  # gates well into SiLU's curve on both sides
+    bias = b if k_in % 3 else None
+    out = S.launch_silu_and_mul(x, w, bias, config=cfg)
+    ref = F.linear(reference.silu_and_mul(x).double(), w.double(), None if bias is None else bias.double())
+    assert rel_err(out, ref) <= tolerance(dtype, k_in), (cfg, rel_err(out, ref))
+
+
+def test_prologues_refuse_the_dot_and_the_norm_split_k_and_the_ops_run_apart_there(device, monkeypatch):
+    """Prologues run on the one-row FMA path, the norm's unsplit (each program divides by the rms of all of
+    K): other configs are refused, and the fused ops run apart where the table chooses them, and for weights
+    over SMALL_WEIGHT_BYTES."""
+    x, w = torch.randn(1, 64, device=device), torch.randn(8, 64, device=device)
+    norm_w = torch.ones(64, device=device)
+    with pytest.raises(AssertionError, match="all of K"):
+        S.launch_add_rms_norm(x, x, norm_w, 1e-6, w, config=S.Config(8, 32, 4, 2, False, split_k=2))
+    for rows, cfg in ((1, S.Config(16, 32, 4, 2, True)), (2, S.Config(8, 32, 4, 2, False))):
+        with pytest.raises(AssertionError, match="FMA"):
+            S.launch_silu_and_mul(torch.randn(rows, 128, device=device), w, config=cfg)
+    assert S._fuses("add_rms_norm_linear", x, w, x, norm_w) and S._fuses("silu_and_mul_linear", x, w)
+    monkeypatch.setitem(S._TUNED, (1, 8, 64), S.Config(8, 32, 4, 2, False, split_k=2))
+    assert not S._fuses("add_rms_norm_linear", x, w, x, norm_w) and S._fuses("silu_and_mul_linear", x, w)
+    monkeypatch.setitem(S._TUNED, (1, 8, 64), S.Config(16, 32, 4, 2, True))
+    assert not S._fuses("add_rms_norm_linear", x, w, x, norm_w) and not S._fuses("silu_and_mul_linear", x, w)
+    monkeypatch.delitem(S._TUNED, (1, 8, 64))
+    monkeypatch.setattr(S, "SMALL_WEIGHT_BYTES", w.numel() * w.element_size() - 1)  # not latency-bound
+    assert not S._fuses("add_rms_norm_linear", x, w, x, norm_w) and not S._fuses("silu_and_mul_linear", x, w)
+
+
+def test_fused_ops_take_one_launch_at_decode_rows_and_two_above(device, monkeypatch, caplog):
+    """add_rms_norm_linear / silu_and_mul_linear: the prologue kernel at one row, else the norm's or SiLU's
+    kernel and the projection, said once in the log; the same results either way."""
+    import logging
+
+    from fastllm.kernels import reference
+
+    launches = []
+    real_launch = S.launch
+    monkeypatch.setattr(S, "launch", lambda *a, **kw: launches.append(kw.get("prologue", S.Prologue()).kind)
+                        or real_launch(*a, **kw))
+    w_qkv, w_down = torch.randn(48, 64, device=device), torch.randn(64, 32, device=device)
+    norm_w = torch.rand(64, device=device) + 0.5
+    caplog.set_level(logging.INFO, logger="fastllm.kernels")
+    for rows in (1, 2):
+        launches.clear()
+        x, residual, gate_up = (torch.randn(rows, 64, device=device), torch.randn(rows, 64, device=device),
+                                torch.randn(rows, 64, device=device))
+        out, res = triton_impl("add_rms_norm_linear")(x, residual, norm_w, 1e-6, w_qkv, None)
+        ref, ref_res = reference.add_rms_norm_linear(x, residual, norm_w, 1e-6, w_qkv, None)
+        assert torch.equal(res, ref_res) and rel_err(out, ref.double()) <= tolerance(torch.float32, 64)
+        down = triton_impl("silu_and_mul_linear")(gate_up, w_down, None)
+        assert rel_err(down, reference.silu_and_mul_linear(gate_up, w_down, None).double()) <= 1e-6
+        fused = rows == 1
+        want = [S.ADD_RMS_NORM, S.SILU_AND_MUL] if fused else [S.PLAIN, S.PLAIN]
+        assert launches == want, (rows, launches)
+    assert "two launches for batches of more than one row" in caplog.text
+
+
+@gpu
+@pytest.mark.parametrize("n_out,k_in", [(4096, 1024), (6144, 1024), (1024, 2048), (1024, 3072), (6144, 4096),
+                                        (4096, 12288), (4096, 14336)])
+def test_fused_prologues_gpu(n_out, k_in):
+    """bf16, one row, the chosen configs at Qwen3-0.6B's and the 8B models' shapes, against the unfused pair
+    (the norm's or SiLU's kernel, then the same config): SiLU-and-mul's prologue gives the pair's bits (the
+    same elementwise math, then the same sums); the norm's rounds w * h, not w * (h / rms): within a bf16
+    rounding (2^-8) of the pair, and x + residual bitwise."""
+    from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm
+    from fastllm.kernels.silu_and_mul import silu_and_mul
+
+    x, w, b = _fused_inputs("cuda", torch.bfloat16, 1, n_out, k_in, 2 * k_in)
+    cfg = S.choose_config(1, n_out, k_in)._replace(use_dot=False, split_k=1)  # (the 8B's gate_up: a dot)
+    out = S.launch_silu_and_mul(x, w, b, config=cfg)
+    assert torch.equal(out, S.launch(silu_and_mul(x), w, b, config=cfg))
+    h, residual = x[:, :k_in].contiguous(), x[:, k_in:].contiguous()
+    norm_w = (1 + torch.randn(k_in, device="cuda") / 4).to(torch.bfloat16)
+    out, res_out = S.launch_add_rms_norm(h, residual, norm_w, 1e-6, w, b, config=cfg)
+    normed, ref_res = fused_add_rms_norm(h, residual, norm_w, 1e-6)
+    assert torch.equal(res_out, ref_res)
+    ref = S.launch(normed, w, b, config=cfg)
+    assert rel_err(out, ref) <= 2 ** -8, rel_err(out, ref)
