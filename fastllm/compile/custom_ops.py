@@ -59,6 +59,30 @@ def _(x, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.custom_op("fastllm::add_rms_norm_linear", mutates_args=())
+def add_rms_norm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor,
+                        bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual): a decoder's pre-norm projection, one launch at decode
+    rows (the norm computed in the projection's loads: kernels/skinny_linear.py)."""
+    return kernels.add_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+
+@add_rms_norm_linear.register_fake
+def _(x, residual, norm_weight, eps, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0])), torch.empty_like(x)
+
+
+@torch.library.custom_op("fastllm::silu_and_mul_linear", mutates_args=())
+def silu_and_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """linear(silu_and_mul(x)) of x = [gate | up]: the MLP's down projection, one launch at decode rows."""
+    return kernels.silu_and_mul_linear(x, weight, bias)
+
+
+@silu_and_mul_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 @torch.library.custom_op("fastllm::fp8_linear", mutates_args=())
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
                input_scale: Tensor | None) -> Tensor:

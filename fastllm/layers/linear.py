@@ -54,13 +54,18 @@ class Linear(nn.Module):
                                  if fp8.static_input else None)
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        return self.matmul(x, self.bias, gated)
 
-    def matmul(self, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor | QuantizedActivation, bias: torch.Tensor | None, gated: bool = False
+               ) -> torch.Tensor:
         """x @ W^T (+ bias): our few-row kernel at decode batch sizes, cuBLAS otherwise
         (fastllm/kernels/skinny_linear.py); FP8 weights: fastllm/kernels/fp8_linear.py, on x as it comes or
-        quantized by the kernel before (a QuantizedActivation)."""
+        quantized by the kernel before (a QuantizedActivation). gated: x is [gate | up] and the input
+        silu(gate) * up (16/32-bit weights)."""
+        if gated:
+            assert self.fp8 is None, "with FP8 weights the SiLU kernel quantizes ahead of the projection"
+            return torch.ops.fastllm.silu_and_mul_linear(x, self.weight, bias)
         if self.fp8 is None:
             return torch.ops.fastllm.linear(x, self.weight, bias)
         if isinstance(x, QuantizedActivation):
@@ -113,6 +118,18 @@ class ColumnParallelLinear(Linear):
         self.slice_index = [tp_rank * parts // tp_size for parts in partitions]
         super().__init__(input_size, sum(self.output_sizes), bias, fp8)
 
+    def normed(self, norm, x: torch.Tensor, residual: torch.Tensor | None):
+        """(self(norm(x + residual)), x + residual) for an RMSNorm `norm` (layers/norm.py); without a residual
+        (a first layer), (self(norm(x)), x). With 16/32-bit weights one op: the norm in the projection's loads
+        at decode rows."""
+        if residual is None:
+            return self(norm(x)), x
+        if self.fp8 is not None or norm.quantize_output:
+            normed, residual = norm(x, residual)
+            return self(normed), residual
+        return torch.ops.fastllm.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
+                                                     self.bias)
+
     def load_shard(self, param_name: str, shard: int, source) -> None:
         """Copy this rank's slice of output block `shard` from the block's whole checkpoint tensor."""
         for name, tensor in self.stored_forms(param_name, source, self.full_sizes[shard]):
@@ -149,10 +166,10 @@ class RowParallelLinear(Linear):
         super().__init__(input_size // tp_size, output_size, bias, fp8)
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.matmul(x, self.bias)
-        out = torch.ops.fastllm.tp_all_reduce(self.matmul(x, None))
+            return self.matmul(x, self.bias, gated)
+        out = torch.ops.fastllm.tp_all_reduce(self.matmul(x, None, gated))
         return out if self.bias is None else out + self.bias
 
     def copy_whole(self, param_name: str, source) -> None:

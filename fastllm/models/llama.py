@@ -113,8 +113,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, args.head_dim, args.head_dim ** -0.5,
                               stage_index, rotary, window)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv: qkv_proj's output (the decoder layer runs it, its norm fused in) -> o_proj's."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -135,8 +135,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp_rank, tp,
                                            fp8=args.fp8)
 
-    def forward(self, x: torch.Tensor | fp8.QuantizedActivation) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up): one op with 16/32-bit weights (the SiLU in the projection's loads at
+        decode rows); with FP8 ones the SiLU kernel quantizes for the projection."""
+        if self.down_proj.fp8 is not None:
+            return self.down_proj(self.act(gate_up))
+        return self.down_proj(gate_up, gated=True)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -150,14 +154,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, quantize_output=quantize)
 
     def forward(self, positions, hidden, residual):
-        # The residual stream is carried separately so each add fuses into the next norm.
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # The residual stream is carried separately so each add fuses into the next norm, and the norm into
+        # the projection after it.
+        qkv, residual = self.self_attn.qkv_proj.normed(self.input_layernorm, hidden, residual)
+        hidden = self.self_attn(positions, qkv)
+        gate_up, residual = self.mlp.gate_up_proj.normed(self.post_attention_layernorm, hidden, residual)
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaModel(nn.Module):
