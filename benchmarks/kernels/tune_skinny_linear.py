@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -89,13 +90,19 @@ def graph_us(fn, per_replay: int) -> float:
 
 
 def configs(rows: int, element_size: int = 2, splits: tuple[int, ...] = (1,)) -> list[S.Config]:
-    """The sweep, BLOCK_K in elements scaled to the same bytes a load as bf16's, each at every split of K."""
+    """The sweep, BLOCK_K in elements scaled to the same bytes a load as bf16's, each at every split of K.
+    FMA configs where the kernel runs them (bf16: up to FMA_MAX_ROWS rows, a tile's products held for its
+    padded rows; e4m3: one row)."""
     widen = 2 // element_size
     dot = [S.Config(bn, bk * widen, w, st, True) for bn, bk, w, st in
            itertools.product([16, 32, 64, 128], [128, 256, 512], [4, 8], [3, 4, 5]) if bn * bk <= 32768]
+    held = triton.next_power_of_2(rows)
     fma = [S.Config(bn, bk * widen, w, st, False) for bn, bk, w, st in
-           itertools.product([8, 16, 32], [512, 1024], [4, 8], [2, 3]) if bn * bk * rows <= 16384]
-    return [cfg._replace(split_k=split) for cfg in dot + (fma if rows <= 2 else []) for split in splits]
+           itertools.product([8, 16, 32], [128, 256, 512, 1024], [4, 8], [2, 3])
+           if bn * bk * held <= 16384 and (bk >= 512 or held > 1)]
+    fma_rows = S.FMA_MAX_ROWS if element_size == 2 else 1
+    chosen = dot + (fma if rows <= fma_rows else [])
+    return [cfg._replace(split_k=split) for cfg in chosen for split in splits]
 
 
 def emit(out, row: dict) -> None:

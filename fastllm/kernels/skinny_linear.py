@@ -1,12 +1,13 @@
 """Projections of a decode batch (a few rows): y = x @ W^T (+ bias) as a weight-streaming kernel.
 
 At decode batch sizes a projection is a matrix-vector product: its time is the read of W [N, K]. Each
-program streams BLOCK_N rows of W over the whole K (no split-K, so no reduction pass) while the few rows
-of x stay in L2. One row takes an FMA path (per-lane partial sums over the loop, one cross-lane reduction
-at the end); more rows tl.dot, padded to 16 rows. Up to MAX_ROWS rows; larger batches are GEMMs, which
-cuBLAS does better, and the public `linear` hands them to it.
+program streams BLOCK_N rows of W over the whole K (or a split of it) while the few rows of x stay in L2.
+A config sums in FMAs (use_dot False: one row keeps per-lane partial sums over the loop and reduces them
+once at the end; up to FMA_MAX_ROWS rows reduce each tile's products) or in tl.dot (rows padded to 16).
+Up to MAX_ROWS rows; larger batches are GEMMs, which cuBLAS does better, and the public `linear` hands
+them to it.
 
-On the one-row FMA path the input may be computed in the loads rather than read (Prologue): rms_norm(x +
+On the FMA path the input may be computed in the loads rather than read (Prologue): rms_norm(x +
 residual), the first program storing the residual sum, or silu(gate) * up of x = [gate | up]. Every program
 recomputes its tiles from L2: a launch saved for a little elementwise work. The norm's 1 / rms is a per-row
 factor, so it divides the finished sums (sum_k W[n, k] w[k] h[k] / rms(h)) and no pass over K precedes the
@@ -41,6 +42,7 @@ from fastllm.kernels.split_counters import split_counters
 logger = logging.getLogger("fastllm.kernels")
 
 MAX_ROWS = 32
+FMA_MAX_ROWS = 8  # an FMA config (use_dot False) holds up to this many rows, padded to a power of two
 
 
 @triton.jit
@@ -177,9 +179,11 @@ def _skinny_linear_kernel(
         sum_sq += tile_sum_sq
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:  # BLOCK_M == 1
+        elif BLOCK_M == 1:
             acc_lanes += x.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
-    if not USE_DOT:
+        else:  # a few rows in FMAs: each row's products, summed over the tile
+            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if not USE_DOT and BLOCK_M == 1:
         acc = tl.sum(acc_lanes, axis=1)[None, :]
     if PROLOGUE == _ADD_RMS_NORM:  # sum_k W[n, k] * norm_w[k] * h[k], divided by h's rms
         acc = acc * tl.rsqrt(sum_sq / k_in + eps)[:, None]
@@ -201,7 +205,7 @@ class Config(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    use_dot: bool = True  # False: the one-row FMA path
+    use_dot: bool = True  # False: FMAs (here up to FMA_MAX_ROWS rows, the e4m3 kernel one), tl.dot above
     prefetch_k: int = 0  # columns of each W row prefetched into L2 before the PDL wait
     split_k: int = 1  # programs a column tile's K is split over (the last to finish adds the partials)
 
@@ -291,8 +295,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         assert residual_out.is_contiguous()
         assert norm_weight.shape == (k_in,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
     cfg = config or choose_config(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
-    use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
-    assert prologue.kind == PLAIN or not use_dot, "prologues run on the one-row FMA path"
+    use_dot = cfg.use_dot or num_rows > FMA_MAX_ROWS
+    assert prologue.kind == PLAIN or not use_dot, "prologues run on the FMA path"
     assert prologue.kind != ADD_RMS_NORM or cfg.split_k == 1, "the norm's sums of squares need all of K"
     tiles = triton.cdiv(n_out, cfg.block_n)
     part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)
@@ -300,7 +304,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x, weight, bias if bias is not None else weight, out, part, counters, num_rows, n_out, k_in, x.stride(0),
         residual, prologue.norm_weight if prologue.kind == ADD_RMS_NORM else weight, residual_out,
         residual.stride(0), prologue.eps,
-        HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1,
+        HAS_BIAS=bias is not None, BLOCK_M=max(16 if use_dot else 1, triton.next_power_of_2(num_rows)),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
         SPLIT_K=cfg.split_k,
         **prefetch_args(cfg, x.element_size()), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
