@@ -11,8 +11,9 @@ On the FMA path the input may be computed in the loads rather than read (Prologu
 residual), the first program storing the residual sum, or silu(gate) * up of x = [gate | up]. Every program
 recomputes its tiles from L2: a launch saved for a little elementwise work. The norm's 1 / rms is a per-row
 factor, so it divides the finished sums (sum_k W[n, k] w[k] h[k] / rms(h)) and no pass over K precedes the
-weights' stream; so a program needs all of K (unsplit). The fused ops take it for latency-bound weights
-(<= SMALL_WEIGHT_BYTES): every program's re-reads of x cost more than the launch saved on Qwen3-8B's
+weights' stream; so a program needs all of K (unsplit). The fused ops take it wherever the chosen config
+sums in FMAs (the tables choose FMA at one row only, so far), for latency-bound weights (<=
+SMALL_WEIGHT_BYTES): every program's re-reads of x cost more than the launch saved on Qwen3-8B's
 (tune_skinny_linear.py chain at one row: Qwen3-0.6B's projections 0.73 -> 0.66 ms a step, the 8B's 4.06 ->
 4.32). Not under tl.dot: a tile from registers rather than shared memory made the 0.6B's projections 3-4x
 slower at 2-8 rows.
@@ -367,12 +368,10 @@ def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Te
         return False
     why = None
     cfg = choose_config(x.shape[0], *weight.shape, x.element_size())
-    if x.shape[0] > 1:
-        why = "batches of more than one row"
-    elif weight.numel() * weight.element_size() > SMALL_WEIGHT_BYTES:
+    if weight.numel() * weight.element_size() > SMALL_WEIGHT_BYTES:
         why = f"weights over {SMALL_WEIGHT_BYTES >> 20} MiB (streaming more than latency-bound)"
-    elif cfg.use_dot:
-        why = f"[{weight.shape[0]}, {weight.shape[1]}] weights, whose one-row config takes tl.dot"
+    elif cfg.use_dot or x.shape[0] > FMA_MAX_ROWS:
+        why = "projections whose config at their row count takes tl.dot"
     elif any(t.dtype != x.dtype or t.stride(-1) != 1 for t in same_dtype):
         why = "a residual or norm weight not of the input's dtype, or strided"
     elif op == "add_rms_norm_linear" and cfg.split_k > 1:
@@ -387,7 +386,7 @@ def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Te
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual): one launch at one row (_fuses)."""
+    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual): one launch where _fuses."""
     if _fuses("add_rms_norm_linear", x, weight, residual, norm_weight):
         return launch_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
     normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
@@ -395,7 +394,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(silu(gate) * up) @ weight^T (+ bias) of x = [gate | up]: one launch at one row (_fuses)."""
+    """(silu(gate) * up) @ weight^T (+ bias) of x = [gate | up]: one launch where _fuses."""
     if _fuses("silu_and_mul_linear", x, weight):
         return launch_silu_and_mul(x, weight, bias)
     return linear(silu_and_mul(x), weight, bias)

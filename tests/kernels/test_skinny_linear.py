@@ -188,9 +188,10 @@ def test_prologues_refuse_the_dot_and_the_norm_split_k_and_the_ops_run_apart_the
     assert not S._fuses("add_rms_norm_linear", x, w, x, norm_w) and not S._fuses("silu_and_mul_linear", x, w)
 
 
-def test_fused_ops_take_one_launch_at_decode_rows_and_two_above(device, monkeypatch, caplog):
-    """add_rms_norm_linear / silu_and_mul_linear: the prologue kernel at one row, else the norm's or SiLU's
-    kernel and the projection, said once in the log; the same results either way."""
+def test_fused_ops_take_one_launch_where_the_config_sums_in_fmas(device, monkeypatch, caplog):
+    """add_rms_norm_linear / silu_and_mul_linear: the prologue kernel where the chosen config sums in FMAs
+    (the tables: one row), else the norm's or SiLU's kernel and the projection, said once in the log; the
+    same results either way. A two-row FMA config in the table fuses two rows too."""
     import logging
 
     from fastllm.kernels import reference
@@ -203,7 +204,10 @@ def test_fused_ops_take_one_launch_at_decode_rows_and_two_above(device, monkeypa
     norm_w = torch.rand(64, device=device) + 0.5
     caplog.set_level(logging.INFO, logger="fastllm.kernels")
     monkeypatch.setattr(S, "_logged", set())  # (logged once a process: maybe by an earlier test)
-    for rows in (1, 2):
+    for rows, two_row_fma in ((1, False), (2, False), (2, True)):
+        if two_row_fma:
+            monkeypatch.setitem(S._TUNED, (8, 48, 64), S.Config(16, 64, 4, 2, False))
+            monkeypatch.setitem(S._TUNED, (8, 64, 32), S.Config(16, 64, 4, 2, False))
         launches.clear()
         x, residual, gate_up = (torch.randn(rows, 64, device=device), torch.randn(rows, 64, device=device),
                                 torch.randn(rows, 64, device=device))
@@ -212,10 +216,10 @@ def test_fused_ops_take_one_launch_at_decode_rows_and_two_above(device, monkeypa
         assert torch.equal(res, ref_res) and rel_err(out, ref.double()) <= tolerance(torch.float32, 64)
         down = triton_impl("silu_and_mul_linear")(gate_up, w_down, None)
         assert rel_err(down, reference.silu_and_mul_linear(gate_up, w_down, None).double()) <= 1e-6
-        fused = rows == 1
+        fused = rows == 1 or two_row_fma
         want = [S.ADD_RMS_NORM, S.SILU_AND_MUL] if fused else [S.PLAIN, S.PLAIN]
         assert launches == want, (rows, launches)
-    assert "two launches for batches of more than one row" in caplog.text
+    assert "two launches for projections whose config at their row count takes tl.dot" in caplog.text
 
 
 @gpu
