@@ -237,10 +237,12 @@ class SpecDecodeStep:
         position = self.start[:bs] + last.squeeze(1)
         pair = torch.cat([self.tokens[:bs].gather(1, last), self.out[:bs].gather(1, last)], dim=1)
         logits = self._forward(self.draft, pair, position, 2, bs).view(bs, 2, -1)[:, 1]
+        rounds = self._one_token_rounds(position + 2, k - 1, bs)
         proposals, probs = [], []
         for round_index in range(k):
             if round_index:
-                logits = self._forward(self.draft, proposals[-1].unsqueeze(1), position + round_index + 1, 1, bs)
+                positions, attention = rounds[round_index - 1]
+                logits = self._logits(self.draft, proposals[-1], positions, attention)
             token, q = self._draft_sample(logits, metadata)
             proposals.append(token)
             probs.append(q)
@@ -263,18 +265,45 @@ class SpecDecodeStep:
         of each request, whose earlier positions are in the cache."""
         positions = start.unsqueeze(1) + torch.arange(q_len, device=start.device)
         tables = self.block_tables[:bs]
-        blocks = tables.gather(1, (positions // self.block_size).clamp(max=tables.shape[1] - 1))
-        slots = blocks.to(torch.int64) * self.block_size + positions % self.block_size
-        slots = torch.where(positions < self.kv_limit[:bs].unsqueeze(1), slots, -1)
         token_rows = None
         if q_len > 1:
             token_rows = TokenRows(tables.repeat_interleave(q_len, dim=0), (positions + 1).view(-1).to(torch.int32))
         metadata = AttentionMetadata(
-            slot_mapping=slots.view(-1), block_tables=tables, seq_lens=(start + q_len).to(torch.int32),
+            slot_mapping=self._slots(positions, bs).view(-1), block_tables=tables,
+            seq_lens=(start + q_len).to(torch.int32),
             query_start_loc=torch.arange(0, (bs + 1) * q_len, q_len, dtype=torch.int32, device=start.device),
             max_query_len=q_len, max_seq_len=self.max_seq_len, token_rows=token_rows)
+        clamped = positions.clamp(max=self.max_model_len - 1).view(-1)
+        return self._logits(model, input_ids.reshape(-1), clamped, metadata)
+
+    def _one_token_rounds(self, first: torch.Tensor, rounds: int, bs: int
+                          ) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+        """(positions [bs], metadata) of `rounds` rounds of one token a request at first + 0, 1, ..., all
+        computed in one go: a handful of launches, not a dozen small ones a round."""
+        positions = first.unsqueeze(1) + torch.arange(rounds, device=first.device)  # [bs, rounds]
+        slots = self._slots(positions, bs).t().contiguous()  # [rounds, bs]: a round's row is contiguous
+        seq_lens = (positions + 1).to(torch.int32).t().contiguous()
+        clamped = positions.clamp(max=self.max_model_len - 1).t().contiguous()
+        query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=first.device)
+        return [(clamped[r], AttentionMetadata(
+            slot_mapping=slots[r], block_tables=self.block_tables[:bs], seq_lens=seq_lens[r],
+            query_start_loc=query_start_loc, max_query_len=1, max_seq_len=self.max_seq_len))
+            for r in range(rounds)]
+
+    def _slots(self, positions: torch.Tensor, bs: int) -> torch.Tensor:
+        """The KV-cache slots of positions [bs, n] of each request; -1 (a dropped write) from its kv_limit
+        on."""
+        tables = self.block_tables[:bs]
+        blocks = tables.gather(1, (positions // self.block_size).clamp(max=tables.shape[1] - 1))
+        slots = blocks.to(torch.int64) * self.block_size + positions % self.block_size
+        return torch.where(positions < self.kv_limit[:bs].unsqueeze(1), slots, -1)
+
+    @staticmethod
+    def _logits(model: ModelFns, input_ids: torch.Tensor, positions: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """model's logits [T, V] for input_ids [T] at positions [T], whose attention metadata is given."""
         with forward_context(metadata, model.attention_layers):
-            hidden = model.forward(input_ids.reshape(-1), positions.clamp(max=self.max_model_len - 1).view(-1))
+            hidden = model.forward(input_ids, positions)
         return model.compute_logits(hidden)
 
     # graphs
