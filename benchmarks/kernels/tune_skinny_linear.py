@@ -7,12 +7,14 @@
     python benchmarks/kernels/tune_skinny_linear.py chain --fp8           # the step with e4m3 projections
     python benchmarks/kernels/tune_skinny_linear.py shapes --split-k 1,2,4  # K split over 1, 2, 4 programs
     python benchmarks/kernels/tune_skinny_linear.py shapes --shapes o,down  # only these projections
+    python benchmarks/kernels/tune_skinny_linear.py shapes --rows 2,8 --fma-only  # FMA configs vs the table's
 
 Results go to $OUT/skinny_<phase>.jsonl (or /tmp), one JSON line each, as they are measured.
 
-shapes: per shape (qkv, o, gate_up, down, lm_head) and row count, cuBLAS F.linear and every config of the
-  kernel, timed as a CUDA-graph replay over enough weight copies (>= 400 MB) that no weight stays in L2,
-  divided by the number of copies. fastllm/kernels/skinny_linear.py holds the results and the table.
+shapes: per shape (qkv, o, gate_up, down, lm_head) and row count, cuBLAS F.linear, the table's config and
+  every config of the kernel, timed as a CUDA-graph replay over enough weight copies (>= 400 MB) that no
+  weight stays in L2, divided by the number of copies. fastllm/kernels/skinny_linear.py holds the results
+  and the table.
   --fp8: the e4m3 weight-streaming kernel (fp8_skinny_linear.py) over e4m3 weights, its configs with twice
   the BLOCK_K (the same bytes a load as bf16's), against cuBLAS bf16 and torch._scaled_mm.
 chain: the 32 layers' projections of one decode step with their norms and SiLU (attention left out) and
@@ -111,7 +113,8 @@ def emit(out, row: dict) -> None:
     out.flush()
 
 
-def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False, splits: tuple[int, ...] = (1,)) -> None:
+def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False, splits: tuple[int, ...] = (1,),
+               fma_only: bool = False) -> None:
     for name, (n, k) in shapes.items():
         nbytes = 1 if fp8 else 2
         copies = max(2, (400 << 20) // (n * k * nbytes))
@@ -129,8 +132,14 @@ def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False, split
                     return [torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=s.view(1, -1), out_dtype=DT)
                             for w, s in zip(quantized, scales)]
                 row["scaled_mm_us"] = graph_us(scaled_mm, copies)
+            if not fp8:  # the table's choice, the sweep's baseline
+                chosen = S.choose_config(rows, n, k)
+                row["chosen_us"] = graph_us(lambda: [S.launch(x, w, config=chosen) for w in weights], copies)
+                row["chosen_cfg"] = list(chosen)
             timed = []
             for cfg in configs(rows, nbytes, splits):
+                if fma_only and cfg.use_dot:
+                    continue
                 if fp8:
                     run = lambda: [fp8_skinny_linear.launch(x, q, s, config=cfg) for q, s in zip(quantized, scales)]  # noqa: E731
                 else:
@@ -242,6 +251,8 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="the e4m3 kernel (fp8_skinny_linear.py)")
     parser.add_argument("--split-k", default="1", help="shapes: splits of K to sweep, e.g. 1,2,4 (default 1)")
     parser.add_argument("--shapes", help="shapes: only these projections, e.g. o,down (default: all five)")
+    parser.add_argument("--fma-only", action="store_true", help="shapes: sweep the FMA configs only (against "
+                        "the table's choice, which every shapes row times)")
     parser.add_argument("--max-stages", type=int, help="chain: at most this many pipeline stages a config (a "
                         "program then leaves the next kernel's room in shared memory to start beside it)")
     args = parser.parse_args()
@@ -253,6 +264,8 @@ def main() -> None:
             table[(r["shape"], r["rows"])] = S.Config(*r["best_cfg"])
     if args.max_stages is not None and args.phase != "chain":
         parser.error("--max-stages caps the chain's configs only")
+    if args.fma_only and (args.phase != "shapes" or args.fp8):
+        parser.error("--fma-only sweeps the 16-bit kernel's shapes (the e4m3 kernel's FMA path is one row)")
     shapes, num_layers = model_shapes(args.model)
     if args.shapes:
         unknown = set(args.shapes.split(",")) - set(shapes)
@@ -263,7 +276,8 @@ def main() -> None:
     path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}_{tag}{'_fp8' if args.fp8 else ''}.jsonl"
     with open(path, "w") as out:
         if args.phase == "shapes":
-            run_shapes(shapes, rows_list, out, args.fp8, tuple(int(k) for k in args.split_k.split(",")))
+            run_shapes(shapes, rows_list, out, args.fp8, tuple(int(k) for k in args.split_k.split(",")),
+                       args.fma_only)
         else:
             run_chain(shapes, num_layers, rows_list, table, out, args.fp8, args.max_stages)
 
