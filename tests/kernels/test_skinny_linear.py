@@ -244,3 +244,18 @@ def test_fused_prologues_gpu(n_out, k_in):
     assert torch.equal(res_out, ref_res)
     ref = S.launch(normed, w, b, config=cfg)
     assert rel_err(out, ref) <= 2 ** -8, rel_err(out, ref)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [2, 5, 8])
+@pytest.mark.parametrize("n_out,k_in", [(4096, 1024), (1024, 3072), (6144, 4096)])
+def test_fma_rows_gpu(rows, n_out, k_in):
+    """FMA configs past one row (each tile's products reduced per row), bf16 at Qwen3-0.6B's and -8B's
+    shapes: against float64, and with the prologues within a bf16 rounding of the unfused pair."""
+    from fastllm.kernels.silu_and_mul import silu_and_mul
+
+    cfg = S.Config(8, 256, 4, 2, False)
+    _check("cuda", torch.bfloat16, rows, n_out, k_in, cfg, bias=True)
+    x, w, b = _fused_inputs("cuda", torch.bfloat16, rows, n_out, k_in, 2 * k_in)
+    out, ref = S.launch_silu_and_mul(x, w, b, config=cfg), S.launch(silu_and_mul(x), w, b, config=cfg)
+    assert rel_err(out, ref) <= 2 ** -8, rel_err(out, ref)
