@@ -46,6 +46,21 @@ def triton_on_cpu(monkeypatch, names) -> set[str]:
     return called
 
 
+def record_prologues(monkeypatch) -> list[int]:
+    """The prologue kind (skinny_linear.PLAIN, ADD_RMS_NORM, SILU_AND_MUL) of every skinny_linear launch of
+    this test, in order."""
+    from fastllm.kernels import skinny_linear
+
+    kinds: list[int] = []
+    launch = skinny_linear.launch
+
+    def recorded(*args, **kwargs):
+        kinds.append(kwargs.get("prologue", skinny_linear.Prologue()).kind)
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(skinny_linear, "launch", recorded)
+    return kinds
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64."""
     out, ref = out.double(), ref.double()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastllm import LLM, SamplingParams
 from fastllm.kernels import skinny_linear as S
 from tests.conftest import PROMPTS, STORIES, hf_greedy, tokenize
-from tests.kernels.kernel_testing import triton_on_cpu
+from tests.kernels.kernel_testing import record_prologues, triton_on_cpu
 
 FUSED_OPS = ("add_rms_norm_linear", "silu_and_mul_linear")
 NUM_TOKENS = 6
@@ -16,10 +16,7 @@ NUM_TOKENS = 6
 
 def test_fused_projections_in_the_model_give_hugging_faces_tokens(monkeypatch):
     called = triton_on_cpu(monkeypatch, FUSED_OPS)
-    prologues = []
-    launch = S.launch
-    monkeypatch.setattr(S, "launch", lambda *a, **kw: prologues.append(kw.get("prologue", S.Prologue()).kind)
-                        or launch(*a, **kw))
+    prologues = record_prologues(monkeypatch)
     llm = LLM(STORIES, device="cpu", dtype="float32", block_size=4, max_model_len=128)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
     for prompt, ids in zip(PROMPTS[:2], tokenize(PROMPTS[:2])):

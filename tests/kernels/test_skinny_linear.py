@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fastllm.kernels import skinny_linear as S
 from fastllm.kernels import triton_impl
-from tests.kernels.kernel_testing import bucket_edges, gpu, rel_err
+from tests.kernels.kernel_testing import bucket_edges, gpu, record_prologues, rel_err
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
 
@@ -196,10 +196,7 @@ def test_fused_ops_take_one_launch_where_the_config_sums_in_fmas(device, monkeyp
 
     from fastllm.kernels import reference
 
-    launches = []
-    real_launch = S.launch
-    monkeypatch.setattr(S, "launch", lambda *a, **kw: launches.append(kw.get("prologue", S.Prologue()).kind)
-                        or real_launch(*a, **kw))
+    launches = record_prologues(monkeypatch)
     w_qkv, w_down = torch.randn(48, 64, device=device), torch.randn(64, 32, device=device)
     norm_w = torch.rand(64, device=device) + 0.5
     caplog.set_level(logging.INFO, logger="fastllm.kernels")
@@ -251,7 +248,7 @@ def test_fused_prologues_gpu(n_out, k_in):
 @pytest.mark.parametrize("n_out,k_in", [(4096, 1024), (1024, 3072), (6144, 4096)])
 def test_fma_rows_gpu(rows, n_out, k_in):
     """FMA configs past one row (each tile's products reduced per row), bf16 at Qwen3-0.6B's and -8B's
-    shapes: against float64, and with the prologues within a bf16 rounding of the unfused pair."""
+    shapes: against float64, and with the SiLU prologue within a bf16 rounding of the unfused pair."""
     from fastllm.kernels.silu_and_mul import silu_and_mul
 
     cfg = S.Config(8, 256, 4, 2, False)
