@@ -7,7 +7,6 @@
     python benchmarks/kernels/tune_skinny_linear.py chain --fp8           # the step with e4m3 projections
     python benchmarks/kernels/tune_skinny_linear.py shapes --split-k 1,2,4  # K split over 1, 2, 4 programs
     python benchmarks/kernels/tune_skinny_linear.py shapes --shapes o,down  # only these projections
-    python benchmarks/kernels/tune_skinny_linear.py shapes --rows 2,8 --fma-only  # FMA configs vs the table's
 
 Results go to $OUT/skinny_<phase>.jsonl (or /tmp), one JSON line each, as they are measured.
 
@@ -42,7 +41,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -92,19 +90,13 @@ def graph_us(fn, per_replay: int) -> float:
 
 
 def configs(rows: int, element_size: int = 2, splits: tuple[int, ...] = (1,)) -> list[S.Config]:
-    """The sweep, BLOCK_K in elements scaled to the same bytes a load as bf16's, each at every split of K.
-    FMA configs where the kernel runs them (bf16: up to FMA_MAX_ROWS rows, a tile's products held for its
-    padded rows; e4m3: one row)."""
+    """The sweep, BLOCK_K in elements scaled to the same bytes a load as bf16's, each at every split of K."""
     widen = 2 // element_size
     dot = [S.Config(bn, bk * widen, w, st, True) for bn, bk, w, st in
            itertools.product([16, 32, 64, 128], [128, 256, 512], [4, 8], [3, 4, 5]) if bn * bk <= 32768]
-    held = triton.next_power_of_2(rows)
     fma = [S.Config(bn, bk * widen, w, st, False) for bn, bk, w, st in
-           itertools.product([8, 16, 32], [128, 256, 512, 1024], [4, 8], [2, 3])
-           if bn * bk * held <= 16384 and (bk >= 512 or held > 1)]
-    fma_rows = S.FMA_MAX_ROWS if element_size == 2 else 1
-    chosen = dot + (fma if rows <= fma_rows else [])
-    return [cfg._replace(split_k=split) for cfg in chosen for split in splits]
+           itertools.product([8, 16, 32], [512, 1024], [4, 8], [2, 3]) if bn * bk * rows <= 16384]
+    return [cfg._replace(split_k=split) for cfg in dot + (fma if rows <= 2 else []) for split in splits]
 
 
 def emit(out, row: dict) -> None:
@@ -113,8 +105,7 @@ def emit(out, row: dict) -> None:
     out.flush()
 
 
-def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False, splits: tuple[int, ...] = (1,),
-               fma_only: bool = False) -> None:
+def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False, splits: tuple[int, ...] = (1,)) -> None:
     for name, (n, k) in shapes.items():
         nbytes = 1 if fp8 else 2
         copies = max(2, (400 << 20) // (n * k * nbytes))
@@ -138,8 +129,6 @@ def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False, split
                 row["chosen_cfg"] = list(chosen)
             timed = []
             for cfg in configs(rows, nbytes, splits):
-                if fma_only and cfg.use_dot:
-                    continue
                 if fp8:
                     run = lambda: [fp8_skinny_linear.launch(x, q, s, config=cfg) for q, s in zip(quantized, scales)]  # noqa: E731
                 else:
@@ -251,8 +240,6 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="the e4m3 kernel (fp8_skinny_linear.py)")
     parser.add_argument("--split-k", default="1", help="shapes: splits of K to sweep, e.g. 1,2,4 (default 1)")
     parser.add_argument("--shapes", help="shapes: only these projections, e.g. o,down (default: all five)")
-    parser.add_argument("--fma-only", action="store_true", help="shapes: sweep the FMA configs only (against "
-                        "the table's choice, which every shapes row times)")
     parser.add_argument("--max-stages", type=int, help="chain: at most this many pipeline stages a config (a "
                         "program then leaves the next kernel's room in shared memory to start beside it)")
     args = parser.parse_args()
@@ -264,8 +251,6 @@ def main() -> None:
             table[(r["shape"], r["rows"])] = S.Config(*r["best_cfg"])
     if args.max_stages is not None and args.phase != "chain":
         parser.error("--max-stages caps the chain's configs only")
-    if args.fma_only and (args.phase != "shapes" or args.fp8):
-        parser.error("--fma-only sweeps the 16-bit kernel's shapes (the e4m3 kernel's FMA path is one row)")
     shapes, num_layers = model_shapes(args.model)
     if args.shapes:
         unknown = set(args.shapes.split(",")) - set(shapes)
@@ -276,8 +261,7 @@ def main() -> None:
     path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}_{tag}{'_fp8' if args.fp8 else ''}.jsonl"
     with open(path, "w") as out:
         if args.phase == "shapes":
-            run_shapes(shapes, rows_list, out, args.fp8, tuple(int(k) for k in args.split_k.split(",")),
-                       args.fma_only)
+            run_shapes(shapes, rows_list, out, args.fp8, tuple(int(k) for k in args.split_k.split(",")))
         else:
             run_chain(shapes, num_layers, rows_list, table, out, args.fp8, args.max_stages)
 

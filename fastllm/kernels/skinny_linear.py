@@ -1,19 +1,17 @@
 """Projections of a decode batch (a few rows): y = x @ W^T (+ bias) as a weight-streaming kernel.
 
 At decode batch sizes a projection is a matrix-vector product: its time is the read of W [N, K]. Each
-program streams BLOCK_N rows of W over the whole K (or a split of it) while the few rows of x stay in L2.
-A config sums in FMAs (use_dot False: one row keeps per-lane partial sums over the loop and reduces them
-once at the end; up to FMA_MAX_ROWS rows reduce each tile's products) or in tl.dot (rows padded to 16).
-Up to MAX_ROWS rows; larger batches are GEMMs, which cuBLAS does better, and the public `linear` hands
-them to it.
+program streams BLOCK_N rows of W over the whole K (no split-K, so no reduction pass) while the few rows
+of x stay in L2. One row takes an FMA path (per-lane partial sums over the loop, one cross-lane reduction
+at the end); more rows tl.dot, padded to 16 rows. Up to MAX_ROWS rows; larger batches are GEMMs, which
+cuBLAS does better, and the public `linear` hands them to it.
 
-On the FMA path the input may be computed in the loads rather than read (Prologue): rms_norm(x +
+On the one-row FMA path the input may be computed in the loads rather than read (Prologue): rms_norm(x +
 residual), the first program storing the residual sum, or silu(gate) * up of x = [gate | up]. Every program
 recomputes its tiles from L2: a launch saved for a little elementwise work. The norm's 1 / rms is a per-row
 factor, so it divides the finished sums (sum_k W[n, k] w[k] h[k] / rms(h)) and no pass over K precedes the
-weights' stream; so a program needs all of K (unsplit). The fused ops take it wherever the chosen config
-sums in FMAs (the tables choose FMA at one row only, so far), for latency-bound weights (<=
-SMALL_WEIGHT_BYTES): every program's re-reads of x cost more than the launch saved on Qwen3-8B's
+weights' stream; so a program needs all of K (unsplit). The fused ops take it for latency-bound weights
+(<= SMALL_WEIGHT_BYTES): every program's re-reads of x cost more than the launch saved on Qwen3-8B's
 (tune_skinny_linear.py chain at one row: Qwen3-0.6B's projections 0.73 -> 0.66 ms a step, the 8B's 4.06 ->
 4.32). Not under tl.dot: a tile from registers rather than shared memory made the 0.6B's projections 3-4x
 slower at 2-8 rows.
@@ -43,7 +41,6 @@ from fastllm.kernels.split_counters import split_counters
 logger = logging.getLogger("fastllm.kernels")
 
 MAX_ROWS = 32
-FMA_MAX_ROWS = 8  # an FMA config (use_dot False) holds up to this many rows, padded to a power of two
 
 
 @triton.jit
@@ -180,11 +177,9 @@ def _skinny_linear_kernel(
         sum_sq += tile_sum_sq
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        elif BLOCK_M == 1:
+        else:  # BLOCK_M == 1
             acc_lanes += x.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
-        else:  # a few rows in FMAs: each row's products, summed over the tile
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    if not USE_DOT and BLOCK_M == 1:
+    if not USE_DOT:
         acc = tl.sum(acc_lanes, axis=1)[None, :]
     if PROLOGUE == _ADD_RMS_NORM:  # sum_k W[n, k] * norm_w[k] * h[k], divided by h's rms
         acc = acc * tl.rsqrt(sum_sq / k_in + eps)[:, None]
@@ -206,7 +201,7 @@ class Config(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    use_dot: bool = True  # False: FMAs (here up to FMA_MAX_ROWS rows, the e4m3 kernel one), tl.dot above
+    use_dot: bool = True  # False: the one-row FMA path
     prefetch_k: int = 0  # columns of each W row prefetched into L2 before the PDL wait
     split_k: int = 1  # programs a column tile's K is split over (the last to finish adds the partials)
 
@@ -296,8 +291,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         assert residual_out.is_contiguous()
         assert norm_weight.shape == (k_in,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
     cfg = config or choose_config(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
-    use_dot = cfg.use_dot or num_rows > FMA_MAX_ROWS
-    assert prologue.kind == PLAIN or not use_dot, "prologues run on the FMA path"
+    use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
+    assert prologue.kind == PLAIN or not use_dot, "prologues run on the one-row FMA path"
     assert prologue.kind != ADD_RMS_NORM or cfg.split_k == 1, "the norm's sums of squares need all of K"
     tiles = triton.cdiv(n_out, cfg.block_n)
     part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)
@@ -305,7 +300,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x, weight, bias if bias is not None else weight, out, part, counters, num_rows, n_out, k_in, x.stride(0),
         residual, prologue.norm_weight if prologue.kind == ADD_RMS_NORM else weight, residual_out,
         residual.stride(0), prologue.eps,
-        HAS_BIAS=bias is not None, BLOCK_M=max(16 if use_dot else 1, triton.next_power_of_2(num_rows)),
+        HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
         SPLIT_K=cfg.split_k,
         **prefetch_args(cfg, x.element_size()), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -368,10 +363,12 @@ def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Te
         return False
     why = None
     cfg = choose_config(x.shape[0], *weight.shape, x.element_size())
-    if weight.numel() * weight.element_size() > SMALL_WEIGHT_BYTES:
+    if x.shape[0] > 1:
+        why = "batches of more than one row"
+    elif weight.numel() * weight.element_size() > SMALL_WEIGHT_BYTES:
         why = f"weights over {SMALL_WEIGHT_BYTES >> 20} MiB (streaming more than latency-bound)"
-    elif cfg.use_dot or x.shape[0] > FMA_MAX_ROWS:
-        why = "projections whose config at their row count takes tl.dot"
+    elif cfg.use_dot:
+        why = f"[{weight.shape[0]}, {weight.shape[1]}] weights, whose one-row config takes tl.dot"
     elif any(t.dtype != x.dtype or t.stride(-1) != 1 for t in same_dtype):
         why = "a residual or norm weight not of the input's dtype, or strided"
     elif op == "add_rms_norm_linear" and cfg.split_k > 1:
@@ -386,7 +383,7 @@ def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Te
 
 def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual): one launch where _fuses."""
+    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual): one launch at one row (_fuses)."""
     if _fuses("add_rms_norm_linear", x, weight, residual, norm_weight):
         return launch_add_rms_norm(x, residual, norm_weight, eps, weight, bias)
     normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
@@ -394,7 +391,7 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
 
 
 def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(silu(gate) * up) @ weight^T (+ bias) of x = [gate | up]: one launch where _fuses."""
+    """(silu(gate) * up) @ weight^T (+ bias) of x = [gate | up]: one launch at one row (_fuses)."""
     if _fuses("silu_and_mul_linear", x, weight):
         return launch_silu_and_mul(x, weight, bias)
     return linear(silu_and_mul(x), weight, bias)

@@ -1,7 +1,7 @@
 """The weight-streaming kernels compiled for real GPUs on the CPU (Triton's own ptxas, no device): every
 launch config in their tables builds for sm_90 and fits the 99 KB of shared memory a block has on sm_89 (the
-smallest GPU FP8 runs on), split K builds in every variant, and the FMA configs build at two and eight rows
-and with the fused norm and SiLU loads. So do the kernels that quantize the e4m3
+smallest GPU FP8 runs on), split K builds in every variant, and so do the fused norm and SiLU loads on the
+one-row FMA configs. So do the kernels that quantize the e4m3
 kernel's activations (the quantizer, with rows held in registers up to its widest and rows it loops over; the
 RMSNorm and SiLU-and-mul kernels' quantizing variants) and the e4m3 kernel's one row taking them. The
 interpreter runs the kernels' math in the other tests; this is what it cannot see: a construct the GPU
@@ -38,13 +38,13 @@ def compile_for(capability: int, fn, signature: dict, constexprs: dict, cfg: S.C
 
 
 def bf16_kernel(capability: int, cfg: S.Config, rows: int, prologue: int = S.PLAIN) -> int:
-    dot = cfg.use_dot or rows > S.FMA_MAX_ROWS
+    dot = cfg.use_dot or rows > 1
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", **_SPLIT_ARGS,
                  **_SHAPE_ARGS, "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_out_ptr": "*bf16",
                  "stride_rm": "i32", "eps": "fp32"}
-    constexprs = dict(HAS_BIAS=True, BLOCK_M=max(16 if dot else 1, triton.next_power_of_2(rows)),
-                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=True, USE_DOT=dot, SPLIT_K=cfg.split_k,
-                      USE_PDL=capability >= 90, PREFETCH_LINES=0, LINE=64, PROLOGUE=prologue)
+    constexprs = dict(HAS_BIAS=True, BLOCK_M=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      EVEN_K=True, USE_DOT=dot, SPLIT_K=cfg.split_k, USE_PDL=capability >= 90, PREFETCH_LINES=0,
+                      LINE=64, PROLOGUE=prologue)
     return compile_for(capability, S._skinny_linear_kernel, signature, constexprs, cfg)
 
 
@@ -101,12 +101,11 @@ def check_all() -> None:
             kernel(90, cfg, bucket)
         for cfg, rows in SPLIT_VARIANTS:
             kernel(90, cfg, rows)
-    for bucket, cfg in table(S):  # the FMA configs at 1-8 rows, with the fused norm's and SiLU's loads
-        if not cfg.use_dot:
-            variants = ((1, S.ADD_RMS_NORM), (1, S.SILU_AND_MUL), (2, S.PLAIN), (S.FMA_MAX_ROWS, S.PLAIN))
-            for rows, prologue in variants:
-                assert bf16_kernel(89, cfg, rows, prologue) <= SM89_SHARED_BYTES, (rows, cfg, prologue)
-                bf16_kernel(90, cfg, rows, prologue)
+    for bucket, cfg in table(S):  # the fused norm's and SiLU's loads: the one-row FMA configs
+        if bucket == 1 and not cfg.use_dot:
+            for prologue in (S.ADD_RMS_NORM, S.SILU_AND_MUL):
+                assert bf16_kernel(89, cfg, bucket, prologue) <= SM89_SHARED_BYTES, (bucket, cfg, prologue)
+                bf16_kernel(90, cfg, bucket, prologue)
     for bucket, cfg in table(F):  # float32 outputs: the unswapped dot
         fp8_kernel(90, cfg, bucket, swap_ab=False)
     for one_pass in (True, False):
@@ -116,9 +115,9 @@ def check_all() -> None:
     for capability in (89, 90):
         quantizing_norm_and_silu(capability)
         fp8_kernel(capability, F._ONE_ROW_16BIT, 1, prequant=True)
-    fma = 8 * sum(not cfg.use_dot for _, cfg in table(S))
+    fused = 4 * sum(bucket == 1 and not cfg.use_dot for bucket, cfg in table(S))
     plain = sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)) + len(table(F)) + 14
-    print("compiled", plain + fma, "kernels")
+    print("compiled", plain + fused, "kernels")
 
 
 def test_every_table_config_and_split_k_build_for_sm90_and_fit_sm89_shared_memory():
