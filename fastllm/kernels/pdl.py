@@ -12,8 +12,7 @@ On a decode step every one of our kernels follows a cuBLAS GEMM or another of ou
 attention and the argmax are ~130 launch-bound kernels a step for an 8B model.
 `FASTLLM_PDL=0` turns it off (the launches and results are otherwise the same). `FASTLLM_PDL=trigger` also
 has each kernel let the next one launch as soon as it starts (see `wait`); end to end it was within noise
-(README, "FP8 weights"), so it is off by default, except inside early_triggers.py's scope: a small model's
-latency-bound kernels (the speculative draft's rounds, README "Speculative decoding").
+(README, "FP8 weights"), so it is off by default.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from fastllm.kernels import early_triggers
 
 logger = logging.getLogger("fastllm.kernels")
 
@@ -50,17 +47,7 @@ def _mode(device_index: int) -> int:
 def _device_mode(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
-    mode = _mode(device.index if device.index is not None else torch.cuda.current_device())
-    if mode == 1 and early_triggers.active():
-        _log_scoped_triggers()
-        return 2
-    return mode
-
-
-@functools.lru_cache(maxsize=None)
-def _log_scoped_triggers() -> None:
-    logger.info("programmatic dependent launch with early triggers for the kernels in early_triggers() "
-                "(the speculative draft's rounds)")
+    return _mode(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def enabled(device: torch.device) -> bool:

@@ -38,7 +38,6 @@ import torch
 from fastllm.compile.cuda_graphs import (SAMPLING_ROWS, graph_sampling_metadata, record_graph, reset_graphs,
                                          time_graph)
 from fastllm.kernels import dispatch as kernels
-from fastllm.kernels.early_triggers import early_triggers
 from fastllm.layers.sampler import exponential_noise, filtered_probs
 from fastllm.spec_decode.rejection_sampler import accept_drafts
 from fastllm.worker.attn_metadata import AttentionMetadata, TokenRows, forward_context
@@ -224,13 +223,7 @@ class SpecDecodeStep:
 
     def propose(self, bs: int, sampling: bool) -> None:
         """The draft over (the last accepted input, the bonus token) at (position, position + 1), then
-        its k - 1 one-token rounds: the next k drafts, out[:, k + 2:]. The draft's kernels trigger early
-        (kernels/early_triggers.py): a small model's launches are latency-bound (README, "Speculative
-        decoding")."""
-        with early_triggers():
-            self._propose(bs, sampling)
-
-    def _propose(self, bs: int, sampling: bool) -> None:
+        its k - 1 one-token rounds: the next k drafts, out[:, k + 2:]."""
         k = self.k
         metadata = graph_sampling_metadata(self.sampling_params[:, :bs]) if sampling else None
         last = self.out[:bs, k + 1:k + 2] - 1  # [bs, 1]: the accepted drafts' count

@@ -84,19 +84,3 @@ def test_pdl_kernels_equal_plain_launch(device, name, setting, monkeypatch):
 def _fresh_mode():
     yield
     pdl._mode.cache_clear()  # the next test reads FASTLLM_PDL as it is then
-
-
-def test_early_triggers_scope_turns_plain_pdl_into_triggers_only_inside(monkeypatch):
-    """Inside early_triggers() a PDL launch triggers (mode 2) where PDL is on plainly; off stays off, and
-    FASTLLM_PDL=trigger triggers everywhere. (The device mode is faked: no GPU needed.)"""
-    from fastllm.kernels.early_triggers import early_triggers
-
-    cuda = torch.device("cuda", 0)
-    for base, outside, inside in ((0, 0, 0), (1, 1, 2), (2, 2, 2)):
-        monkeypatch.setattr(pdl, "_mode", lambda index, base=base: base)
-        assert pdl.launch_options(cuda).get("USE_PDL", 0) == outside
-        with early_triggers():
-            assert pdl.launch_options(cuda).get("USE_PDL", 0) == inside
-            assert pdl.triggers(cuda) == (inside == 2)
-        assert pdl.launch_options(cuda).get("USE_PDL", 0) == outside
-    assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": 0}

@@ -91,30 +91,6 @@ def test_drafts_read_on_the_device_are_the_ones_the_host_would_read(monkeypatch)
     assert accepted > 0
 
 
-def test_the_draft_rounds_alone_run_with_early_pdl_triggers():
-    """The batched step's draft forwards run inside early_triggers() (its kernels, where PDL is on, let the
-    next one start early); the target's verify does not."""
-    from dataclasses import replace
-
-    from fastllm.kernels import early_triggers
-
-    llm = LLM(STORIES, dtype="float32", device="cpu", num_gpu_blocks=256,
-              speculative_config={"model": DRAFT, "num_speculative_tokens": 3, "adaptive": False})
-    step = llm.engine.worker.runner.spec.step
-    seen = {"target": set(), "draft": set()}
-
-    def recording(name, fns):
-        def forward(*args):
-            seen[name].add(early_triggers.active())
-            return fns.forward(*args)
-        return replace(fns, forward=forward)
-
-    step.target, step.draft = recording("target", step.target), recording("draft", step.draft)
-    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
-    assert seen == {"target": {False}, "draft": {True}}
-    assert not early_triggers.active()
-
-
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_ngram_lookup_keeps_the_targets_tokens(k, path_counts):
     prompts = REPEATING + PROMPTS[:3]
