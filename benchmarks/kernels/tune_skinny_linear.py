@@ -105,7 +105,8 @@ def emit(out, row: dict) -> None:
     out.flush()
 
 
-def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False, splits: tuple[int, ...] = (1,)) -> None:
+def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False,
+               splits: tuple[int, ...] = (1,)) -> None:
     for name, (n, k) in shapes.items():
         nbytes = 1 if fp8 else 2
         copies = max(2, (400 << 20) // (n * k * nbytes))

@@ -43,8 +43,8 @@ def bf16_kernel(capability: int, cfg: S.Config, rows: int, prologue: int = S.PLA
                  **_SHAPE_ARGS, "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_out_ptr": "*bf16",
                  "stride_rm": "i32", "eps": "fp32"}
     constexprs = dict(HAS_BIAS=True, BLOCK_M=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      EVEN_K=True, USE_DOT=dot, SPLIT_K=cfg.split_k, USE_PDL=capability >= 90, PREFETCH_LINES=0,
-                      LINE=64, PROLOGUE=prologue)
+                      EVEN_K=True, USE_DOT=dot, SPLIT_K=cfg.split_k, USE_PDL=capability >= 90,
+                      PREFETCH_LINES=0, LINE=64, PROLOGUE=prologue)
     return compile_for(capability, S._skinny_linear_kernel, signature, constexprs, cfg)
 
 

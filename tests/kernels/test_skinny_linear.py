@@ -36,7 +36,8 @@ def _check(device, dtype, rows, n_out, k_in, cfg=None, bias=False):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 64), (1, 100, 200), (3, 64, 96), (16, 33, 128), (32, 70, 256)])
+@pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 64), (1, 100, 200), (3, 64, 96), (16, 33, 128),
+                                             (32, 70, 256)])
 @pytest.mark.parametrize("cfg", [S.Config(32, 64, 4, 2, True), S.Config(16, 64, 4, 2, False), None,
                                  S.Config(32, 32, 4, 2, True, split_k=3), S.Config(16, 32, 4, 2, False, split_k=4)],
                          ids=["dot", "fma-one-row", "chosen", "dot-split3", "fma-one-row-split4"])
