@@ -8,9 +8,10 @@ cuBLAS does better, and the public `linear` hands them to it.
 
 On the one-row FMA path the input may be computed in the loads rather than read (Prologue): rms_norm(x +
 residual), the first program storing the residual sum, or silu(gate) * up of x = [gate | up]. Every program
-recomputes its tiles from L2: a launch saved for a little elementwise work. The norm's 1 / rms is a per-row
-factor, so it divides the finished sums (sum_k W[n, k] w[k] h[k] / rms(h)) and no pass over K precedes the
-weights' stream; so a program needs all of K (unsplit). The fused ops take it for latency-bound weights
+recomputes its tiles from L2: a launch saved for a little elementwise work. Each rounds where the unfused
+kernels round, so the pair's results come out (the norm's program first passes over K for the row's rms,
+as the norm kernel needs it before rounding h / rms; launches with the norm are unsplit, so program 0 alone
+stores the residual sum). The fused ops take it for latency-bound weights
 (<= SMALL_WEIGHT_BYTES): every program's re-reads of x cost more than the launch saved on Qwen3-8B's
 (tune_skinny_linear.py chain at one row: Qwen3-0.6B's projections 0.73 -> 0.66 ms a step, the 8B's 4.06 ->
 4.32). Not under tl.dot: a tile from registers rather than shared memory made the 0.6B's projections 3-4x
@@ -119,30 +120,49 @@ _ADD_RMS_NORM, _SILU_AND_MUL = tl.constexpr(ADD_RMS_NORM), tl.constexpr(SILU_AND
 
 
 @triton.jit
-def input_tile(x_rows, res_rows, res_out_rows, norm_w_ptr, ks, mask, k_ok, k_in, store,
-               PROLOGUE: tl.constexpr):
-    """The input's [BLOCK_M, BLOCK_K] tile at columns ks in the model dtype, and ADD_RMS_NORM's sums of
-    squares of x + residual over it per row [BLOCK_M] (zeros otherwise). ADD_RMS_NORM's tile is norm_w *
-    (x + residual), not yet divided by the row's rms: the kernel scales the finished sums instead, so no
-    pass over K comes before the weights stream. With `store`, the tile's x + residual is written."""
+def residual_sum(x_rows, res_rows, ks, mask):
+    """x + residual over the tile, rounded as fused_add_rms_norm rounds it: the residual the next layer
+    adds to."""
     x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-    sum_sq = tl.zeros([x.shape[0]], tl.float32)
-    if PROLOGUE == _ADD_RMS_NORM:
-        # the residual sum, rounded as fused_add_rms_norm rounds it: what the next layer adds to
-        res = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
-        h = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+    res = tl.load(res_rows + ks[None, :], mask=mask, other=0.0)
+    return (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def inv_rms_of_sum(x_rows, res_rows, res_out_rows, row_ok, k_in, eps, store, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+    """ADD_RMS_NORM's pass over K before the weights stream: each row's 1 / rms(x + residual) [BLOCK_M],
+    so the tiles round as the norm kernel rounds them. With `store`, x + residual is written."""
+    sum_sq = tl.zeros([row_ok.shape[0]], tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        mask = row_ok[:, None] & k_mask(ks, k_in, EVEN_K)[None, :]
+        h = residual_sum(x_rows, res_rows, ks, mask)
         if store:
             tl.store(res_out_rows + ks[None, :], h, mask=mask)
         hf = h.to(tl.float32)
-        sum_sq = tl.sum(hf * hf, axis=1)
+        sum_sq += tl.sum(hf * hf, axis=1)
+    return tl.rsqrt(sum_sq / k_in + eps)
+
+
+@triton.jit
+def input_tile(x_rows, res_rows, norm_w_ptr, inv_rms, ks, mask, k_ok, k_in, PROLOGUE: tl.constexpr):
+    """The input's [BLOCK_M, BLOCK_K] tile at columns ks in the model dtype: x; norm_w * rms_norm(x +
+    residual), rounded where fused_add_rms_norm rounds (inv_rms from inv_rms_of_sum); or silu(gate) * up,
+    rounded where the SiLU kernel rounds."""
+    if PROLOGUE == _ADD_RMS_NORM:
+        h = residual_sum(x_rows, res_rows, ks, mask)
+        normed = (h.to(tl.float32) * inv_rms[:, None]).to(h.dtype)
         norm_w = tl.load(norm_w_ptr + ks, mask=k_ok, other=0.0)
-        x = (norm_w.to(tl.float32)[None, :] * hf).to(x.dtype)
-    elif PROLOGUE == _SILU_AND_MUL:
-        up = tl.load(x_rows + k_in + ks[None, :], mask=mask, other=0.0)
-        g = x.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(x.dtype)  # rounded as the SiLU kernel rounds
-        x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
-    return x, sum_sq
+        x = (norm_w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(h.dtype)
+    else:
+        x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
+        if PROLOGUE == _SILU_AND_MUL:
+            up = tl.load(x_rows + k_in + ks[None, :], mask=mask, other=0.0)
+            g = x.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
+            x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+    return x
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -165,24 +185,23 @@ def _skinny_linear_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
     res_rows, res_out_rows = res_ptr + rows[:, None] * stride_rm, res_out_ptr + rows[:, None] * k_in
-    sum_sq = tl.zeros([BLOCK_M], tl.float32)  # ADD_RMS_NORM's (its launches are unsplit: all of K here)
     prefetch_weights(w_rows, k_lo, k_hi, USE_PDL, PREFETCH_LINES, LINE)
     pdl.wait(USE_PDL)  # launched with PDL (pdl.py): nothing before it reads what an earlier kernel wrote
+    inv_rms = tl.zeros([BLOCK_M], tl.float32)
+    if PROLOGUE == _ADD_RMS_NORM:  # (its launches are unsplit)
+        inv_rms = inv_rms_of_sum(x_rows, res_rows, res_out_rows, row_ok, k_in, eps, pid == 0, BLOCK_K, EVEN_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = k_mask(ks, k_hi, EVEN_K)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x, tile_sum_sq = input_tile(x_rows, res_rows, res_out_rows, norm_w_ptr, ks,
-                                    row_ok[:, None] & k_ok[None, :], k_ok, k_in, pid == 0, PROLOGUE)
-        sum_sq += tile_sum_sq
+        x = input_tile(x_rows, res_rows, norm_w_ptr, inv_rms, ks, row_ok[:, None] & k_ok[None, :], k_ok, k_in,
+                       PROLOGUE)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:  # BLOCK_M == 1
             acc_lanes += x.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
     if not USE_DOT:
         acc = tl.sum(acc_lanes, axis=1)[None, :]
-    if PROLOGUE == _ADD_RMS_NORM:  # sum_k W[n, k] * norm_w[k] * h[k], divided by h's rms
-        acc = acc * tl.rsqrt(sum_sq / k_in + eps)[:, None]
     mask = row_ok[:, None] & col_ok[None, :]
     acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
     if last:
@@ -293,7 +312,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cfg = config or choose_config(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
     assert prologue.kind == PLAIN or not use_dot, "prologues run on the one-row FMA path"
-    assert prologue.kind != ADD_RMS_NORM or cfg.split_k == 1, "the norm's sums of squares need all of K"
+    assert prologue.kind != ADD_RMS_NORM or cfg.split_k == 1, "the norm's prologue runs unsplit"
     tiles = triton.cdiv(n_out, cfg.block_n)
     part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)
     _skinny_linear_kernel[(tiles, cfg.split_k)](
@@ -372,7 +391,7 @@ def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Te
     elif any(t.dtype != x.dtype or t.stride(-1) != 1 for t in same_dtype):
         why = "a residual or norm weight not of the input's dtype, or strided"
     elif op == "add_rms_norm_linear" and cfg.split_k > 1:
-        why = "projections whose config splits K (the norm needs all of K in each program)"
+        why = "projections whose config splits K (the norm's prologue runs unsplit)"
     if why is None:
         return True
     if (op, why) not in _logged:
