@@ -24,7 +24,19 @@ import triton
 import triton.language as tl
 
 MAX_PROGRAMS = 24  # (each program signals every peer twice a call: more programs, more signals)
-BLOCK = 1024  # elements a program moves per iteration: 8 per thread at 4 warps, 16 B of bf16
+# (largest message in bytes, elements a program moves per iteration, warps), from sweeps on two H200s
+# (README, "Several GPUs"): up to 64 KB, wide blocks of 16 warps beat (1024, 4) (6.3 against 8.0 us at 64
+# KB). Above 64 KB (NCCL's range at 2 ranks) configs of 32-64 programs of 2048 elements ran 1.3-1.8x faster
+# than (1024, 4) in some processes and stalled ~0.4-1.8 ms a call in others (not explained), so they are
+# not taken.
+LAUNCH_CONFIGS = ((16 << 10, 1024, 4), (64 << 10, 4096, 16), (None, 1024, 4))
+
+
+def launch_config(numel: int, element_size: int) -> tuple[int, int, int]:
+    """(programs, BLOCK, warps) for a message of numel elements."""
+    nbytes = numel * element_size
+    block, warps = next((b, w) for limit, b, w in LAUNCH_CONFIGS if limit is None or nbytes <= limit)
+    return min(MAX_PROGRAMS, triton.cdiv(numel, block)), block, warps
 ABORT_EVERY = 256  # spins between reads of the abort flag, which cross PCIe
 
 
@@ -96,8 +108,9 @@ def one_shot_all_reduce(x: torch.Tensor, buffers: torch.Tensor, pads: torch.Tens
     each pad signal_pad_bytes(world), zeroed once); abort: one int32 every spin polls."""
     x = x.contiguous()
     out = torch.empty_like(x)
-    grid = (min(MAX_PROGRAMS, triton.cdiv(x.numel(), BLOCK)),)
-    _one_shot_all_reduce_kernel[grid](x, out, buffers, pads, abort.data_ptr(), x.numel(), rank,
-                                      WORLD=buffers.numel(), BLOCK=BLOCK, ABORT_EVERY=ABORT_EVERY)
+    programs, block, warps = launch_config(x.numel(), x.element_size())
+    _one_shot_all_reduce_kernel[(programs,)](x, out, buffers, pads, abort.data_ptr(), x.numel(), rank,
+                                             WORLD=buffers.numel(), BLOCK=block, ABORT_EVERY=ABORT_EVERY,
+                                             num_warps=warps)
     return out
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from fastllm.kernels.one_shot_all_reduce import (
-    BLOCK,
     MAX_PROGRAMS,
+    launch_config,
     one_shot_all_reduce,
     signal_pad_bytes,
 )
@@ -36,24 +36,34 @@ def pad(world: int, device="cpu") -> torch.Tensor:
     return torch.zeros(signal_pad_bytes(world) // 4, dtype=torch.int32, device=device)
 
 
-def barrier_counts(world: int, numel: int, calls: int) -> torch.Tensor:
-    """What a rank's pad holds after `calls` calls on numel elements: two barriers a call, counted by each
+def barrier_counts(world: int, x: torch.Tensor, calls: int) -> torch.Tensor:
+    """What a rank's pad holds after `calls` calls on x's size: two barriers a call, counted by each
     block that ran, from every rank (its own count included)."""
     want = torch.zeros(MAX_PROGRAMS, world, dtype=torch.int32)
-    want[:min(MAX_PROGRAMS, -(-numel // BLOCK))] = 2 * calls
+    want[:launch_config(x.numel(), x.element_size())[0]] = 2 * calls
     return want.view(-1)
+
+
+def test_launch_configs_by_message_size():
+    """One program for a tiny message, the steps at 16 and 64 KB, and at most MAX_PROGRAMS."""
+    assert launch_config(8, 2) == (1, 1024, 4)
+    assert launch_config(8192, 2) == (8, 1024, 4)  # 16 KB
+    assert launch_config(8193, 2) == (3, 4096, 16)
+    assert launch_config(16384, 4) == (4, 4096, 16)  # 64 KB of float32
+    assert launch_config(16385, 4) == (17, 1024, 4)
+    assert launch_config(1 << 20, 2) == (MAX_PROGRAMS, 1024, 4)
 
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("numel", [8, 1000, 3000, 30000])  # one program ... every program looping
+@pytest.mark.parametrize("numel", [8, 1000, 3000, 30000, 40000])  # one program ... every program looping
 def test_one_rank_sums_to_itself(numel, dtype):
     x = torch.randn(numel).to(dtype)
     buffer, pads, abort = torch.zeros(numel, dtype=dtype), pad(1), torch.zeros(1, dtype=torch.int32)
     for calls in (1, 2):
         out = one_shot_all_reduce(x, addresses(buffer), addresses(pads), abort, 0)
         assert torch.equal(out, x)
-        assert torch.equal(pads, barrier_counts(1, numel, calls))
+        assert torch.equal(pads, barrier_counts(1, x, calls))
 
 
 def _rank(rank, world, buffers, pads, xs, results):
@@ -83,7 +93,7 @@ def test_two_ranks_in_two_processes_sum_alike():
     for c in range(calls):
         want = all_reduce_sum(xs[c])
         assert all(torch.equal(torch.tensor(outs[r][c]), want) for r in range(world)), c
-    assert all(torch.equal(p, barrier_counts(world, numel, calls)) for p in pads)
+    assert all(torch.equal(p, barrier_counts(world, xs[0][0], calls)) for p in pads)
 
 
 def _silent_peer(abort, done):
