@@ -9,13 +9,13 @@ cuBLAS does better, and the public `linear` hands them to it.
 On the one-row FMA path the input may be computed in the loads rather than read (Prologue): rms_norm(x +
 residual), the first program storing the residual sum, or silu(gate) * up of x = [gate | up]. Every program
 recomputes its tiles from L2: a launch saved for a little elementwise work. Each rounds where the unfused
-kernels round, so the pair's results come out (the norm's program first passes over K for the row's rms,
-as the norm kernel needs it before rounding h / rms; launches with the norm are unsplit, so program 0 alone
-stores the residual sum). The fused ops take it for latency-bound weights
-(<= SMALL_WEIGHT_BYTES): every program's re-reads of x cost more than the launch saved on Qwen3-8B's
-(tune_skinny_linear.py chain at one row: Qwen3-0.6B's projections 0.73 -> 0.66 ms a step, the 8B's 4.06 ->
-4.32). Not under tl.dot: a tile from registers rather than shared memory made the 0.6B's projections 3-4x
-slower at 2-8 rows.
+kernels round, so it gives the unfused pair's result (the norm's up to the order of its sum of squares:
+each program first passes over K for the row's rms, which the norm needs before it rounds h / rms;
+launches with the norm are unsplit, so program 0 alone stores the residual sum). The fused ops take it
+for latency-bound weights (<= SMALL_WEIGHT_BYTES): every program's re-reads of x cost more than the
+launch saved on Qwen3-8B's (tune_skinny_linear.py chain at one row: Qwen3-0.6B's projections 0.73 -> 0.67
+ms a step, the 8B's 4.06 -> 4.32). Not under tl.dot: a tile from registers rather than shared memory
+made the 0.6B's projections 3-4x slower at 2-8 rows.
 
 It beat cuBLAS on every projection of Llama-3.1-8B at 1 to 32 rows (tune_skinny_linear.py shapes:
 CUDA-graph replays over weight copies larger than L2, bf16; README, "Kernel choices").
