@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 MAX_PROGRAMS = 24  # (each program signals every peer twice a call: more programs, more signals)
+ABORT_EVERY = 256  # spins between reads of the abort flag, which cross PCIe
 # (largest message in bytes, elements a program moves per iteration, warps), from sweeps on two H200s
 # (README, "Several GPUs"): up to 64 KB, wide blocks of 16 warps beat (1024, 4) (6.3 against 8.0 us at 64
 # KB). Above 64 KB (NCCL's range at 2 ranks) configs of 32-64 programs of 2048 elements ran 1.3-1.8x faster
@@ -37,7 +38,6 @@ def launch_config(numel: int, element_size: int) -> tuple[int, int, int]:
     nbytes = numel * element_size
     block, warps = next((b, w) for limit, b, w in LAUNCH_CONFIGS if limit is None or nbytes <= limit)
     return min(MAX_PROGRAMS, triton.cdiv(numel, block)), block, warps
-ABORT_EVERY = 256  # spins between reads of the abort flag, which cross PCIe
 
 
 def signal_pad_bytes(world: int) -> int:
