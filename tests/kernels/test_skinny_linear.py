@@ -130,6 +130,12 @@ def _fused_inputs(device, dtype, rows, n_out, k_in, width):
     return (rand(rows, width).to(dtype), (rand(n_out, k_in) / k_in ** 0.5).to(dtype), rand(n_out).to(dtype))
 
 
+def _norm_inputs(device, dtype, k_in):
+    """A one-row residual and an RMSNorm weight near 1 for the norm's prologue."""
+    residual = (torch.randn(1, k_in, device=device) * 3).to(dtype)
+    return residual, (1 + torch.randn(k_in, device=device) / 4).to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n_out,k_in", FUSED_SHAPES)
 @pytest.mark.parametrize("cfg", NORM_CONFIGS, ids=NORM_IDS)
@@ -140,8 +146,7 @@ def test_add_rms_norm_prologue_matches_the_norm_then_the_projection(device, dtyp
 
     rows = 1
     x, w, b = _fused_inputs(device, dtype, rows, n_out, k_in, k_in)
-    residual = torch.randn(rows, k_in, device=device).to(dtype) * 3
-    norm_w = (1 + torch.randn(k_in, device=device) / 4).to(dtype)
+    residual, norm_w = _norm_inputs(device, dtype, k_in)
     bias = b if k_in % 3 else None
     out, res_out = S.launch_add_rms_norm(x, residual, norm_w, 1e-5, w, bias, config=cfg)
     normed, ref_res = reference.fused_add_rms_norm(x, residual, norm_w, 1e-5)
@@ -159,8 +164,7 @@ def test_add_rms_norm_prologue_rounds_as_the_norm_kernel(device, n_out, k_in, cf
     from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm
 
     x, w, b = _fused_inputs(device, torch.bfloat16, 1, n_out, k_in, k_in)
-    residual = (torch.randn(1, k_in, device=device) * 3).to(torch.bfloat16)
-    norm_w = (1 + torch.randn(k_in, device=device) / 4).to(torch.bfloat16)
+    residual, norm_w = _norm_inputs(device, torch.bfloat16, k_in)
     out, _ = S.launch_add_rms_norm(x, residual, norm_w, 1e-5, w, b, config=cfg)
     normed, _ = fused_add_rms_norm(x, residual, norm_w, 1e-5)
     ref = S.launch(normed, w, b, config=cfg)
