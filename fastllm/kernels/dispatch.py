@@ -200,13 +200,13 @@ def argmax(logits: Tensor, out: Tensor | None = None) -> Tensor:
 
 def rotary_kv_cache_write(
     positions: Tensor, query: Tensor, key: Tensor, value: Tensor, cos_sin_cache: Tensor, is_neox: bool,
-    key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, return_key: bool,
+    key_cache: Tensor, value_cache: Tensor, slot_mapping: Tensor, return_kv: bool,
     q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None, norm_eps: float = 1e-6,
     k_scale: float = 1.0, v_scale: float = 1.0,
-) -> tuple[Tensor, Tensor | None]:
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     return _select("rotary_kv_cache_write", query.device)(
         positions, query, key, value, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
-        return_key, q_norm_weight, k_norm_weight, norm_eps, k_scale, v_scale,
+        return_kv, q_norm_weight, k_norm_weight, norm_eps, k_scale, v_scale,
     )
 
 

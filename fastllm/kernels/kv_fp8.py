@@ -3,9 +3,10 @@
 Writers store e4m3 of x / scale, saturated at +-448 (IEEE division, round to nearest even: bitwise the
 reference's on GPUs). Readers load e4m3 K/V, convert them to q's dtype (exact) for the same tl.dot's as a
 16-bit cache, and fold the per-tensor scales in outside the loop: k_scale into the softmax scale (the host
-passes scale * k_scale), v_scale into the output (its normalization). Keys a kernel takes from registers
-rather than from the cache (a prefill chunk's, a decode step's new token) go through the same rounding
-first, so that a token attends alike whichever way its key arrives.
+passes scale * k_scale), v_scale into the output (its normalization). Keys a kernel takes from elsewhere
+than the cache go through the same rounding, so that a token attends alike whichever way its key arrives:
+a decode step's new token in registers (to_cache), a prefill chunk's rows as rotary_kv_cache_write returns
+them (the e4m3 values, converted to the activations' dtype once).
 """
 
 from __future__ import annotations
@@ -26,13 +27,3 @@ def to_cache(x, scale, CACHE_TY: tl.constexpr):
     else:
         return x.to(CACHE_TY)
 
-
-@triton.jit
-def as_cached(x, scale, CACHE_TY: tl.constexpr):
-    """Rows that were just written to the cache as a reader of the cache sees them: with an FP8 cache, the
-    e4m3 values of x / scale in x's dtype (the caller folds the scale in, as for the cache's own rows);
-    else x itself."""
-    if CACHE_TY == tl.float8e4nv:
-        return to_cache(x, scale, CACHE_TY).to(x.dtype)
-    else:
-        return x

@@ -32,10 +32,10 @@ FA-2 recipe: exp2 with log2(e) folded into one FMA per score, p @ V accumulated 
 operand).
 
 An FP8 cache (kv_cache_dtype="fp8"): the cached prefix is read as e4m3 and converted to q's dtype in
-registers; the chunk's own rows, read from key/value, are rounded to e4m3 as the cache stores them first
-(kv_fp8.as_cached), so the step attends to the keys a later step will read back; k_scale is folded into the
-softmax scale, v_scale into the output. The Hopper (Gluon) kernel reads 16-bit caches only: FP8 caches run
-this one (logged once).
+registers; the chunk's own rows, read from key/value, are the same e4m3 values already in q's dtype (as
+rotary_kv_cache_write returns them), so the step attends to the keys a later step will read back; k_scale
+is folded into the softmax scale, v_scale into the output. The Hopper (Gluon) kernel reads 16-bit caches
+only: FP8 caches run this one (logged once).
 
 Tiles: a static table (choose_config), not an autotuner, so the engine never stalls on first-use tuning.
 BM 64 / BN 64 / 4 warps / 3 stages was the best of ~30 configs tune.py timed (bf16, D 128, GQA 4, TMA
@@ -61,7 +61,6 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import prefill_attention_hopper, prefill_tiles
-from fastllm.kernels.kv_fp8 import as_cached
 from fastllm.kernels.reference import FP8, check_kv_scales
 
 try:  # triton >= 3.4: host-side TMA descriptors
@@ -148,9 +147,9 @@ def _prefix_tile(
 
 @triton.jit
 def _chunk_tile_rows(
-    acc, m_i, l_i, q, j0, q_len, q_tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2, window, k_scale, v_scale,
+    acc, m_i, l_i, q, j0, q_len, q_tok, k_rows, v_rows, stride_kt, stride_vt, scale_log2, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr, CACHE_TY: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
 ):
     """Chunk keys j0 : j0 + BLOCK_N from the contiguous rows; with CAUSAL_MASK, key j only for rows of
     token q_tok >= j (and with SLIDING, q_tok - window < j), and no row at or past q_len is read."""
@@ -160,13 +159,11 @@ def _chunk_tile_rows(
     d_ok = d < HEAD_DIM
     k = _load_rows(k_rows + j.to(tl.int64)[:, None] * stride_kt + d[None, :], j_ok, d_ok, CAUSAL_MASK,
                    BLOCK_D != HEAD_DIM)
-    k = as_cached(k, k_scale, CACHE_TY)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
     if CAUSAL_MASK:
         s = _causal_mask(s, j, q_tok, window, SLIDING)
     v = _load_rows(v_rows + j.to(tl.int64)[:, None] * stride_vt + d[None, :], j_ok, d_ok, CAUSAL_MASK,
                    BLOCK_D != HEAD_DIM)
-    v = as_cached(v, v_scale, CACHE_TY)
     return _softmax_step(acc, m_i, l_i, s, v, scale_log2, PRECISION)
 
 
@@ -181,14 +178,14 @@ def _causal_mask(s, j, q_tok, window, SLIDING: tl.constexpr):
 
 @triton.jit
 def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q_tok, scale_log2, window,
-                    k_scale, v_scale, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr,
-                    SLIDING: tl.constexpr, CACHE_TY: tl.constexpr):
+                    BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr, PRECISION: tl.constexpr,
+                    SLIDING: tl.constexpr):
     """Chunk keys j0 : j0 + BLOCK_N through TMA. A diagonal tile (CAUSAL_MASK) may run past the request
     into the next request's rows or padding: those scores are masked and their V rows zeroed (p = 0 times
     a NaN row would still be NaN); rows past the tensor's end load as zeros."""
-    k = as_cached(k_desc.load([q_start + j0, col]), k_scale, CACHE_TY)  # [BLOCK_N, HEAD_DIM]
+    k = k_desc.load([q_start + j0, col])  # [BLOCK_N, HEAD_DIM]
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    v = as_cached(v_desc.load([q_start + j0, col]), v_scale, CACHE_TY)
+    v = v_desc.load([q_start + j0, col])
     if CAUSAL_MASK:
         j = j0 + tl.arange(0, BLOCK_N)
         s = _causal_mask(s, j, q_tok, window, SLIDING)
@@ -199,19 +196,17 @@ def _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q
 @triton.jit
 def _chunk_tile(
     acc, m_i, l_i, q, j0, q_start, q_len, q_tok, k_desc, v_desc, col, k_rows, v_rows, stride_kt, stride_vt,
-    scale_log2, window, k_scale, v_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    scale_log2, window, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, CHUNK_TMA: tl.constexpr, PRECISION: tl.constexpr, SLIDING: tl.constexpr,
-    CACHE_TY: tl.constexpr,
 ):
     """Chunk keys j0 : j0 + BLOCK_N through TMA or through pointers (CHUNK_TMA, a compile-time choice)."""
     if CHUNK_TMA:
         acc, m_i, l_i = _chunk_tile_tma(acc, m_i, l_i, q, k_desc, v_desc, q_start, col, j0, q_len, q_tok,
-                                        scale_log2, window, k_scale, v_scale, BLOCK_N, CAUSAL_MASK, PRECISION,
-                                        SLIDING, CACHE_TY)
+                                        scale_log2, window, BLOCK_N, CAUSAL_MASK, PRECISION, SLIDING)
     else:
         acc, m_i, l_i = _chunk_tile_rows(acc, m_i, l_i, q, j0, q_len, q_tok, k_rows, v_rows, stride_kt, stride_vt,
-                                         scale_log2, window, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                         CAUSAL_MASK, PRECISION, SLIDING, CACHE_TY)
+                                         scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL_MASK,
+                                         PRECISION, SLIDING)
     return acc, m_i, l_i
 
 
@@ -238,7 +233,7 @@ def _prefill_kernel(
     lse_ptr,  # float32 [T, Hq] (RETURN_LSE): log2 of each row's softmax denominator
     window,  # SLIDING: the row at position p sees keys p - window < k <= p
     scale_log2,  # scale * k_scale * log2(e) (k_scale: 1.0 but for an FP8 cache)
-    k_scale, v_scale,  # an FP8 cache's scales: the chunk's rows are rounded as the cache stores them
+    v_scale,  # an FP8 cache's: the output's (k_scale is in scale_log2)
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -322,18 +317,15 @@ def _prefill_kernel(
     for j0 in range(j_start, j_a, BLOCK_N):
         acc, m_i, l_i = _chunk_tile(
             acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
-            stride_vt, scale_log2, window, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION,
-            SLIDING, k_cache_ptr.dtype.element_ty)
+            stride_vt, scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION, SLIDING)
     for j0 in range(j_a, j_b, BLOCK_N):
         acc, m_i, l_i = _chunk_tile(
             acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
-            stride_vt, scale_log2, window, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_N, False, CHUNK_TMA, PRECISION,
-            SLIDING, k_cache_ptr.dtype.element_ty)
+            stride_vt, scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, False, CHUNK_TMA, PRECISION, SLIDING)
     for j0 in range(j_b, last_tok + 1, BLOCK_N):
         acc, m_i, l_i = _chunk_tile(
             acc, m_i, l_i, q, j0, q_start, q_len, tok, key_desc, value_desc, col, k_rows, v_rows, stride_kt,
-            stride_vt, scale_log2, window, k_scale, v_scale, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION,
-            SLIDING, k_cache_ptr.dtype.element_ty)
+            stride_vt, scale_log2, window, HEAD_DIM, BLOCK_D, BLOCK_N, True, CHUNK_TMA, PRECISION, SLIDING)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # (v_scale 1.0: exact)
     tl.store(out_ptr + (row_t * stride_ot + heads * stride_oh)[:, None] + d[None, :],
@@ -527,7 +519,7 @@ def prefill_attention_config(query, key, value, key_cache, value_cache, block_ta
     _prefill_kernel[grid](
         query, key, value, key_desc, value_desc, key_cache, value_cache, out, block_tables, seq_lens,
         query_start_loc, kv_start if kv_start is not None else seq_lens,
-        tile_map if tile_map is not None else seq_lens, lse, window or 0, scale * k_scale * _LOG2E, k_scale, v_scale,
+        tile_map if tile_map is not None else seq_lens, lse, window or 0, scale * k_scale * _LOG2E, v_scale,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -143,8 +143,8 @@ def paged_decode_attention(
 
 def prefill_attention(
     query: torch.Tensor,  # [T, Hq, D]
-    key: torch.Tensor,  # [T, Hkv, D]: the chunks' own K/V, already in the cache (the Triton kernel reads
-    value: torch.Tensor,  # them from here instead of through the block table; this reads the cache alone)
+    key: torch.Tensor,  # [T, Hkv, D]: the chunks' own K/V rows as the cache holds them (FP8: the e4m3 values
+    value: torch.Tensor,  # in q's dtype; the Triton kernel reads them from here, this reads the cache alone)
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -306,19 +306,26 @@ def rotary_kv_cache_write(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T]; < 0 means skip
-    return_key: bool,
+    return_kv: bool,
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
     k_scale: float = 1.0,  # an FP8 cache's scales
     v_scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """rotary_embedding (with the q/k norms if given) on copies of query and key, then kv_cache_write of
-    the rotated key and value. Returns (rotated query, rotated key if return_key else None)."""
+    the rotated key and value. Returns (rotated query, key_out, value_out): with return_kv the rotated key
+    and value as the cache holds them, in their own dtype (an FP8 cache: the e4m3 values of x / scale; else
+    the rotated key and `value` itself), else None and None."""
     query, key = query.clone(), key.clone()
     rotary_embedding(positions, query, key, cos_sin_cache, is_neox, q_norm_weight, k_norm_weight, norm_eps)
     kv_cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-    return query, (key if return_key else None)
+    if not return_kv:
+        return query, None, None
+    if key_cache.dtype != FP8:
+        return query, key, value
+    return (query, kv_to_cache(key, FP8, k_scale).to(key.dtype),
+            kv_to_cache(value, FP8, v_scale).to(value.dtype))
 
 
 def rotary_decode_attention(
@@ -346,16 +353,17 @@ def rotary_decode_attention(
     attends over its cached tokens (the last window - 1 of them with a window) and its new token (rotated
     key and value, as the cache holds them). Where slot >= 0 this is exactly paged_decode_attention after
     the write; a padding row (slot < 0) writes nothing and still attends to its own new token."""
-    query, key = rotary_kv_cache_write(positions, query, key, value, cos_sin_cache, is_neox, key_cache,
-                                       value_cache, slot_mapping, True, q_norm_weight, k_norm_weight,
-                                       norm_eps, k_scale, v_scale)
+    query, key, value = rotary_kv_cache_write(positions, query, key, value, cos_sin_cache, is_neox, key_cache,
+                                              value_cache, slot_mapping, True, q_norm_weight, k_norm_weight,
+                                              norm_eps, k_scale, v_scale)
+    fp8 = key_cache.dtype == FP8
     out = torch.empty_like(query)
     for i, seq_len in enumerate(seq_lens.tolist()):
         first = _first_key(seq_len, 1, window, 0)
         k = torch.cat([_gather_kv(key_cache, block_tables[i], first, seq_len - 1, k_scale),
-                       as_cached(key[i:i + 1], key_cache.dtype, k_scale)])
+                       key[i:i + 1].float() * k_scale if fp8 else key[i:i + 1]])
         v = torch.cat([_gather_kv(value_cache, block_tables[i], first, seq_len - 1, v_scale),
-                       as_cached(value[i:i + 1], value_cache.dtype, v_scale)])
+                       value[i:i + 1].float() * v_scale if fp8 else value[i:i + 1]])
         out[i:i + 1] = _attend(query[i:i + 1], k, v, scale, first, window)[0]
     return out
 
@@ -486,7 +494,3 @@ def kv_from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
     """Cache entries as values: e4m3 times the scale in float32; other dtypes as they are."""
     return x.float() * scale if x.dtype == FP8 else x
 
-
-def as_cached(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """x as a read of the cache after x was written gives it back."""
-    return kv_from_cache(kv_to_cache(x, cache_dtype, scale), scale)

@@ -4,19 +4,22 @@ Math: exactly rotary.py's rotation (fp32, rounded back to the input dtype) follo
 kv_cache_write.py's scatter, for every token t with slot s = slot_mapping[t]:
     q_out[t] = rope(query[t], p_t)
     key_cache[s // page, s % page] = rope(key[t], p_t),  value_cache[...] = value[t]    (s >= 0 only)
-    key_out[t] = rope(key[t], p_t)                                                      (return_key only)
+    key_out[t], value_out[t] = those rows as the cache holds them                       (return_kv only)
 With q/k norm weights (Qwen3) each q and k head is RMS-normed first, as rotary.py describes. An FP8 cache
-stores e4m3 of the rotated key / k_scale and value / v_scale (kv_fp8.py); key_out stays unquantized.
+stores e4m3 of the rotated key / k_scale and value / v_scale (kv_fp8.py); key_out and value_out are then
+those e4m3 values in the activations' dtype (exact), and with a 16/32-bit cache the rotated key and value
+itself. Prefill attention reads the chunk's keys and values from them (contiguous rows, rounded once here
+rather than in every program that reads a tile); return_kv=False leaves them to the cache.
 Out of place: query and key (views of the qkv projection) are left as they are, so the attention op
-that calls this mutates none of its inputs. Prefill's chunk loops read the chunk's keys from key_out's
-contiguous rows; return_key=False leaves them to the cache. The engine's decode steps no longer come
-here: rotary_decode_attention does this inside decode attention.
+that calls this mutates none of its inputs. The engine's decode steps no longer come here:
+rotary_decode_attention does this inside decode attention.
 
 Why fused: at decode a step ran a rotary and a KV-write kernel per layer, each launch-bound work for
 one token's heads. One program per token reads q, k, v once and writes each once.
 
-Memory traffic: read q, k, v and one cos/sin row, write q_out, the K/V cache rows (and key_out):
-    bytes = T * (2 Hq + (3 + return_key) Hkv) * D * x.element_size() + T * D * 4 + T * (pos + slot)
+Memory traffic: read q, k, v and one cos/sin row, write q_out, the K/V cache rows (and key_out, with an
+FP8 cache value_out too):
+    bytes = T * (2 Hq + (3 + rows_out) Hkv) * D * x.element_size() + T * D * 4 + T * (pos + slot)
 (valid tokens write the cache; see bytes_moved).
 """
 
@@ -27,22 +30,23 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels.kv_fp8 import to_cache
-from fastllm.kernels.reference import check_kv_scales
+from fastllm.kernels.reference import FP8, check_kv_scales
 from fastllm.kernels.rotary import check_qk_norm, rotated_halves
 
 
 @triton.jit
 def _rotary_kv_write_kernel(
-    pos_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, slot_ptr, q_out_ptr, k_out_ptr, key_cache_ptr, value_cache_ptr,
+    pos_ptr, q_ptr, k_ptr, v_ptr, cos_sin_ptr, slot_ptr, q_out_ptr, k_out_ptr, v_out_ptr, key_cache_ptr,
+    value_cache_ptr,
     q_norm_ptr, k_norm_ptr, eps,  # HAS_NORM: each head's RMSNorm weight [HEAD_DIM] for q and for k
     k_scale, v_scale,  # an FP8 cache's scales
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    stride_qot, stride_qoh, stride_kot, stride_koh,
+    stride_qot, stride_qoh, stride_kot, stride_koh, stride_vot, stride_voh,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     num_q_heads, num_kv_heads,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PAGE: tl.constexpr,
-    IS_NEOX: tl.constexpr, RETURN_KEY: tl.constexpr, HAS_NORM: tl.constexpr,
+    IS_NEOX: tl.constexpr, RETURN_KV: tl.constexpr, RETURN_V: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -62,35 +66,40 @@ def _rotary_kv_write_kernel(
                                                     i, i_ok, k_norm_ptr, eps, HALF, BLOCK_HK, IS_NEOX,
                                                     HAS_NORM)
     # Round to the activations' dtype first, as rotary + kv_cache_write do, then to the cache's.
-    ka = ka.to(k_ptr.dtype.element_ty)
-    kb = kb.to(k_ptr.dtype.element_ty)
-    if RETURN_KEY:
+    cache_ty = key_cache_ptr.dtype.element_ty
+    ka = to_cache(ka.to(k_ptr.dtype.element_ty), k_scale, cache_ty)
+    kb = to_cache(kb.to(k_ptr.dtype.element_ty), k_scale, cache_ty)
+    if RETURN_KV:  # the rows as the cache holds them, in the activations' dtype
         k_out = k_out_ptr + t * stride_kot + h * stride_koh
-        tl.store(k_out + off_a, ka, mask=mask)
-        tl.store(k_out + off_b, kb, mask=mask)
-    if slot >= 0:  # padding tokens write nothing
-        block = slot // PAGE
-        offset = slot % PAGE
-        kc = key_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch
-        tl.store(kc + off_a, to_cache(ka, k_scale, key_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(kc + off_b, to_cache(kb, k_scale, key_cache_ptr.dtype.element_ty), mask=mask)
-        hv = tl.arange(0, BLOCK_HK)[:, None]
-        d = tl.arange(0, BLOCK_D)[None, :]
-        v_mask = (hv < num_kv_heads) & (d < HEAD_DIM)
-        v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + d, mask=v_mask)
-        vc = value_cache_ptr + block * stride_vcb + offset * stride_vcs + hv * stride_vch + d
-        tl.store(vc, to_cache(v, v_scale, value_cache_ptr.dtype.element_ty), mask=v_mask)
+        tl.store(k_out + off_a, ka.to(k_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_out + off_b, kb.to(k_out_ptr.dtype.element_ty), mask=mask)
+    hv = tl.arange(0, BLOCK_HK)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    v_mask = (hv < num_kv_heads) & (d < HEAD_DIM)
+    if RETURN_V or slot >= 0:
+        v = to_cache(tl.load(v_ptr + t * stride_vt + hv * stride_vh + d, mask=v_mask), v_scale, cache_ty)
+        if RETURN_V:
+            tl.store(v_out_ptr + t * stride_vot + hv * stride_voh + d, v.to(v_out_ptr.dtype.element_ty),
+                     mask=v_mask)
+        if slot >= 0:  # padding tokens write nothing
+            block = slot // PAGE
+            offset = slot % PAGE
+            kc = key_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch
+            tl.store(kc + off_a, ka, mask=mask)
+            tl.store(kc + off_b, kb, mask=mask)
+            vc = value_cache_ptr + block * stride_vcb + offset * stride_vcs + hv * stride_vch + d
+            tl.store(vc, v, mask=v_mask)
 
 
 def bytes_moved(query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                num_valid: int, return_key: bool = False) -> int:
-    """DRAM bytes of one call when num_valid slots are >= 0."""
+                num_valid: int, return_kv: bool = False) -> int:
+    """DRAM bytes of one call when num_valid slots are >= 0 (a 16-bit cache: key_out only)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, size = key.shape[1], query.element_size()
     row = num_kv_heads * head_dim * size
     return (2 * num_tokens * num_q_heads * head_dim * size  # q in and out
             + 2 * num_tokens * row + 2 * num_valid * row  # k and v in, the cache rows out
-            + (num_tokens * row if return_key else 0)
+            + (num_tokens * row if return_kv else 0)
             + num_tokens * (head_dim * 4 + positions.element_size() + slot_mapping.element_size()))
 
 
@@ -104,13 +113,15 @@ def rotary_kv_cache_write(
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int; < 0 means skip
-    return_key: bool,
+    return_kv: bool,  # also return the key and value rows as the cache holds them (prefill reads those)
     q_norm_weight: torch.Tensor | None = None,  # [D]: RMS-norm each q head first (Qwen3), with k_norm_weight
     k_norm_weight: torch.Tensor | None = None,  # [D]
     norm_eps: float = 1e-6,
     k_scale: float = 1.0,  # an FP8 cache's scales
     v_scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(rotated query, key_out, value_out); the last two None without return_kv, value_out `value` itself
+    with a 16/32-bit cache (what it holds)."""
     check_kv_scales(key_cache, k_scale, v_scale)
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -126,24 +137,31 @@ def rotary_kv_cache_write(
     assert key_cache.stride(3) == 1 and value_cache.stride(3) == 1
     q_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     k_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=key.dtype, device=key.device) \
-        if return_key else None
+        if return_kv else None
+    return_v = return_kv and key_cache.dtype == FP8  # (a 16/32-bit cache holds value as it is)
+    v_out = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=value.dtype, device=value.device) \
+        if return_v else (value if return_kv else None)
     if num_tokens == 0:
-        return q_out, k_out
+        return q_out, k_out, v_out
     half = head_dim // 2
     k_out_arg = k_out if k_out is not None else q_out  # unused
+    v_out_arg = v_out if return_v else q_out  # unused
     _rotary_kv_write_kernel[(num_tokens,)](
-        positions, query, key, value, cos_sin_cache, slot_mapping, q_out, k_out_arg, key_cache, value_cache,
+        positions, query, key, value, cos_sin_cache, slot_mapping, q_out, k_out_arg, v_out_arg, key_cache,
+        value_cache,
         *((q_norm_weight, k_norm_weight) if has_norm else (cos_sin_cache,) * 2), norm_eps,  # (unused without)
         k_scale, v_scale,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         cos_sin_cache.stride(0),
         q_out.stride(0), q_out.stride(1), k_out_arg.stride(0), k_out_arg.stride(1),
+        v_out_arg.stride(0), v_out_arg.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         num_q_heads, num_kv_heads,
         HEAD_DIM=head_dim, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        PAGE=key_cache.shape[1], IS_NEOX=is_neox, RETURN_KEY=return_key, HAS_NORM=has_norm, num_warps=4,
+        PAGE=key_cache.shape[1], IS_NEOX=is_neox, RETURN_KV=return_kv, RETURN_V=return_v, HAS_NORM=has_norm,
+        num_warps=4,
     )
-    return q_out, k_out
+    return q_out, k_out, v_out

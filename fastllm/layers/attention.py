@@ -85,15 +85,16 @@ class Attention(nn.Module):
                                                metadata.seq_lens, metadata.max_seq_len, self.scale, window,
                                                **norm, **scales)
         if metadata.token_rows is not None:  # every new token's K/V in the cache first, then a row per token
-            query, _ = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox, key_cache,
-                                                 value_cache, metadata.slot_mapping, return_key=False, **norm,
-                                                 **scales)
+            query, _, _ = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox, key_cache,
+                                                    value_cache, metadata.slot_mapping, return_kv=False,
+                                                    **norm, **scales)
             rows = metadata.token_rows
             return ops.paged_decode_attention(query, key_cache, value_cache, rows.block_tables, rows.seq_lens,
                                               metadata.max_seq_len, self.scale, window, **scales)
-        query, key = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox, key_cache,
-                                               value_cache, metadata.slot_mapping, return_key=True, **norm,
-                                               **scales)
+        # key and value become the chunk's rows as the cache holds them (what prefill attends to)
+        query, key, value = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox,
+                                                      key_cache, value_cache, metadata.slot_mapping,
+                                                      return_kv=True, **norm, **scales)
         return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
                                      metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
                                      self.scale, window, tile_map=metadata.tile_map, **scales)
@@ -123,9 +124,10 @@ class Attention(nn.Module):
         key_cache, value_cache = self.kv_cache
         cascade, scales = metadata.cascade, self.kv_scales
         decode = metadata.is_decode_only  # (its kernels read the new keys from the cache)
-        query, key = ops.rotary_kv_cache_write(positions, query, key, value, self.rotary.cos_sin_cache,
-                                               self.rotary.is_neox, key_cache, value_cache, metadata.slot_mapping,
-                                               return_key=not decode, **norm, **scales)
+        query, key, value = ops.rotary_kv_cache_write(positions, query, key, value, self.rotary.cos_sin_cache,
+                                                      self.rotary.is_neox, key_cache, value_cache,
+                                                      metadata.slot_mapping, return_kv=not decode, **norm,
+                                                      **scales)
 
         if decode:  # two launches: the suffix kernel merges (cascade_decode_attention)
             return ops.cascade_decode_attention(

@@ -7,8 +7,9 @@ in the subnormals, so on the CPU an element may differ only those ways (below th
 or one subnormal step); on the GPU bytes are equal.
 Readers (decode, prefill, cascade) load e4m3, fold k_scale into the softmax scale and v_scale into the
 output: float32 queries within rel 1e-5 of the reference over the same cache (a NaN-poisoned PagedKV, so a
-read outside a request's keys shows). CPU scales are powers of two (0.5, 2), so that a prefill chunk's rows
-(the dequantized cache rows) round-trip exactly; the GPU tests use others.
+read outside a request's keys shows). A prefill chunk's rows come as rotary_kv_cache_write returns them, the
+cache's e4m3 values in the activations' dtype. CPU scales are powers of two (0.5, 2); the GPU tests use
+others.
 """
 
 from __future__ import annotations
@@ -51,12 +52,11 @@ def _fp8_kv(seq_lens, hkv, d, page, gen, device="cpu"):
     return kv
 
 
-def _cache_rows(kv, q_lens, scales, dtype):
-    """The chunks' K/V rows as the step wrote them: the cache's e4m3 values times the scales."""
+def _cache_rows(kv, q_lens, dtype):
+    """The chunks' K/V rows as rotary_kv_cache_write returns them: the cache's e4m3 values in dtype."""
     slots = kv.chunk_slots(q_lens)
     hkv, d = kv.key_cache.shape[2:]
-    return tuple((cache.view(-1, hkv, d)[slots].float() * s).to(dtype)
-                 for cache, s in zip((kv.key_cache, kv.value_cache), scales))
+    return tuple(cache.view(-1, hkv, d)[slots].to(dtype) for cache in (kv.key_cache, kv.value_cache))
 
 
 # (tokens, Hkv, head_dim, block size)
@@ -93,15 +93,24 @@ def test_rotary_kv_cache_write_fp8(device, gen, t, hkv, d, page, qk_norm):
     norm = qk_norm_weights(d, torch.float32, device, gen) + (NORM_EPS,) if qk_norm else ()
     caches = [torch.zeros(num_blocks, page, hkv, d, dtype=FP8, device=device) for _ in range(4)]
     args = (positions, query, key, value, cos_sin, True)
-    q_out, k_out = triton_impl("rotary_kv_cache_write")(*args, *caches[:2], slots, True, *norm, **_kw())
-    q_ref, k_ref = R.rotary_kv_cache_write(*args, *caches[2:], slots, True, *norm, **_kw())
+    write = triton_impl("rotary_kv_cache_write")
+    q_out, k_out, v_out = write(*args, *caches[:2], slots, True, *norm, **_kw())
+    q_ref, k_ref, v_ref = R.rotary_kv_cache_write(*args, *caches[2:], slots, True, *norm, **_kw())
     assert_close(q_out, q_ref, 1e-5, 1e-4, "q_out")
-    assert_close(k_out, k_ref, 1e-5, 1e-4, "key_out (unquantized)")
-    # the cache holds e4m3 of the kernel's own rotated key: compare bytes against quantizing it
+    assert k_out.dtype == v_out.dtype == torch.float32
+    # the cache holds e4m3 of the kernel's own rotated key (what a float32 cache receives): compare bytes
+    # against quantizing it, and key_out / value_out (every token's, padding's too) against the same bytes
+    _, k_rotated, _ = write(*args, *(torch.zeros(num_blocks, page, hkv, d, device=device) for _ in range(2)),
+                            slots, True, *norm)
     ref_cache = caches[2].clone()
-    R.kv_cache_write(k_out, value, ref_cache, caches[3].clone(), slots, *SCALES)
+    R.kv_cache_write(k_rotated, value, ref_cache, caches[3].clone(), slots, *SCALES)
     assert_e4m3_equal(caches[0], ref_cache, "key_cache")
     assert_e4m3_equal(caches[1], caches[3], "value_cache")
+    assert_e4m3_equal(k_out.to(FP8), R.kv_to_cache(k_rotated, FP8, SCALES[0]), "key_out")
+    assert_e4m3_equal(v_out.to(FP8), v_ref.to(FP8), "value_out")
+    valid = slots >= 0
+    for out, cache in ((k_out, caches[0]), (v_out, caches[1])):  # the rows returned are the rows stored
+        assert torch.equal(out[valid], cache.view(-1, hkv, d)[slots[valid]].float())
 
 
 def _kw(scales=SCALES):
@@ -185,14 +194,14 @@ def test_rotary_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, nu
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES)
 @pytest.mark.parametrize("window", [None, 11])
 def test_prefill_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, window):
-    """Chunks over a cached prefix (and whole prompts); the chunk's rows are rounded as the cache stores them."""
+    """Chunks over a cached prefix (and whole prompts); the chunk's rows are the cache's e4m3 values."""
     from fastllm.kernels.prefill_attention import prefill_attention_config
 
     kv = _fp8_kv(seq_lens, hkv, d, page, gen, device)
     q_lens = [min(n, 20) for n in seq_lens]
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     query = torch.randn(sum(q_lens), hq, d, device=device)
-    key, value = _cache_rows(kv, q_lens, SCALES, torch.float32)
+    key, value = _cache_rows(kv, q_lens, torch.float32)
     args = (query, key, value, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, max(q_lens),
             d ** -0.5)
     out = prefill_attention_config(*args, window=window, **_kw())
@@ -272,7 +281,7 @@ def test_fp8_readers_gpu(gen, seq_lens, hq, hkv, d, page):
     q_lens = [min(n, 20) for n in seq_lens]
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     query = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=bf16)
-    key, value = _cache_rows(kv, q_lens, GPU_SCALES, bf16)
+    key, value = _cache_rows(kv, q_lens, bf16)
     args = (query, key, value, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, qsl, max(q_lens),
             d ** -0.5)
     assert_close(triton_impl("prefill_attention")(*args, **_kw(GPU_SCALES)),
