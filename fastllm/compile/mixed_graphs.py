@@ -6,8 +6,10 @@ bucket of T tokens is the compiled forward over static inputs: input_ids, positi
 (padding tokens: slot -1, their K/V never written; they belong to no request, so no row attends to them),
 block_tables, seq_lens [S] and query_start_loc [S + 1] with S = min(T, max_num_seqs) (padding requests have
 no token), and the prefill kernel's tile map (kernels/prefill_tiles.py), whose fixed size, not the step's
-longest chunk, sets the attention grid. Its output is the hidden states [T, H], owned by the graph; the
-logits and the sampler run after it as for a compiled step, on the rows that sample.
+longest chunk, sets the attention grid. The step's leading decodes attend through the decode kernel over
+S fixed rows (DecodeRows: seq_lens [S], 0 past the decodes), the tile map leaving them out. Its output is
+the hidden states [T, H], owned by the graph; the logits and the sampler run after it as for a compiled
+step, on the rows that sample.
 The step's inputs are staged straight into the static buffers (one copy) and the block tables spread into
 the graphs' table, as for decode graphs (cuda_graphs.py), whose memory pool these graphs share; a token
 sampled by the step still in flight is read on the device from the decode graphs' `argmax`.
@@ -27,7 +29,7 @@ import torch
 
 from fastllm.compile.cuda_graphs import CUDAGraphRunner, reset_graphs
 from fastllm.kernels.prefill_tiles import build_tile_map, max_tiles, query_tile_size
-from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
+from fastllm.worker.attn_metadata import AttentionMetadata, DecodeRows, forward_context, leading_decodes
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +50,14 @@ def _aligned(n: int) -> int:
 class _Bucket:
     """The static inputs of the graph of `tokens` tokens: views of MixedGraphRunner.static, in the layout a
     step stages: int64 [input_ids | positions | slot_mapping | token_src] of `tokens` rows each, then the
-    rows that sample; int32 [seq_lens (S) | query_start_loc (S + 1) | tile_map (N x 2) | the step's block
-    tables at its own width], each part 16-byte aligned."""
+    rows that sample; int32 [seq_lens (S) | the decode rows' seq_lens (S) | query_start_loc (S + 1) |
+    tile_map (N x 2) | the step's block tables at its own width], each part 16-byte aligned."""
 
     tokens: int
     num_seqs: int  # S
     num_tiles: int  # N
-    qsl_at: int  # int32 offsets of the parts after seq_lens
+    decode_at: int  # int32 offsets of the parts after seq_lens
+    qsl_at: int
     tile_map_at: int
     tables_at: int
     input_ids: torch.Tensor
@@ -74,7 +77,7 @@ class MixedGraphRunner:
         assert len(groups) == 1, f"layers with different GQA groups {groups}: one tile size per step"
         self.block_q = query_tile_size(groups.pop())
         start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-        max_seqs, _, _, _, tables_at = self._layout(self.max_tokens)
+        max_seqs, *_, tables_at = self._layout(self.max_tokens)
         # int64 part: the largest bucket's 4 rows, then its sampling rows (one a request at most), 16-byte
         # aligned
         self.int32_start = 8 * (4 * self.max_tokens + 2 * -(-max_seqs // 2))
@@ -96,25 +99,28 @@ class MixedGraphRunner:
         # False runs the same staged step through the compiled forward without the graph (the CPU tests).
         self.replay = True
 
-    def _layout(self, tokens: int) -> tuple[int, int, int, int, int]:
-        """A bucket's S, N and the int32 offsets of its query_start_loc, tile map and staged tables."""
+    def _layout(self, tokens: int) -> tuple[int, int, int, int, int, int]:
+        """A bucket's S, N and the int32 offsets of its decode rows' seq_lens, query_start_loc, tile map and
+        staged tables."""
         num_seqs = min(tokens, self.max_num_seqs)
         num_tiles = max_tiles(tokens, num_seqs, self.block_q)
-        qsl_at = _aligned(num_seqs)
+        decode_at = _aligned(num_seqs)
+        qsl_at = decode_at + _aligned(num_seqs)
         tile_map_at = qsl_at + _aligned(num_seqs + 1)
-        return num_seqs, num_tiles, qsl_at, tile_map_at, tile_map_at + _aligned(2 * num_tiles)
+        return num_seqs, num_tiles, decode_at, qsl_at, tile_map_at, tile_map_at + _aligned(2 * num_tiles)
 
     def _views(self, tokens: int) -> _Bucket:
-        num_seqs, num_tiles, qsl_at, tile_map_at, tables_at = self._layout(tokens)
+        num_seqs, num_tiles, decode_at, qsl_at, tile_map_at, tables_at = self._layout(tokens)
         ids, positions, slots, token_src = self.static_i64[:4 * tokens].view(4, tokens)
         i32 = self.static_i32
         metadata = AttentionMetadata(
             slot_mapping=slots, block_tables=self.block_tables[:num_seqs], seq_lens=i32[:num_seqs],
             query_start_loc=i32[qsl_at:qsl_at + num_seqs + 1], max_query_len=tokens,
             max_seq_len=self.max_seq_len,
-            tile_map=i32[tile_map_at:tile_map_at + 2 * num_tiles].view(num_tiles, 2))
-        return _Bucket(tokens, num_seqs, num_tiles, qsl_at, tile_map_at, tables_at, ids, positions, token_src,
-                       metadata)
+            tile_map=i32[tile_map_at:tile_map_at + 2 * num_tiles].view(num_tiles, 2),
+            decode_rows=DecodeRows(num_seqs, i32[decode_at:decode_at + num_seqs], in_graph=True))
+        return _Bucket(tokens, num_seqs, num_tiles, decode_at, qsl_at, tile_map_at, tables_at, ids, positions,
+                       token_src, metadata)
 
     def bucket(self, num_tokens: int) -> int:
         return next(t for t in self.buckets if t >= num_tokens)
@@ -160,9 +166,13 @@ class MixedGraphRunner:
             i64[4 * t:] = logits_indices
         i32 = np.zeros(b.tables_at + block_tables.size, dtype=np.int32)
         i32[:num_reqs] = seq_lens
+        query_lens = np.diff(query_start_loc)
+        decodes = leading_decodes(query_lens)  # the decode kernel's rows; the tile map leaves them out
+        i32[b.decode_at:b.decode_at + decodes] = seq_lens[:decodes]
+        query_lens[:decodes] = 0
         i32[b.qsl_at:b.qsl_at + b.num_seqs + 1] = num_tokens  # padding requests: no token
         i32[b.qsl_at:b.qsl_at + num_reqs + 1] = query_start_loc
-        tile_map = build_tile_map(np.diff(query_start_loc), seq_lens, self.block_q, b.num_tiles)
+        tile_map = build_tile_map(query_lens, seq_lens, self.block_q, b.num_tiles)
         i32[b.tile_map_at:b.tile_map_at + tile_map.size] = tile_map.ravel()
         i32[b.tables_at:] = block_tables.ravel()
         stager.send_into([i64], [i32], self.static, self.int32_start)
@@ -208,7 +218,8 @@ class MixedGraphRunner:
         b = self.views[tokens]
         md = b.metadata
         for x, value in ((b.input_ids, 0), (b.positions, 0), (md.slot_mapping, -1), (b.token_src, -1),
-                         (md.seq_lens, 0), (md.query_start_loc, 0), (md.tile_map, -1)):
+                         (md.seq_lens, 0), (md.decode_rows.seq_lens, 0), (md.query_start_loc, 0),
+                         (md.tile_map, -1)):
             x.fill_(value)
 
     @torch.inference_mode()

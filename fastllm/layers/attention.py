@@ -3,7 +3,8 @@
 The layer owns the rotary embedding. A decode step is one kernel: rotary, the cache write of the new
 k and v, and attention over the cache plus the new token. A prefill or mixed step rotates q and k and
 writes the cache in one kernel, then attends over the cached prefix and the rotated chunk (a speculative
-step's few tokens per request: after their writes, each token as a decode row, metadata.token_rows). A model with
+step's few tokens per request: after their writes, each token as a decode row, metadata.token_rows; a mixed
+step's leading decodes through the decode kernel beside it, metadata.decode_rows). A model with
 per-head q/k RMSNorms (Qwen3) passes them in: the rotary kernels apply them first, with no launch of their
 own. A layer with a sliding window passes it to the kernels. A step whose metadata carries cascade groups
 attends in three parts instead (see _cascade), on layers whose window does not bite in that step."""
@@ -95,9 +96,23 @@ class Attention(nn.Module):
         query, key, value = ops.rotary_kv_cache_write(positions, query, key, value, cos_sin, is_neox,
                                                       key_cache, value_cache, metadata.slot_mapping,
                                                       return_kv=True, **norm, **scales)
-        return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
-                                     metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
-                                     self.scale, window, tile_map=metadata.tile_map, **scales)
+        rows = metadata.decode_rows
+        if rows is None:
+            return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
+                                         metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
+                                         self.scale, window, tile_map=metadata.tile_map, **scales)
+        n = 0 if rows.in_graph else rows.count  # the requests the prefill kernel leaves to the decode kernel
+        out = ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables[n:],
+                                    metadata.seq_lens[n:], metadata.query_start_loc[n:],
+                                    metadata.max_query_len, self.scale, window, tile_map=metadata.tile_map,
+                                    **scales)
+        decoded = ops.paged_decode_attention(query[:rows.count], key_cache, value_cache,
+                                             metadata.block_tables[:rows.count], rows.seq_lens,
+                                             metadata.max_seq_len, self.scale, window, **scales)
+        if rows.in_graph:  # rows past the step's decodes are the prefill kernel's
+            decoded = torch.where(rows.seq_lens[:, None, None] > 0, decoded, out[:rows.count])
+        out[:rows.count] = decoded
+        return out
 
     def _calibration_attention(self, positions, query, key, value, q_norm_weight, k_norm_weight, norm_eps):
         """Causal attention of one sequence with no cache, in plain PyTorch (a startup forward: no kernel to

@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -34,6 +35,26 @@ class TokenRows:
 
 
 @dataclass
+class DecodeRows:
+    """A prefill or mixed step's leading single-token requests (decodes), token i being request i < count:
+    they attend through the decode kernel, which reads a long context at copy bandwidth, where the prefill
+    kernel's query tiles would hold one token each; the prefill kernel takes the other requests."""
+    count: int  # rows the decode kernel runs
+    seq_lens: torch.Tensor  # [count] int32: each row's keys; 0: not a decode (a CUDA graph's fixed rows)
+    # True in a CUDA graph (count fixed, rows past the step's decodes 0): the prefill kernel runs over every
+    # request, its tile map leaving the decodes out, and the decode rows replace their rows of its output.
+    # False: count is the step's decodes, and the prefill kernel runs over the requests after them.
+    in_graph: bool = False
+
+
+def leading_decodes(query_lens: np.ndarray) -> int:
+    """How many requests lead a step with one token each (DecodeRows; the scheduler puts its running
+    requests, mostly decodes, first)."""
+    several = np.flatnonzero(np.asarray(query_lens) != 1)
+    return int(several[0]) if len(several) else len(query_lens)
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V (block * block_size + offset); -1 skips
     block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32: physical block ids per request
@@ -45,6 +66,7 @@ class AttentionMetadata:
     # [N, 2] int32: the prefill kernel's programs (kernels/prefill_tiles.py), a grid fixed for a CUDA graph
     tile_map: torch.Tensor | None = None
     token_rows: TokenRows | None = None  # when set, the step's tokens attend as decode rows (after their KV writes)
+    decode_rows: DecodeRows | None = None  # a prefill or mixed step's leading decodes
 
     @property
     def is_decode_only(self) -> bool:

@@ -18,7 +18,7 @@ from fastllm.compile.cuda_graphs import SAMPLING_ROWS
 from fastllm.layers.sampler import SamplingMetadata, SamplingRow
 from fastllm.sampling_params import SamplingParams
 from fastllm.worker.async_output import AsyncRunnerOutput
-from fastllm.worker.attn_metadata import AttentionMetadata, CascadeMetadata
+from fastllm.worker.attn_metadata import AttentionMetadata, CascadeMetadata, DecodeRows, leading_decodes
 from fastllm.worker.cascade import CascadePlan
 from fastllm.worker.staging import StepInputStager
 
@@ -149,11 +149,13 @@ def build_step_inputs(
          *(cascade.arrays() if cascade is not None else ())])
     if batch.from_device:
         ids_d.index_copy_(0, scatter_d[0], in_flight.sampled.index_select(0, scatter_d[1]))
+    decodes = leading_decodes(counts)
     metadata = AttentionMetadata(
         slot_mapping=slots_d, block_tables=tables_d, seq_lens=seq_lens_d, query_start_loc=qsl_d,
         max_query_len=int(counts.max()), max_seq_len=int(ends.max()),
         cascade=None if cascade is None else CascadeMetadata(*cascade_d, cascade.max_group_rows, cascade.max_prefix_len,
                                                              cascade.max_suffix_len),
+        decode_rows=DecodeRows(decodes, seq_lens_d[:decodes]) if 0 < decodes < len(counts) else None,
     )
     drafts = None if verify_rows is None else [spec_tokens[i] for i in batch.sample_rows]
     return StepInputs(

@@ -41,9 +41,9 @@ def tokens(llm, prompts=MIXED_PROMPTS, params=None):
 
 def install_graph_runners(llm, monkeypatch, triton: bool = True):
     """Decode and mixed-step graph runners in no-replay mode on the engine's runner, the prefill attention on
-    the Triton kernel (triton; else the reference, which ignores tile maps); returns the record of the mixed
-    steps staged ((tokens, in-flight rows) each) and of the prefill kernel's launches (whether each had a
-    tile map)."""
+    the Triton kernel (triton; else the reference, which ignores tile maps) and the decode rows on the decode
+    kernel; returns the record of the mixed steps staged ((tokens, in-flight rows) each) and of the prefill
+    kernel's launches (whether each had a tile map), and the decode rows each decode launch attended."""
     runner = llm.engine.worker.runner
     cfg = runner.config
     max_len, num_seqs = cfg.model.max_model_len, cfg.scheduler.max_num_seqs
@@ -56,8 +56,10 @@ def install_graph_runners(llm, monkeypatch, triton: bool = True):
     mixed = MixedGraphRunner(runner.forward, runner.attention_layers, buckets, num_seqs, max_blocks, max_len,
                              decode, runner.device)
     mixed.replay = False
-    staged, launches = [], []
+    staged, launches, decoded = [], [], []
     stage, kernel = mixed.stage, triton_impl("prefill_attention")
+    decode_kernel = triton_impl("paged_decode_attention") if triton else dispatch._select(
+        "paged_decode_attention", runner.device)
 
     def recording_stage(stager, in_flight, from_device, ids, *rest):
         staged.append((len(ids), len(from_device)))
@@ -67,12 +69,18 @@ def install_graph_runners(llm, monkeypatch, triton: bool = True):
         launches.append(args[-1] is not None)  # tile_map, the last argument
         return kernel(*args)
 
+    def recording_decode_kernel(*args):
+        decoded.append(int((args[4] > 0).sum()))  # seq_lens: the rows that are decodes
+        return decode_kernel(*args)
+
     monkeypatch.setattr(mixed, "stage", recording_stage)
     monkeypatch.setattr(runner, "graphs", decode)
     monkeypatch.setattr(runner, "mixed_graphs", mixed)
     if triton:
         monkeypatch.setitem(dispatch._chosen, ("prefill_attention", runner.device.type), recording_kernel)
-    return staged, launches
+    monkeypatch.setitem(dispatch._chosen, ("paged_decode_attention", runner.device.type),
+                        recording_decode_kernel)
+    return staged, launches, decoded
 
 
 @pytest.mark.parametrize("num_blocks", [256, 18], ids=["chunked-prefix", "preemption"])
@@ -81,9 +89,10 @@ def test_mixed_steps_through_the_graph_inputs(num_blocks, monkeypatch):
     # shared prefix. The small pool preempts; it runs the reference attention (the kernel is the first's).
     llm = LLM(STORIES, device="cpu", dtype="float32", num_gpu_blocks=num_blocks, **BASE)
     triton = num_blocks > 100
-    staged, launches = install_graph_runners(llm, monkeypatch, triton)
+    staged, launches, decoded = install_graph_runners(llm, monkeypatch, triton)
     prefix_stats = llm.engine.scheduler.kv.pool.stats
     assert tokens(llm) == expected()
+    assert any(decoded), "some mixed step's decodes should have run as the decode kernel's rows"
     assert any(n > 16 for n, _ in staged) and any(n <= 16 for n, _ in staged), staged  # both buckets
     assert any(rows for _, rows in staged), "some mixed step should read a token still on the device"
     assert prefix_stats.hits >= 3 * 3 * 8, "the shared prefix should have been hit"
@@ -103,7 +112,7 @@ def test_prompt_logprobs_through_the_graph_inputs(monkeypatch):
         return [o.outputs[0].token_ids for o in outs], outs[4].prompt_logprobs
 
     plain_tokens, plain_logprobs = scored()
-    staged, _ = install_graph_runners(llm, monkeypatch, triton=False)
+    staged, _, _ = install_graph_runners(llm, monkeypatch, triton=False)
     got_tokens, got_logprobs = scored()
     assert got_tokens == plain_tokens and staged
     assert len(got_logprobs) == len(plain_logprobs) > 1

@@ -17,7 +17,7 @@ from fastllm.compile.mixed_graphs import MixedGraphRunner, token_buckets
 from fastllm.kernels.prefill_tiles import build_tile_map
 from fastllm.sampling_params import SamplingParams
 from fastllm.worker.async_output import AsyncRunnerOutput
-from fastllm.worker.attn_metadata import get_attn_metadata
+from fastllm.worker.attn_metadata import get_attn_metadata, leading_decodes
 from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
 from fastllm.worker.staging import StepInputStager
 
@@ -34,7 +34,7 @@ def runners(device, buckets=(16, 32, 64)):
         seen.update(ids=input_ids.clone(), positions=positions.clone(), slots=md.slot_mapping.clone(),
                     seq_lens=md.seq_lens.clone(), qsl=md.query_start_loc.clone(),
                     tables=md.block_tables.clone(), tile_map=md.tile_map.clone(),
-                    max_query_len=md.max_query_len)
+                    max_query_len=md.max_query_len, decode_rows=md.decode_rows.seq_lens.clone())
         return input_ids.float().unsqueeze(1) * 10  # each row's "hidden state": its input token, scaled
 
     decode = CUDAGraphRunner(forward, None, LAYERS, [1, 2, 4, 8], MAX_BLOCKS, MAX_BLOCKS * BLOCK, VOCAB,
@@ -109,7 +109,19 @@ def test_mixed_graph_sees_the_plain_batch(device, chunks, pending):
     width = min(md.block_tables.shape[1], seen["tables"].shape[1])  # the plain step's is padded (aligned)
     torch.testing.assert_close(seen["tables"][:num_reqs, :width], md.block_tables[:, :width], rtol=0, atol=0)
     assert not md.block_tables[:, width:].any()
-    want_map = build_tile_map(np.array(counts), md.seq_lens.cpu().numpy(), 16, seen["tile_map"].shape[0])
+    # the leading decodes are the decode kernel's rows (the plain step's too, beside a prefill), not tiles
+    decodes = leading_decodes(counts)
+    assert decodes == next(i for i, c in enumerate(counts + [0]) if c != 1)
+    lens = md.seq_lens.tolist()
+    assert seen["decode_rows"].tolist() == lens[:decodes] + [0] * (num_seqs - decodes)
+    if 0 < decodes < num_reqs:
+        assert md.decode_rows.count == decodes and md.decode_rows.seq_lens.tolist() == lens[:decodes]
+        assert not md.decode_rows.in_graph
+    else:
+        assert md.decode_rows is None
+    tiled = np.array(counts)
+    tiled[:decodes] = 0
+    want_map = build_tile_map(tiled, md.seq_lens.cpu().numpy(), 16, seen["tile_map"].shape[0])
     assert seen["tile_map"].tolist() == want_map.tolist()
     # padding tokens write nothing and the attention grid is the bucket's, whatever the step's longest chunk
     assert (seen["slots"][num_tokens:] == -1).all() and seen["max_query_len"] == bucket
