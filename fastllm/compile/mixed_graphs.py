@@ -118,7 +118,7 @@ class MixedGraphRunner:
             query_start_loc=i32[qsl_at:qsl_at + num_seqs + 1], max_query_len=tokens,
             max_seq_len=self.max_seq_len,
             tile_map=i32[tile_map_at:tile_map_at + 2 * num_tiles].view(num_tiles, 2),
-            decode_rows=DecodeRows(num_seqs, i32[decode_at:decode_at + num_seqs], in_graph=True))
+            decode_rows=DecodeRows(num_seqs, i32[decode_at:decode_at + num_seqs]))
         return _Bucket(tokens, num_seqs, num_tiles, decode_at, qsl_at, tile_map_at, tables_at, ids, positions,
                        token_src, metadata)
 

@@ -101,9 +101,9 @@ class Attention(nn.Module):
             return ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables,
                                          metadata.seq_lens, metadata.query_start_loc, metadata.max_query_len,
                                          self.scale, window, tile_map=metadata.tile_map, **scales)
-        n = 0 if rows.in_graph else rows.count  # the requests the prefill kernel leaves to the decode kernel
-        out = ops.prefill_attention(query, key, value, key_cache, value_cache, metadata.block_tables[n:],
-                                    metadata.seq_lens[n:], metadata.query_start_loc[n:],
+        requests = (metadata.block_tables, metadata.seq_lens, metadata.query_start_loc) if rows.in_graph \
+            else (rows.rest_block_tables, rows.rest_seq_lens, rows.rest_query_start_loc)
+        out = ops.prefill_attention(query, key, value, key_cache, value_cache, *requests,
                                     metadata.max_query_len, self.scale, window, tile_map=metadata.tile_map,
                                     **scales)
         decoded = ops.paged_decode_attention(query[:rows.count], key_cache, value_cache,

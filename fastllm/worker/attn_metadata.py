@@ -41,10 +41,17 @@ class DecodeRows:
     kernel's query tiles would hold one token each; the prefill kernel takes the other requests."""
     count: int  # rows the decode kernel runs
     seq_lens: torch.Tensor  # [count] int32: each row's keys; 0: not a decode (a CUDA graph's fixed rows)
-    # True in a CUDA graph (count fixed, rows past the step's decodes 0): the prefill kernel runs over every
-    # request, its tile map leaving the decodes out, and the decode rows replace their rows of its output.
-    # False: count is the step's decodes, and the prefill kernel runs over the requests after them.
-    in_graph: bool = False
+    # The requests after the decodes, which the prefill kernel runs over: their block tables, seq_lens and
+    # query_start_loc (its entries count from the step's first token). None in a CUDA graph (count fixed,
+    # rows past the step's decodes 0): the prefill kernel runs over every request, its tile map leaving the
+    # decodes out, and the decode rows replace their rows of its output.
+    rest_block_tables: torch.Tensor | None = None
+    rest_seq_lens: torch.Tensor | None = None
+    rest_query_start_loc: torch.Tensor | None = None
+
+    @property
+    def in_graph(self) -> bool:
+        return self.rest_block_tables is None
 
 
 def leading_decodes(query_lens: np.ndarray) -> int:

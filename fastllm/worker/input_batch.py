@@ -143,19 +143,23 @@ def build_step_inputs(
                                       query_start_loc, None if every_row else logits_indices, vocab_size,
                                       eos_token_id)
     scatter = np.asarray(batch.from_device, dtype=np.int64).reshape(-1, 2).T
-    (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d, *cascade_d) = stager.send(
+    tables = aligned_tables(batch.block_tables)
+    decodes = leading_decodes(counts)
+    split = 0 < decodes < len(counts)  # the decodes through the decode kernel, the rest through prefill's
+    # (the rest's own copies: views at an offset would not be 16-byte aligned, a variant Triton compiles)
+    rest = [tables[decodes:], seq_lens[decodes:], query_start_loc[decodes:]] if split else []
+    (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d, *more_d) = stager.send(
         [ids, positions, slots, logits_indices, scatter],
-        [aligned_tables(batch.block_tables), seq_lens, query_start_loc,
-         *(cascade.arrays() if cascade is not None else ())])
+        [tables, seq_lens, query_start_loc, *(cascade.arrays() if cascade is not None else ()), *rest])
+    cascade_d, rest_d = more_d[:len(more_d) - len(rest)], more_d[len(more_d) - len(rest):]
     if batch.from_device:
         ids_d.index_copy_(0, scatter_d[0], in_flight.sampled.index_select(0, scatter_d[1]))
-    decodes = leading_decodes(counts)
     metadata = AttentionMetadata(
         slot_mapping=slots_d, block_tables=tables_d, seq_lens=seq_lens_d, query_start_loc=qsl_d,
         max_query_len=int(counts.max()), max_seq_len=int(ends.max()),
         cascade=None if cascade is None else CascadeMetadata(*cascade_d, cascade.max_group_rows, cascade.max_prefix_len,
                                                              cascade.max_suffix_len),
-        decode_rows=DecodeRows(decodes, seq_lens_d[:decodes]) if 0 < decodes < len(counts) else None,
+        decode_rows=DecodeRows(decodes, seq_lens_d[:decodes], *rest_d) if split else None,
     )
     drafts = None if verify_rows is None else [spec_tokens[i] for i in batch.sample_rows]
     return StepInputs(

@@ -34,12 +34,13 @@ def _step(layer, kv, mode: str, positions, query, key, value):
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(Q_LENS)]), dtype=torch.int32, device=device)
     decodes = leading_decodes(Q_LENS)
     rows = tile_map = None
-    if mode == "eager":
-        rows = DecodeRows(decodes, kv.seq_lens[:decodes])
+    if mode == "eager":  # the rest's own (aligned) copies, as the step stages them
+        rows = DecodeRows(decodes, kv.seq_lens[:decodes], kv.block_tables[decodes:].clone(),
+                          kv.seq_lens[decodes:].clone(), qsl[decodes:].clone())
     elif mode == "graph":  # every request a row, 0 past the decodes; the tile map has the others' tiles only
         lens = kv.seq_lens.clone()
         lens[decodes:] = 0
-        rows = DecodeRows(len(Q_LENS), lens, in_graph=True)
+        rows = DecodeRows(len(Q_LENS), lens)
         tiled = np.array(Q_LENS)
         tiled[:decodes] = 0
         block_q = query_tile_size(HQ // HKV)
@@ -54,6 +55,7 @@ def _step(layer, kv, mode: str, positions, query, key, value):
     return out, key_cache, value_cache
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 @pytest.mark.parametrize("window", [None, 7])

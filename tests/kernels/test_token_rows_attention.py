@@ -36,6 +36,7 @@ def _step(layer, kv, q_lens, token_rows: bool, positions, query, key, value):
     return out, key_cache, value_cache
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("q_len", [2, 5])
 @pytest.mark.parametrize("window", [None, 7])

@@ -115,8 +115,13 @@ def test_mixed_graph_sees_the_plain_batch(device, chunks, pending):
     lens = md.seq_lens.tolist()
     assert seen["decode_rows"].tolist() == lens[:decodes] + [0] * (num_seqs - decodes)
     if 0 < decodes < num_reqs:
-        assert md.decode_rows.count == decodes and md.decode_rows.seq_lens.tolist() == lens[:decodes]
-        assert not md.decode_rows.in_graph
+        rows = md.decode_rows
+        assert rows.count == decodes and rows.seq_lens.tolist() == lens[:decodes] and not rows.in_graph
+        assert rows.rest_seq_lens.tolist() == lens[decodes:]
+        assert rows.rest_query_start_loc.tolist() == md.query_start_loc.tolist()[decodes:]
+        assert torch.equal(rows.rest_block_tables, md.block_tables[decodes:])
+        for rest in (rows.rest_block_tables, rows.rest_seq_lens, rows.rest_query_start_loc):
+            assert rest.data_ptr() % 16 == 0, "Triton compiles another variant for unaligned pointers"
     else:
         assert md.decode_rows is None
     tiled = np.array(counts)
