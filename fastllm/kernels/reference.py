@@ -356,14 +356,13 @@ def rotary_decode_attention(
     query, key, value = rotary_kv_cache_write(positions, query, key, value, cos_sin_cache, is_neox, key_cache,
                                               value_cache, slot_mapping, True, q_norm_weight, k_norm_weight,
                                               norm_eps, k_scale, v_scale)
-    fp8 = key_cache.dtype == FP8
     out = torch.empty_like(query)
     for i, seq_len in enumerate(seq_lens.tolist()):
         first = _first_key(seq_len, 1, window, 0)
         k = torch.cat([_gather_kv(key_cache, block_tables[i], first, seq_len - 1, k_scale),
-                       key[i:i + 1].float() * k_scale if fp8 else key[i:i + 1]])
+                       kv_from_cache(key[i:i + 1].to(key_cache.dtype), k_scale)])  # (exact: what it holds)
         v = torch.cat([_gather_kv(value_cache, block_tables[i], first, seq_len - 1, v_scale),
-                       value[i:i + 1].float() * v_scale if fp8 else value[i:i + 1]])
+                       kv_from_cache(value[i:i + 1].to(value_cache.dtype), v_scale)])
         out[i:i + 1] = _attend(query[i:i + 1], k, v, scale, first, window)[0]
     return out
 

@@ -150,8 +150,8 @@ def build_step_inputs(
     rest = [tables[decodes:], seq_lens[decodes:], query_start_loc[decodes:]] if split else []
     (ids_d, positions_d, slots_d, logits_d, scatter_d), (tables_d, seq_lens_d, qsl_d, *more_d) = stager.send(
         [ids, positions, slots, logits_indices, scatter],
-        [tables, seq_lens, query_start_loc, *(cascade.arrays() if cascade is not None else ()), *rest])
-    cascade_d, rest_d = more_d[:len(more_d) - len(rest)], more_d[len(more_d) - len(rest):]
+        [tables, seq_lens, query_start_loc, *rest, *(cascade.arrays() if cascade is not None else ())])
+    rest_d, cascade_d = more_d[:len(rest)], more_d[len(rest):]
     if batch.from_device:
         ids_d.index_copy_(0, scatter_d[0], in_flight.sampled.index_select(0, scatter_d[1]))
     metadata = AttentionMetadata(
