@@ -49,7 +49,8 @@ def measure(case: str):
     scale = HEAD_DIM**-0.5
     fp8 = case.endswith("_fp8kv")  # an e4m3 cache: 1 byte a K/V element in bytes_moved
     kv_scales = dict(zip(("k_scale", "v_scale"), FP8_SCALES)) if fp8 else {}
-    splits = choose_config(ctx, batch, HKV, HEAD_DIM, num_sms(), DTYPE.itemsize).num_splits  # the launch's
+    # the launch's split count
+    splits = choose_config(ctx, batch, HKV, HEAD_DIM, num_sms(), DTYPE.itemsize, fp8_cache=fp8).num_splits
 
     def make():
         key_cache, value_cache, block_tables = paged_kv(batch, ctx, PAGE)

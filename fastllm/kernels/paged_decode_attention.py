@@ -40,8 +40,9 @@ into the softmax scale and v_scale into each split's output (kv_fp8.py); the APP
 k/v as e4m3 and attends to them as stored.
 
 Launch config (split count, BLOCK_N, warps, stages, minimum split length) comes from a host-side table
-(`choose_config`) that depends only on max_seq_len (a host-side bound), batch, Hkv, head_dim, dtype and the
-SM count, never on device values: no host sync, and a CUDA graph replays the same launch for any seq_lens.
+(`choose_config`) that depends only on max_seq_len (a host-side bound), batch, Hkv, head_dim, dtypes (an
+FP8 cache has a rule of its own) and the SM count, never on device values: no host sync, and a CUDA graph
+replays the same launch for any seq_lens.
 Each request sizes its own splits from its seq_len (at least min_split_len keys each), so a request that
 fits one split writes `out` directly and the rest of its splits return at once. It is not a triton.autotune: the
 engine's warm-up before graph capture runs on all-padding batches (seq_len 0 / 1), where timings mean
@@ -82,7 +83,13 @@ _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM: the fastest split counts at 
 # faster at small batches too but flipped a greedy token at a 0.12-nat margin in the tiny bf16 Llama-3.1
 # engine test (bound 256); below _LONG_CONTEXT it stays out until its rounding is compared with the 64-key
 # tile's.
-TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2)]
+TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2), (32, 1, 2)]
+# An FP8 cache under 16-bit queries with B x Hkv >= _MANY_PROGRAMS_PER_SM a SM takes one-warp programs of
+# 32-key tiles (TILE_CONFIGS[4]), not the 16-key tile: a program converts twice the keys a byte of a 16-bit
+# cache, and one warp runs its softmax and p's layout change without the block barriers of several (README,
+# "FP8 KV cache"). Fewer programs keep the 16-bit table: split to that many, one-warp programs won on long
+# requests, but a graph's split count follows its loose bound, and a short request in one one-warp split
+# lost to the 64-key tile with 4 warps (B32 x 384).
 # B x Hkv from this many per SM: the small tile (TILE_CONFIGS[3]); e.g. B128 at 8 KV heads on 132 SMs
 _MANY_PROGRAMS_PER_SM = 7
 # The same for a decode cascade's suffix, whose programs share each SM with a prefix program (README,
@@ -491,7 +498,8 @@ def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: 
 
 
 def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int,
-                  element_size: int = 2, beside_prefix: bool = False) -> DecodeConfig:
+                  element_size: int = 2, beside_prefix: bool = False,
+                  fp8_cache: bool = False) -> DecodeConfig:
     """Split count, tile and minimum split length for one launch; host-side ints only (CUDA-graph safe).
 
     Many programs (>= 7 a SM) take 16-key tiles with 2 warps: more of them fit on an SM to hide the loads'
@@ -500,6 +508,7 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     keeps short requests from being cut into one-tile splits once B x Hkv alone covers the SMs, where one
     or two splits time the same (README, "Kernel choices", has the measurements). beside_prefix: a decode
     cascade's suffix launch, which runs beside the prefix kernel's programs (fewer free slots an SM).
+    fp8_cache: an e4m3 cache (element_size is the queries').
     """
     programs = batch * num_kv_heads
     splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
@@ -507,7 +516,7 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     if head_dim > 128:
         tile = TILE_CONFIGS[2]
     elif programs >= many * num_sms and element_size <= 2:
-        tile = TILE_CONFIGS[3]
+        tile = TILE_CONFIGS[4] if fp8_cache and not beside_prefix else TILE_CONFIGS[3]
     elif max_seq_len >= _LONG_CONTEXT and programs < num_sms and element_size <= 2:
         tile = TILE_CONFIGS[1]
         splits = min(splits, triton.cdiv(2 * num_sms, programs))
@@ -670,7 +679,7 @@ def launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq
         max_seq_len = min(max_seq_len, window + TILE_CONFIGS[1][0])
     cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2],
                         sm_count.num_sms(query.device), query.element_size(),
-                        beside_prefix=cascade is not None)
+                        beside_prefix=cascade is not None, fp8_cache=key_cache.dtype == FP8)
     return paged_decode_attention_splits(
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,

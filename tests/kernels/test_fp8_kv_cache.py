@@ -298,3 +298,37 @@ def test_fp8_readers_gpu(gen, seq_lens, hq, hkv, d, page):
                                     max(seq_lens), d ** -0.5, **_kw(GPU_SCALES))
     assert_close(out, ref, *TOL[bf16], "rotary decode")
     assert_e4m3_equal(kv.key_cache, caches[0], "the new keys")
+
+
+@gpu
+@pytest.mark.parametrize("batch,bound", [(128, 1024), (256, 4096)])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_fp8_decode_gpu_one_warp_tiles(gen, batch, bound, qk_norm):
+    """Batches the table gives one-warp 32-key programs over an FP8 cache: decode, and the engine's rotary
+    decode (Qwen3's q/k norms too), against the references."""
+    from fastllm.kernels import sm_count
+    from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
+
+    hq, hkv, d, page, bf16 = 32, 8, 128, 16, torch.bfloat16
+    assert choose_config(bound, batch, hkv, d, sm_count.num_sms(torch.device("cuda")),
+                         fp8_cache=True)[1:4] == TILE_CONFIGS[4]
+    seq_lens = torch.randint(1, bound + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+    seq_lens[0] = bound
+    kv = _fp8_kv(seq_lens, hkv, d, page, gen, "cuda")
+    query = torch.randn(batch, hq, d, device="cuda", dtype=bf16)
+    args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, bound, d ** -0.5)
+    assert_close(triton_impl("paged_decode_attention")(*args, **_kw(GPU_SCALES)),
+                 R.paged_decode_attention(*args, **_kw(GPU_SCALES)), *TOL[bf16], "decode")
+    positions = kv.seq_lens.long() - 1
+    slots = kv.chunk_slots([1] * batch)
+    new = [torch.randn(batch, h, d, device="cuda", dtype=bf16) for h in (hq, hkv, hkv)]
+    cos_sin = _cos_sin_cache(bound + 1, d, "cuda")
+    norm = dict(zip(("q_norm_weight", "k_norm_weight"), qk_norm_weights(d, bf16, "cuda", gen)),
+                norm_eps=NORM_EPS) if qk_norm else {}
+    caches = (kv.key_cache.clone(), kv.value_cache.clone())
+    tail = (slots, kv.block_tables, kv.seq_lens, bound, d ** -0.5)
+    out = triton_impl("rotary_decode_attention")(positions, *new, cos_sin, True, kv.key_cache, kv.value_cache,
+                                                  *tail, **norm, **_kw(GPU_SCALES))
+    ref = R.rotary_decode_attention(positions, *new, cos_sin, True, *caches, *tail, **norm, **_kw(GPU_SCALES))
+    assert_close(out, ref, *TOL[bf16], "rotary decode")
+    assert_e4m3_equal(kv.key_cache, caches[0], "the new keys")

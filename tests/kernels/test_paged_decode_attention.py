@@ -240,6 +240,27 @@ def test_decode_table_tiles():
     assert choose_config(32768, 1, 8, 128, num_sms=132, element_size=4)[1:4] == TILE_CONFIGS[0]  # fp32
 
 
+def test_decode_table_fp8_cache():
+    """An FP8 cache under 16-bit queries: one-warp 32-key programs where the 16-bit cache takes the 16-key
+    tile (B x Hkv >= 7 a SM); everything else as the 16-bit cache's table (fewer programs, fp32 queries,
+    head_dim 256, a cascade's suffix)."""
+    from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
+
+    def table(bound, batch, head_dim=128, **kw):
+        return [choose_config(bound, batch, 8, head_dim, num_sms=132, fp8_cache=fp8, **kw)
+                for fp8 in (False, True)]
+
+    for bound, batch in ((1024, 128), (512, 256), (4096, 116)):
+        plain, fp8 = table(bound, batch)
+        assert plain[1:4] == TILE_CONFIGS[3] and fp8[1:4] == TILE_CONFIGS[4], (bound, batch)
+        assert (fp8.num_splits, fp8.min_split_len) == (plain.num_splits, plain.min_split_len)
+    for bound, batch, kw in ((4096, 115, {}), (4096, 64, {}), (384, 32, {}), (8192, 1, {}),
+                             (4096, 256, {"element_size": 4}), (4096, 256, {"head_dim": 256}),
+                             (4096, 256, {"beside_prefix": True})):
+        plain, fp8 = table(bound, batch, **kw)
+        assert fp8 == plain, (bound, batch, kw)
+
+
 def test_split_count_is_host_only():
     from fastllm.kernels.paged_decode_attention import choose_num_splits
 
