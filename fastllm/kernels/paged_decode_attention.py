@@ -86,7 +86,7 @@ _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM: the fastest split counts at 
 TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2), (32, 1, 2)]
 # An FP8 cache under 16-bit queries with B x Hkv >= _MANY_PROGRAMS_PER_SM a SM takes one-warp programs of
 # 32-key tiles (TILE_CONFIGS[4]), not the 16-key tile: a program converts twice the keys a byte of a 16-bit
-# cache, and one warp runs its softmax and p's layout change without the block barriers of several.
+# cache, and one warp's softmax, layout changes and block barriers wait on no other warp.
 # Fewer programs keep the 16-bit table: split to that many, one-warp programs won on long requests, but a
 # graph's split count follows its loose bound, and a short request in one one-warp split lost to the 64-key
 # tile with 4 warps (README, "FP8 weights", on decode attention over an FP8 cache).
