@@ -84,12 +84,16 @@ _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM: the fastest split counts at 
 # engine test (bound 256); below _LONG_CONTEXT it stays out until its rounding is compared with the 64-key
 # tile's.
 TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2), (32, 1, 2)]
-# An FP8 cache under 16-bit queries with B x Hkv >= _MANY_PROGRAMS_PER_SM a SM takes one-warp programs of
-# 32-key tiles (TILE_CONFIGS[4]), not the 16-key tile: a program converts twice the keys a byte of a 16-bit
-# cache, and one warp's softmax, layout changes and block barriers wait on no other warp.
-# Fewer programs keep the 16-bit table: split to that many, one-warp programs won on long requests, but a
-# graph's split count follows its loose bound, and a short request in one one-warp split lost to the 64-key
-# tile with 4 warps (README, "FP8 weights", on decode attention over an FP8 cache).
+# An FP8 cache under 16-bit queries with B x Hkv >= _FP8_MANY_PROGRAMS_PER_SM a SM takes one-warp programs of
+# 32-key tiles (TILE_CONFIGS[4]), not the 16-bit table's tiles: a program converts twice the keys a byte of
+# a 16-bit cache, and one warp's softmax, layout changes and block barriers wait on no other warp. From 1.5
+# programs a SM under a bound of _FP8_LONG_BOUND it takes them too, split in two (four under 2 programs a
+# SM) so that ~8 one-warp programs a SM hide the loads' latency: 5-40% faster than the 64-key tile from
+# 1,024 keys, up to ~18% slower on requests of 128 keys, so a short bound keeps the 16-bit table (README,
+# "FP8 weights", on decode attention over an FP8 cache).
+_FP8_MANY_PROGRAMS_PER_SM = 5
+_FP8_LONG_BOUND = 2048
+_FP8_MIN_SPLIT_LEN = 128
 # B x Hkv from this many per SM: the small tile (TILE_CONFIGS[3]); e.g. B128 at 8 KV heads on 132 SMs
 _MANY_PROGRAMS_PER_SM = 7
 # The same for a decode cascade's suffix, whose programs share each SM with a prefix program (README,
@@ -146,8 +150,8 @@ _MAX_MERGE_BLOCK_S = 16
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """split_counters.py's buffer for this kernel. Launches split only while B x Hkv < 3 programs per SM, so
-    4096 counters cover any GPU."""
+    """split_counters.py's buffer for this kernel. Launches split only while B x Hkv < 7 programs per SM, so
+    4096 counters cover any GPU of up to 585 SMs."""
     return split_counters("decode attention", device, n)
 
 
@@ -508,15 +512,21 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     keeps short requests from being cut into one-tile splits once B x Hkv alone covers the SMs, where one
     or two splits time the same (README, "Kernel choices", has the measurements). beside_prefix: a decode
     cascade's suffix launch, which runs beside the prefix kernel's programs (fewer free slots an SM).
-    fp8_cache: an e4m3 cache (element_size is the queries').
+    fp8_cache: an e4m3 cache (element_size is the queries'), which takes one-warp programs from fewer
+    programs a SM (_FP8_MANY_PROGRAMS_PER_SM, _FP8_LONG_BOUND).
     """
     programs = batch * num_kv_heads
     splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
     many = _MANY_PROGRAMS_PER_SM_BESIDE_PREFIX if beside_prefix else _MANY_PROGRAMS_PER_SM
+    fp8_one_warp = fp8_cache and not beside_prefix and element_size <= 2
     if head_dim > 128:
         tile = TILE_CONFIGS[2]
+    elif fp8_one_warp and programs >= _FP8_MANY_PROGRAMS_PER_SM * num_sms:
+        tile = TILE_CONFIGS[4]
+    elif fp8_one_warp and 2 * programs >= 3 * num_sms and max_seq_len >= _FP8_LONG_BOUND:
+        return DecodeConfig(4 if programs < 2 * num_sms else 2, *TILE_CONFIGS[4], _FP8_MIN_SPLIT_LEN)
     elif programs >= many * num_sms and element_size <= 2:
-        tile = TILE_CONFIGS[4] if fp8_cache and not beside_prefix else TILE_CONFIGS[3]
+        tile = TILE_CONFIGS[3]
     elif max_seq_len >= _LONG_CONTEXT and programs < num_sms and element_size <= 2:
         tile = TILE_CONFIGS[1]
         splits = min(splits, triton.cdiv(2 * num_sms, programs))

@@ -301,11 +301,12 @@ def test_fp8_readers_gpu(gen, seq_lens, hq, hkv, d, page):
 
 
 @gpu
-@pytest.mark.parametrize("batch,bound", [(128, 1024), (256, 4096)])
+@pytest.mark.parametrize("batch,bound", [(128, 1024), (256, 4096), (96, 384), (32, 4096), (64, 2048)])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_fp8_decode_gpu_one_warp_tiles(gen, batch, bound, qk_norm):
-    """Batches the table gives one-warp 32-key programs over an FP8 cache: decode, and the engine's rotary
-    decode (Qwen3's q/k norms too), against the references."""
+    """Batches the table gives one-warp 32-key programs over an FP8 cache (from 5 programs a SM, and split
+    from 1.5 under a long bound): decode, and the engine's rotary decode (Qwen3's q/k norms too), against
+    the references; requests of 1 key to the bound, so some use one split and some several."""
     from fastllm.kernels import sm_count
     from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
 
