@@ -1,0 +1,78 @@
+"""Decode attention over an FP8 cache: the table's launch (choose_config with fp8_cache=True) against the
+16-bit cache's launch for the same shape, on the same e4m3 K/V (GPU).
+
+    python benchmarks/kernels/tune_fp8_decode.py
+    python benchmarks/kernels/tune_fp8_decode.py --batch-sizes 32,64 --contexts 384,4096 --bound 8192
+
+Llama-3-8B's attention (32 q heads, 8 KV heads, dim 128, bf16 queries, block size 16), at a CUDA graph's
+loose bound (--bound: the split count and tile follow it, not the requests), a third of the requests at
+half the context; each row also once with every request full at the largest context. Per config: us a
+call in steady state (kbench.steady_ms) and the fraction of copy bandwidth over the bytes the requests hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+from kbench import DEVICE, HEAD_DIM, HKV, HQ, copy_bandwidth_gbs, input_sets, num_sms, paged_kv, steady_ms
+
+from fastllm.kernels import reference
+from fastllm.kernels.paged_decode_attention import bytes_moved, choose_config, paged_decode_attention_splits
+
+PAGE = 16
+K_SCALE, V_SCALE = 0.37, 1.9  # any values time the same
+
+
+def make_inputs(batch: int, context: int, ragged: bool):
+    key_cache, value_cache, block_tables = paged_kv(batch, max(context, 64), PAGE)
+    key_cache = reference.kv_to_cache(key_cache, reference.FP8, K_SCALE)
+    value_cache = reference.kv_to_cache(value_cache, reference.FP8, V_SCALE)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    if ragged:
+        seq_lens[::3] = max(1, context // 2)
+    query = torch.randn(batch, HQ, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+    return query, key_cache, value_cache, block_tables, seq_lens
+
+
+def time_configs(batch: int, context: int, ragged: bool, bound: int, copy_gbs: float) -> str:
+    sets = input_sets(functools.partial(make_inputs, batch, context, ragged),
+                      lambda s: bytes_moved(s[0], s[1], int(s[4].sum()), 1))
+    kv_bytes = bytes_moved(sets[0][0], sets[0][1], int(sets[0][4].sum()), 1)
+    scale = HEAD_DIM ** -0.5
+    ref = reference.paged_decode_attention(*sets[0], bound, scale, k_scale=K_SCALE, v_scale=V_SCALE).float()
+    cells = []
+    for fp8_rule in (False, True):
+        cfg = choose_config(bound, batch, HKV, HEAD_DIM, num_sms(), 2, fp8_cache=fp8_rule)
+        calls = [functools.partial(paged_decode_attention_splits, *s, bound, scale, cfg.num_splits,
+                                   block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                   min_split_len=cfg.min_split_len, k_scale=K_SCALE, v_scale=V_SCALE)
+                 for s in sets]
+        err = ((calls[0]().float() - ref).norm() / ref.norm()).item()
+        assert err < 2e-3, (batch, context, cfg, err)
+        ms = steady_ms(calls)
+        cells.append(f"{tuple(cfg)} {ms * 1e3:.1f} us ({kv_bytes / ms / 1e6 / copy_gbs:.3f})")
+    return f"| {batch} x {context}{'' if ragged else ' full'} | " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch-sizes", default="25,32,48,64,96,115")
+    p.add_argument("--contexts", default="128,384,1024,4096")
+    p.add_argument("--bound", type=int, default=4096)
+    args = p.parse_args()
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    assert max(contexts) <= args.bound, "contexts beyond the bound"
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"bound {args.bound}, {num_sms()} SMs; config = (splits, keys a tile, warps, stages, min split len)")
+    print("| B x context | 16-bit table | FP8 table |\n|---|---|---|")
+    for batch in batches:
+        for context in contexts:
+            print(time_configs(batch, context, True, args.bound, copy_gbs), flush=True)
+        print(time_configs(batch, max(contexts), False, args.bound, copy_gbs), flush=True)
+
+
+if __name__ == "__main__":
+    main()
