@@ -143,9 +143,9 @@ class NewTokens(NamedTuple):
     norm_eps: float = 1e-6
 
 
-# The merge's [heads, splits, head_dim] fp32 tile stays within this many elements (64 registers a thread
-# at 4 warps), BLOCK_S splits a step.
-_MERGE_TILE_ELEMENTS = 8192
+# The merge's [heads, splits, head_dim] fp32 tile stays within this many elements a warp (64 registers a
+# thread), BLOCK_S splits a step: sized for 4 warps, a one-warp program held 256 a thread and spilled.
+_MERGE_TILE_ELEMENTS_PER_WARP = 2048
 _MAX_MERGE_BLOCK_S = 16
 
 
@@ -223,6 +223,10 @@ def _decode_split_kernel(
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     q = tl.load(q_rows + d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
     keys_end = end  # the keys read from the cache: [start, keys_end)
+    # m starts finite so that rows with no valid key give p = 0 rather than exp2(-inf + inf) = NaN.
+    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     if APPEND:
         # This step's token sits at position seq_len - 1. Every split rotates q; split 0 writes the new
         # k/v into the cache, and the split that holds position seq_len - 1 takes them from registers
@@ -259,11 +263,14 @@ def _decode_split_kernel(
             tl.store(v_cache_ptr + page_of * stride_vb + in_page * stride_vs + kv_head * stride_vh + d, v_new,
                      mask=d_ok)
         keys_end = tl.minimum(end, seq_len - 1)
+        # The new token is the online softmax's first step (-inf where another split holds it), so its k/v
+        # die before the loop: held across it, they took a 64-key 4-warp program over an FP8 cache from
+        # 102 to 136 registers, 3 programs a SM rather than 4 (1.76x the time at B64 x 3840, H200).
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2  # [BLOCK_G]
+        m_i = tl.maximum(m_i, tl.where(keys_end < end, s_new, float("-inf")))
+        l_i = tl.exp2(tl.where(keys_end < end, s_new, float("-inf")) - m_i)  # 1 where held, else 0
+        acc = l_i[:, None] * v_new.to(tl.float32)[None, :]
 
-    # m starts finite so that rows with no valid key give p = 0 rather than exp2(-inf + inf) = NaN.
-    m_i = tl.full([BLOCK_G], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
     k_head = k_cache_ptr + kv_head * stride_kh
     v_head = v_cache_ptr + kv_head * stride_vh
@@ -314,16 +321,6 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-    if APPEND:  # the new token, one more online-softmax step in fp32 (-inf where another split holds it)
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2  # [BLOCK_G]
-        s_new = tl.where(keys_end < end, s_new, float("-inf"))
-        m_new = tl.maximum(m_i, s_new)
-        p_new = tl.exp2(s_new - m_new)
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-        m_i = m_new
-
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale  # seq_len 0: o = 0 (v_scale 1.0: exact)
     row_mask = g_ok[:, None] & d_ok[None, :]
@@ -625,7 +622,8 @@ def paged_decode_attention_splits(
         qk_norm = False
         new_args, new_strides = (seq_lens,) * 7 + (0.0,), (0,) * 5  # unused
     block_gm = triton.next_power_of_2(group)
-    block_s = max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS // (block_gm * block_d)))  # the merge's tile
+    block_s = max(2, min(_MAX_MERGE_BLOCK_S,  # the merge's tile
+                         _MERGE_TILE_ELEMENTS_PER_WARP * num_warps // (block_gm * block_d)))
     kv_start_arg = kv_start if kv_start is not None else seq_lens  # unused without it
     cascade_args = (cascade.prefix_o, cascade.prefix_lse, cascade.prefix_o.shape[2]) if cascade is not None \
         else (out, lse, 0)
