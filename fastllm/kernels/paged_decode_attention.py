@@ -88,8 +88,8 @@ TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2), (32, 1, 2)]
 # 32-key tiles (TILE_CONFIGS[4]), not the 16-bit table's tiles: a program converts twice the keys a byte of
 # a 16-bit cache, and one warp's softmax, layout changes and block barriers wait on no other warp. From 1.5
 # programs a SM under a bound of _FP8_LONG_BOUND it takes them too, split in two (four under 2 programs a
-# SM) so that ~8 one-warp programs a SM hide the loads' latency: 5-40% faster than the 64-key tile from
-# 1,024 keys, up to ~18% slower on requests of 128 keys, so a short bound keeps the 16-bit table (README,
+# SM) so that ~8 one-warp programs a SM hide the loads' latency: 2-27% faster than the 64-key tile from
+# 384 keys, up to 18% slower on requests of 128 keys, so a short bound keeps the 16-bit table (README,
 # "FP8 weights", on decode attention over an FP8 cache).
 _FP8_MANY_PROGRAMS_PER_SM = 5
 _FP8_LONG_BOUND = 2048
@@ -150,8 +150,8 @@ _MAX_MERGE_BLOCK_S = 16
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """split_counters.py's buffer for this kernel. Launches split only while B x Hkv < 7 programs per SM, so
-    4096 counters cover any GPU of up to 585 SMs."""
+    """split_counters.py's buffer for this kernel. Launches split only while B x Hkv < 5 programs per SM
+    (choose_config), so 4096 counters cover any GPU of up to 819 SMs."""
     return split_counters("decode attention", device, n)
 
 
@@ -267,8 +267,9 @@ def _decode_split_kernel(
         # die before the loop: held across it, they took a 64-key 4-warp program over an FP8 cache from
         # 102 to 136 registers, 3 programs a SM rather than 4 (1.76x the time at B64 x 3840, H200).
         s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale_log2  # [BLOCK_G]
-        m_i = tl.maximum(m_i, tl.where(keys_end < end, s_new, float("-inf")))
-        l_i = tl.exp2(tl.where(keys_end < end, s_new, float("-inf")) - m_i)  # 1 where held, else 0
+        s_new = tl.where(keys_end < end, s_new, float("-inf"))
+        m_i = tl.maximum(m_i, s_new)
+        l_i = tl.exp2(s_new - m_i)  # 1 where this split holds the new token, else 0
         acc = l_i[:, None] * v_new.to(tl.float32)[None, :]
 
     bt_row = block_tables_ptr + b * stride_bt
