@@ -281,7 +281,8 @@ def test_append_keeps_the_program_count_a_sm():
             "[[d(True, *tile, splits, append) for append in (False, True)] "
             "for tile, splits in (((64, 4, 2), 1), ((32, 1, 2), 2))]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (interpreted: no compile)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
+                         check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     for plain, append in json.loads(out.stdout.splitlines()[-1]):
         registers, spilled = append[:2]
