@@ -2,8 +2,8 @@
 compiled for a GPU target (sm_90 by default) by Triton's own ptxas, then its cubin's registers a thread,
 spilled bytes and shared memory (cuobjdump, which Triton's wheel ships). A kernel variant that needs a few
 registers more than its neighbours can lose a program a SM, and with it a wave: APPEND held the new token's
-k/v across decode attention's key loop, 136 registers against 102, and took 1.76x the time at B64 x 3840
-over an FP8 cache (README, "FP8 weights").
+k/v across decode attention's key loop, 136 registers against 102 (Triton 3.6), and took 1.76x the time at
+B64 x 3840 over an FP8 cache (README, "FP8 weights").
 
 Run with TRITON_INTERPRET unset: the interpreter's kernels do not compile.
 
@@ -24,11 +24,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-# Hopper's SM: 64K registers, 228 KB of shared memory (1 KB of it reserved per program), 64 warps
+# Hopper's SM: 64K registers, 228 KB of shared memory (1 KB of it reserved per program), 64 warps, 32 programs
 REGISTERS_PER_SM = 65536
 SHARED_PER_SM = 228 * 1024
 SHARED_RESERVED_PER_PROGRAM = 1024
 MAX_WARPS_PER_SM = 64
+MAX_PROGRAMS_PER_SM = 32
 
 
 class Resources(NamedTuple):
@@ -42,7 +43,7 @@ class Resources(NamedTuple):
         per_warp = -(-self.registers * 32 // 256) * 256
         return min(REGISTERS_PER_SM // (per_warp * self.num_warps),
                    SHARED_PER_SM // (self.shared + SHARED_RESERVED_PER_PROGRAM),
-                   MAX_WARPS_PER_SM // self.num_warps)
+                   MAX_WARPS_PER_SM // self.num_warps, MAX_PROGRAMS_PER_SM)
 
 
 def compile_for(kernel, constexprs: dict[str, Any], types: dict[str, str], num_warps: int, num_stages: int,
