@@ -127,13 +127,16 @@ READ_CASES = [
 
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES)
 @pytest.mark.parametrize("num_splits,window", [(1, None), (3, None), (2, 9)])
-def test_paged_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, num_splits, window):
+@pytest.mark.parametrize("tile", [{}, {"block_n": 32, "num_warps": 1, "min_split_len": 32}])
+def test_paged_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, num_splits, window, tile):
+    """tile: the table's one-warp 32-key programs (an FP8 cache from 1.5 programs a SM), whose minimum split
+    length sends short requests to fewer splits."""
     from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
 
     kv = _fp8_kv(seq_lens, hkv, d, page, gen, device)
     query = torch.randn(len(seq_lens), hq, d, device=device)
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, max(seq_lens), d ** -0.5)
-    out = paged_decode_attention_splits(*args, num_splits, window=window, **_kw())
+    out = paged_decode_attention_splits(*args, num_splits, window=window, **tile, **_kw())
     ref = R.paged_decode_attention(*args, window, **_kw())
     assert_close(out, ref, *TOL[torch.float32], f"decode {seq_lens} splits {num_splits} window {window}")
 
