@@ -149,10 +149,9 @@ _MERGE_TILE_ELEMENTS_PER_WARP = 2048
 _MAX_MERGE_BLOCK_S = 16
 
 
-def merge_block_s(group: int, head_dim: int, num_warps: int) -> int:
-    """BLOCK_S: the splits the merge reads a step."""
-    tile = triton.next_power_of_2(group) * max(16, triton.next_power_of_2(head_dim))  # BLOCK_GM x BLOCK_D
-    return max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS_PER_WARP * num_warps // tile))
+def merge_block_s(block_gm: int, block_d: int, num_warps: int) -> int:
+    """BLOCK_S: the splits the merge reads a step, for its BLOCK_GM x BLOCK_D rows."""
+    return max(2, min(_MAX_MERGE_BLOCK_S, _MERGE_TILE_ELEMENTS_PER_WARP * num_warps // (block_gm * block_d)))
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -629,7 +628,7 @@ def paged_decode_attention_splits(
         qk_norm = False
         new_args, new_strides = (seq_lens,) * 7 + (0.0,), (0,) * 5  # unused
     block_gm = triton.next_power_of_2(group)
-    block_s = merge_block_s(group, head_dim, num_warps)
+    block_s = merge_block_s(block_gm, block_d, num_warps)
     kv_start_arg = kv_start if kv_start is not None else seq_lens  # unused without it
     cascade_args = (cascade.prefix_o, cascade.prefix_lse, cascade.prefix_o.shape[2]) if cascade is not None \
         else (out, lse, 0)
