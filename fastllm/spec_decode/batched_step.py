@@ -50,6 +50,9 @@ class ModelFns:
     forward: Callable  # (input_ids [T], positions [T]) -> hidden [T, H]
     compute_logits: Callable  # hidden [N, H] -> logits [N, V]
     attention_layers: list
+    # (input_ids [B], positions [B], metadata) -> hidden [B, H] of a one-token round in one launch, for B up to
+    # its max_rows (draft_decoder.py); None: the rounds run forward
+    decoder: Callable | None = None
 
 
 class SpecDecodeStep:
@@ -235,7 +238,7 @@ class SpecDecodeStep:
         for round_index in range(k):
             if round_index:
                 positions, attention = rounds[round_index - 1]
-                logits = self._logits(self.draft, proposals[-1], positions, attention)
+                logits = self._round_logits(proposals[-1], positions, attention, bs)
             token, q = self._draft_sample(logits, metadata)
             proposals.append(token)
             probs.append(q)
@@ -290,6 +293,14 @@ class SpecDecodeStep:
         blocks = tables.gather(1, (positions // self.block_size).clamp(max=tables.shape[1] - 1))
         slots = blocks.to(torch.int64) * self.block_size + positions % self.block_size
         return torch.where(positions < self.kv_limit[:bs].unsqueeze(1), slots, -1)
+
+    def _round_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                      bs: int) -> torch.Tensor:
+        """The draft's logits of a one-token round: through its decoder kernel where it takes bs rows."""
+        decoder = self.draft.decoder
+        if decoder is None or bs > decoder.max_rows:
+            return self._logits(self.draft, input_ids, positions, metadata)
+        return self.draft.compute_logits(decoder(input_ids, positions, metadata))
 
     @staticmethod
     def _logits(model: ModelFns, input_ids: torch.Tensor, positions: torch.Tensor,

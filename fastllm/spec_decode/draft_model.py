@@ -23,6 +23,7 @@ from fastllm.config import EngineConfig, ModelConfig
 from fastllm.layers import fp8
 from fastllm.layers.sampler import SamplingMetadata, SamplingRow, exponential_noise, filtered_probs
 from fastllm.models.loader import load_model
+from fastllm.spec_decode import draft_decoder
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 from fastllm.worker.cache_engine import CacheEngine
 from fastllm.worker.input_batch import aligned_width, flat_positions
@@ -79,6 +80,11 @@ class DraftModel:
                         self.model_config.quantization)
         self.args = self.model.args
         self.dtype = target_dtype
+        # (before the runner compiles the forward: the decoder makes the layer weights views of its stacks)
+        why_not = draft_decoder.unsupported(self.model, device)
+        self.decoder = draft_decoder.DraftDecoder(self.model) if why_not is None else None
+        logger.info("draft model: one-token rounds of up to %d requests %s", draft_decoder.MAX_ROWS,
+                    "in one persistent kernel each" if why_not is None else f"through its forward ({why_not})")
         self.attention_layers = self.model.attention_layers()
         self.cache: CacheEngine | None = None
         self.forward = self.model.forward  # the compiled forward once the runner compiles it
@@ -93,6 +99,8 @@ class DraftModel:
                                  num_blocks, num_cpu_blocks)
         for layer, kv in zip(self.attention_layers, self.cache.layer_caches()):
             layer.kv_cache = kv
+        if self.decoder is not None:
+            self.decoder.kv_cache = self.cache.gpu
 
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> tuple[list[list[int]], list[torch.Tensor | None]]:

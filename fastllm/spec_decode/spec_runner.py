@@ -94,7 +94,8 @@ class SpecDecodeRunner:
         num_slots = 0
         vocab = runner.args.vocab_size
         if self.drafter is not None:
-            draft = ModelFns(draft_forward, self.drafter.model.compute_logits, self.drafter.attention_layers)
+            draft = ModelFns(draft_forward, self.drafter.model.compute_logits, self.drafter.attention_layers,
+                             self.drafter.decoder)
             num_slots = max(1, min(runner.config.scheduler.max_num_seqs, DRAFT_PROBS_BYTES // (4 * self.k * vocab)))
         self.step = SpecDecodeStep(target, draft, self.k, sizes, -(-model_config.max_model_len // runner.block_size),
                                    model_config.max_model_len, runner.block_size, vocab, runner.device,

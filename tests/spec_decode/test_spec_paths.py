@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fastllm import LLM, SamplingParams
-from fastllm.spec_decode import batched_step, spec_runner
+from fastllm.spec_decode import batched_step, draft_decoder, spec_runner
 from fastllm.spec_decode.policy import (PRIOR_DRAFTS, PROBE_BUDGET, WINDOW_DRAFT_TOKENS, WINDOW_STEPS, SpecPolicy,
                                         expected_tokens)
 from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm, tokenize
@@ -81,7 +81,7 @@ def test_drafts_read_on_the_device_are_the_ones_the_host_would_read(monkeypatch)
         monkeypatch.setattr(runner.step, "stage", record)
         if not chained:
             monkeypatch.setattr(runner, "_execute_step", unchained)
-        outputs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+        outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
         llm.engine.check_kv_pool_whole()
         return token_ids(outputs), llm.engine.scheduler.spec_stats.num_accepted_tokens, sum(rows)
 
@@ -535,3 +535,38 @@ def test_sampled_requests_take_probability_slots_as_they_come_free(monkeypatch):
     # The short ones verify at most 2 drafts each; the long ones speculate for most of their 40 tokens.
     assert llm.engine.scheduler.spec_stats.num_drafts > 10
     llm.engine.check_kv_pool_whole()
+
+
+def test_draft_rounds_in_the_persistent_kernel_propose_what_the_drafts_forward_does(monkeypatch):
+    """The draft's one-token rounds through its decoder kernel (draft_decoder.py; the interpreter's launches
+    here, forced on the CPU): the same proposals as its forward, step for step, and the target's tokens."""
+    spec = {"model": DRAFT, "num_speculative_tokens": 3, "adaptive": False}
+    proposals = {"forward": [], "decoder": []}
+    current = ["forward"]
+    original = batched_step.SpecDecodeStep.propose
+
+    def propose(self, bs, sampling):
+        original(self, bs, sampling)
+        proposals[current[0]].append(self.out[:bs, self.k + 2:].clone())
+    monkeypatch.setattr(batched_step.SpecDecodeStep, "propose", propose)
+
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)  # (the interpreter: ~2 s a round)
+    reference = cached_llm(speculative_config=spec).generate(PROMPTS[:2], params, use_tqdm=False)
+    rounds = []
+    original_call = draft_decoder.DraftDecoder.__call__
+    monkeypatch.setattr(draft_decoder.DraftDecoder, "__call__",
+                        lambda self, *a: rounds.append(a[0].shape[0]) or original_call(self, *a))
+    monkeypatch.setattr(draft_decoder, "unsupported", lambda model, device: None)
+    monkeypatch.setattr(draft_decoder, "MAX_ROWS", 2)  # (both prompts' rounds, not only the last request's)
+    current[0] = "decoder"
+    llm = LLM(STORIES, speculative_config=spec, dtype="float32", device="cpu", cpu_kv_cache_gib=0.03)
+    try:
+        outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        llm.engine.check_kv_pool_whole()
+    finally:
+        llm.engine.shutdown()
+    assert token_ids(outputs) == token_ids(reference)
+    assert rounds and len(rounds) == 2 * len(proposals["decoder"]), "k - 1 = 2 decoder rounds a step"
+    assert len(proposals["decoder"]) == len(proposals["forward"]) >= 3
+    for got, expected in zip(proposals["decoder"], proposals["forward"]):
+        assert torch.equal(got, expected)

@@ -1,0 +1,130 @@
+"""A draft model's one-token decode round: the persistent decoder kernel against the model's forward.
+
+Both as CUDA graphs over the same inputs and KV cache, each followed by the lm_head and argmax (the whole
+round as the speculative step runs it): milliseconds a round, the layer weights' bytes over the time, and
+the largest difference of the two paths' final hidden states.
+
+    python benchmarks/kernels/bench_persistent_decoder.py --model qwen3-0.6b --rows 1,2,8 --context 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fastllm.bench.ceilings import device_name, git_commit  # noqa: E402
+from fastllm.config import ModelConfig, resolve_model_path  # noqa: E402
+from fastllm.kernels import dispatch, persistent_decoder  # noqa: E402
+from fastllm.models.loader import load_model  # noqa: E402
+from fastllm.spec_decode.draft_decoder import DraftDecoder  # noqa: E402
+from fastllm.worker.attn_metadata import AttentionMetadata, forward_context  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def graph_ms(fn, repeats: int) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # warm-up: every Triton compile happens here
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(10):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 10)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rows", default="1,2,8")
+    parser.add_argument("--context", type=int, default=256, help="keys in the cache before the round's token")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--trace", action="store_true", help="also each phase's time (a traced launch, %%globaltimer)")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = load_model(ModelConfig(model=resolve_model_path(args.model), load_format="dummy", dtype=args.dtype), device)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    decoder = DraftDecoder(model, max_rows=max(rows_list))
+    a = model.args
+    width = -(-(args.context + 1) // BLOCK_SIZE)
+    num_blocks = width * 16 + 1
+    kv = torch.randn(a.num_layers, 2, num_blocks, BLOCK_SIZE, a.num_kv_heads, a.head_dim, dtype=model.dtype,
+                     device=device)
+    layers = model.attention_layers()
+    for i, layer in enumerate(layers):
+        layer.kv_cache = (kv[i, 0], kv[i, 1])
+    decoder.kv_cache = kv
+    weight_bytes = sum(t.numel() * t.element_size() for t in decoder.weights[1:] if t is not None)
+    print(f"# {args.model} {args.dtype}, {a.num_layers} layers, {weight_bytes / 1e6:.0f} MB of layer weights; "
+          f"{device_name(device)}; commit {git_commit()}; {persistent_decoder.grid(device)} programs")
+    results = []
+    for rows in rows_list:
+        tables = torch.arange(rows * width, dtype=torch.int32, device=device).view(rows, width) + 1
+        positions = torch.full((rows,), args.context, dtype=torch.int64, device=device)
+        slots = (tables[:, args.context // BLOCK_SIZE].long() * BLOCK_SIZE + args.context % BLOCK_SIZE)
+        metadata = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables, seq_lens=(positions + 1).to(torch.int32),
+            query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=device), max_query_len=1,
+            max_seq_len=args.context + 1)
+        ids = torch.randint(3, a.vocab_size, (rows,), device=device)
+        hidden = {}
+
+        def forward():
+            with forward_context(metadata, layers):
+                hidden["forward"] = model(ids, positions)
+            return dispatch.argmax(model.compute_logits(hidden["forward"]))
+
+        def persistent():
+            hidden["persistent"] = decoder(ids, positions, metadata)
+            return dispatch.argmax(model.compute_logits(hidden["persistent"]))
+
+        with torch.inference_mode():
+            forward_ms = graph_ms(forward, args.repeats)
+            persistent_ms = graph_ms(persistent, args.repeats)
+            forward()
+            persistent()
+            diff = (hidden["forward"].float() - hidden["persistent"].float()).abs().max().item()
+        row = dict(rows=rows, context=args.context, forward_ms=round(forward_ms, 4),
+                   persistent_ms=round(persistent_ms, 4), speedup=round(forward_ms / persistent_ms, 3),
+                   max_abs_diff=diff)
+        results.append(row)
+        print(json.dumps(row))
+        if args.trace:
+            trace = torch.zeros(a.num_layers, persistent_decoder.grid(device), dtype=torch.int64, device=device)
+            with torch.inference_mode():
+                for _ in range(3):
+                    persistent_decoder.launch(ids, positions, slots, tables, metadata.seq_lens, decoder.weights,
+                                              decoder.shape, kv, decoder.cos_sin, decoder.is_neox, decoder.scale,
+                                              decoder.scratch, decoder.out[:rows], trace)
+            torch.cuda.synchronize()
+            mean, slowest = persistent_decoder.layer_times(trace.cpu())
+            print(f"rows {rows}: a layer takes {mean:.2f} us (the slowest program's {slowest:.2f} us)")
+    print("| rows | forward ms | persistent ms | speedup | max abs diff |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['rows']} | {r['forward_ms']:.3f} | {r['persistent_ms']:.3f} | {r['speedup']:.2f}x | "
+              f"{r['max_abs_diff']:.3g} |")
+
+
+if __name__ == "__main__":
+    main()

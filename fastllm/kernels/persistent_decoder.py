@@ -1,0 +1,477 @@
+"""A small model's decode forward in one persistent kernel: the draft model's rounds of speculative decoding.
+
+A one-token decode round of a small model (Qwen3-0.6B drafting for an 8B) is ~150 launches of a few
+microseconds' work each, and launch gaps, not bytes, set its time. Here one launch runs every layer: its
+programs (one per SM, a cooperative launch so all are resident) step through the phases of each layer
+and meet at a grid barrier (a global counter) between phases:
+
+  QKV      rms_norm(h) @ W_qkv^T (+ bias) -> qkv        (the first layer's h: the embedding rows)
+  ATTN     per (row, KV head, split): q/k norm and rotary of the new token, its k/v into the cache, an
+           online softmax over the split's cached keys (the last split also over the new token); the last
+           split of a (row, KV head) to finish merges the splits -> attn
+  O        h += attn @ W_o^T
+  GATE_UP  rms_norm(h) @ W_gate_up^T -> act = silu(gate) * up
+  DOWN     h += act @ W_down^T
+and after the last layer FINAL: out = rms_norm(h). Every program strides over its phase's work (column
+tiles of W, attention splits), streaming each weight tile over the whole K in one load, so a phase reads
+its weights once at the SMs' combined bandwidth. Each value is rounded where the model's own kernels
+round it (skinny_linear.py's prologues, rotary.py's norm, the fused add-norm), so the result is theirs up
+to the order of sums.
+
+Weights are stacked per layer ([L, N, K]); PersistentDecoder makes the model's parameters views of the
+stacks, so they cost no memory twice. The KV cache is the CacheEngine's one tensor [L, 2, blocks, block,
+Hkv, D]. Rows are one new token each at positions[row] (seq_lens[row] = position + 1); slot < 0 writes
+nothing (padding rows).
+
+Under the Triton interpreter (CPU tests) programs run one after another and cannot wait for each other,
+so each phase is its own launch there (SYNC=False): the same code between the barriers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fastllm.kernels import sm_count
+from fastllm.kernels.rotary import head_rms_norm, rotated_halves
+
+logger = logging.getLogger("fastllm.kernels")
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _arrive(counter_ptr):
+    """This program is done with the phase: its stores are visible to whoever sees the count (release)."""
+    tl.debug_barrier()  # every thread's stores before the arrival
+    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(counter_ptr, target):
+    """Until every program has arrived (the count reaches target); then their stores are visible here."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
+def _now():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _inv_rms(x_rows, row_ok, k_in, eps, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Each row's 1 / rms over its k_in columns (NORM), before the tiles round with it; else unused."""
+    total = tl.zeros([x_rows.shape[0]], tl.float32)
+    if NORM:
+        for k0 in range(0, k_in, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k_in)[None, :], other=0.0,
+                        cache_modifier=".cg").to(tl.float32)
+            total += tl.sum(x * x, axis=1)
+    return tl.rsqrt(total / k_in + eps)
+
+
+@triton.jit
+def _input_chunk(x_rows, row_ok, ks, k_ok, inv_rms, norm_w, NORM: tl.constexpr):
+    """The input's columns ks [BLOCK_M, BLOCK_K]: the rows at x_rows, or their rms_norm with weight norm_w,
+    rounded where the norm kernel rounds. (.cg: other programs wrote them, past this SM's L1.)"""
+    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
+    if NORM:
+        w = tl.load(norm_w + ks, mask=k_ok, other=0.0)[None, :]
+        x = head_rms_norm(x, w, inv_rms[:, None], x.dtype).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _first_chunk(w, n_out, k_in, pid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's first column tile's first BLOCK_K columns of w [n_out, k_in]: loaded before the barrier
+    that ends the phase before (weights depend on no phase), so the wait hides their latency."""
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    return tl.load(w + cols.to(tl.int64)[:, None] * k_in + ks[None, :],
+                   mask=(cols < n_out)[:, None] & (ks < k_in)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _tile(x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM: tl.constexpr,
+          BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """x @ w_tile^T [BLOCK_M, BLOCK_N] in fp32 over the whole K (w_rows [BLOCK_N, 1]; w_first: its first chunk
+    when `first`): tl.dot, or one row's FMAs in per-lane sums reduced once."""
+    acc = tl.zeros([x_rows.shape[0], w_rows.shape[0]], tl.float32)
+    lanes = tl.zeros([w_rows.shape[0], BLOCK_K], tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_in
+        if first and k0 == 0:
+            w = w_first
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        x = _input_chunk(x_rows, row_ok, ks, k_ok, inv_rms, norm_w, NORM)
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:  # BLOCK_M == 1
+            lanes += x.to(tl.float32) * w.to(tl.float32)
+    if not USE_DOT:
+        acc = tl.sum(lanes, axis=1)[None, :]
+    return acc
+
+
+@triton.jit
+def _projection(x_rows, row_ok, inv_rms, norm_w, w, bias, out, rows, k_in, n_out, pid, nprog, w_first, up_first,
+                NORM: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+    """For this program's column tiles of out [rows, n_out]: x @ w[tile]^T (+ bias), rounded to out's dtype.
+    RESIDUAL: out[:, tile] += that (rounded again: the residual stream's add). GATED: w = [gate | up] rows
+    (2 n_out of them) and out = silu(gate) * up, rounded where the projection and the SiLU kernel round.
+    w_first (up_first): the first tile's first chunk (of its up rows), already loaded (_first_chunk)."""
+    dtype = out.dtype.element_ty
+    for tile in range(pid, tl.cdiv(n_out, BLOCK_N), nprog):
+        first = tile == pid
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_out
+        w_rows = w + cols.to(tl.int64)[:, None] * k_in
+        y = _tile(x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM, BLOCK_K, USE_DOT)
+        if HAS_BIAS:
+            y += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            gate = y.to(dtype).to(tl.float32)
+            up = _tile(x_rows, row_ok, inv_rms, norm_w, w_rows + n_out * k_in, col_ok, k_in, up_first, first, NORM,
+                       BLOCK_K, USE_DOT).to(dtype).to(tl.float32)
+            y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        dst = out + rows[:, None] * n_out + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        if RESIDUAL:
+            y = y.to(dtype).to(tl.float32) + tl.load(dst, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(dst, y.to(dtype), mask=mask)
+
+
+@triton.jit
+def _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows, q_norm, k_norm, eps,
+               cos_sin, stride_cs, k_cache, v_cache, block_size, part, ml, counters, attn, scale, pid, nprog,
+               HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+    """The ATTN phase: work items (row, KV head, split)."""
+    G: tl.constexpr = HQ // HKV
+    HALF: tl.constexpr = D // 2
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    dtype = qkv.dtype.element_ty
+    i = tl.arange(0, HALF)
+    i_ok = i < HALF
+    d = tl.arange(0, D)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < G
+    for item in range(pid, num_rows * HKV * SPLITS, nprog):
+        row = item // (HKV * SPLITS)
+        kvh = (item // SPLITS) % HKV
+        split = item % SPLITS
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        cached = tl.load(seq_len_ptr + row) - 1  # keys in the cache; the new token is the last
+        cos = tl.load(cos_sin + pos * stride_cs + i).to(tl.float32)
+        sin = tl.load(cos_sin + pos * stride_cs + HALF + i).to(tl.float32)
+        src = qkv + row * NQKV
+        qa, qb, _heads, off_a, off_b, _mask = rotated_halves(src + kvh * G * D, D, G, cos, sin, i, i_ok, q_norm, eps,
+                                                    HALF, BLOCK_G, IS_NEOX, HAS_QK_NORM)
+        qa, qb = qa.to(dtype).to(tl.float32), qb.to(dtype).to(tl.float32)  # [BLOCK_G, HALF]
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        per_split = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_T) * BLOCK_T
+        lo = split * per_split
+        hi = tl.minimum(cached, lo + per_split)
+        qk_scale = scale * _LOG2E
+        for t0 in range(lo, hi, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            t_ok = t < hi
+            block = tl.load(table_ptr + row * stride_table + t // block_size, mask=t_ok, other=0)
+            slot = (block.to(tl.int64) * block_size + t % block_size) * (HKV * D) + kvh * D
+            ka = tl.load(k_cache + slot[:, None] + off_a, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            kb = tl.load(k_cache + slot[:, None] + off_b, mask=t_ok[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_cache + slot[:, None] + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(qa[:, None, :] * ka[None, :, :], axis=2) + tl.sum(qb[:, None, :] * kb[None, :, :], axis=2)
+            s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_T], base 2
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        if split == SPLITS - 1:  # the new token: rotated (and normed) here, written for later rounds
+            new_ka, new_kb, _head, _off_a, _off_b, _new_mask = rotated_halves(src + (HQ + kvh) * D, D, 1, cos, sin, i, i_ok, k_norm, eps,
+                                                        HALF, 1, IS_NEOX, HAS_QK_NORM)
+            new_ka, new_kb = new_ka.to(dtype), new_kb.to(dtype)  # [1, HALF]
+            new_v = tl.load(src + (HQ + HKV + kvh) * D + d[None, :])  # [1, D]
+            s_new = tl.sum(qa * new_ka.to(tl.float32), axis=1) + tl.sum(qb * new_kb.to(tl.float32), axis=1)
+            s_new = s_new * qk_scale
+            m_last = tl.maximum(m, s_new)
+            p_new = tl.exp2(s_new - m_last)
+            alpha_last = tl.exp2(m - m_last)
+            l = l * alpha_last + p_new
+            acc = acc * alpha_last[:, None] + p_new[:, None] * new_v.to(tl.float32)
+            m = m_last
+            new_slot = tl.load(slot_ptr + row)
+            if new_slot >= 0:
+                dst = new_slot * (HKV * D) + kvh * D
+                tl.store(k_cache + dst + off_a, new_ka.to(k_cache.dtype.element_ty))
+                tl.store(k_cache + dst + off_b, new_kb.to(k_cache.dtype.element_ty))
+                tl.store(v_cache + dst + d[None, :], new_v.to(v_cache.dtype.element_ty))
+        # This split's state, then the last split of the (row, KV head) to count itself done merges.
+        heads = row * HQ + kvh * G + g  # [BLOCK_G]
+        tl.store(part + (heads[:, None] * SPLITS + split) * D + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(ml + (heads * SPLITS + split) * 2, m, mask=g_ok)
+        tl.store(ml + (heads * SPLITS + split) * 2 + 1, l, mask=g_ok)
+        tl.debug_barrier()  # every thread's partial stores before the count's release
+        counter = counters + row * HKV + kvh
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
+            tl.store(counter, 0)
+            s_idx = tl.arange(0, SPLITS)
+            states = ml + (heads[:, None] * SPLITS + s_idx[None, :]) * 2  # [BLOCK_G, SPLITS]
+            m_s = tl.load(states, mask=g_ok[:, None], other=0.0, cache_modifier=".cg")
+            l_s = tl.load(states + 1, mask=g_ok[:, None], other=0.0, cache_modifier=".cg")
+            m_all = tl.max(m_s, axis=1)
+            w_s = tl.exp2(m_s - m_all[:, None])  # empty splits (m = -inf) weigh 0
+            parts = tl.load(part + (heads[:, None, None] * SPLITS + s_idx[None, :, None]) * D + d[None, None, :],
+                            mask=g_ok[:, None, None], other=0.0, cache_modifier=".cg")
+            o = tl.sum(w_s[:, :, None] * parts, axis=1) / tl.sum(w_s * l_s, axis=1)[:, None]
+            tl.store(attn + heads[:, None] * D + d[None, :], o.to(dtype), mask=g_ok[:, None])
+
+
+@triton.jit
+def _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    if pid == 0:
+        x_rows = h + rows[:, None] * H
+        inv_rms = _inv_rms(x_rows, row_ok, H, eps, True, BLOCK_H)
+        hs = tl.arange(0, BLOCK_H)
+        x = _input_chunk(x_rows, row_ok, hs, hs < H, inv_rms, final_norm, True)
+        tl.store(out + rows[:, None] * H + hs[None, :], x, mask=row_ok[:, None] & (hs < H)[None, :])
+
+
+@triton.jit
+def _barrier(counter, epoch, nprog, SYNC: tl.constexpr):
+    """The grid barrier that ends a phase (none in the interpreter, whose one program runs the phases in
+    order). Returns the next epoch."""
+    if SYNC:
+        _arrive(counter)
+        _wait(counter, epoch * nprog)
+    return epoch + 1
+
+
+@triton.jit
+def _decoder_kernel(
+    ids_ptr, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows,  # the rows
+    embed, norm1, w_qkv, b_qkv, q_norm, k_norm, w_o, norm2, w_gate_up, w_down, final_norm,  # weights
+    cos_sin, stride_cs, kv_cache, stride_kv_layer, stride_kv_kv, block_size,
+    h, qkv, part, ml, attn, act, out, counters, barrier, trace,  # scratch, output and the optional trace
+    num_layers, eps, scale,
+    H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BK_H: tl.constexpr, BK_QD: tl.constexpr, BK_I: tl.constexpr,
+    BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
+    USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    SYNC: tl.constexpr, TRACE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    QD: tl.constexpr = HQ * D
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < num_rows
+    epoch = 1
+    if TRACE:
+        t_start = _now()
+    w_next = _first_chunk(w_qkv, NQKV, H, pid, BN_QKV, BK_H)
+    for layer in range(0, num_layers):
+        l64 = tl.full([], layer, tl.int64)  # (a cache layer is past int32)
+        # QKV: rms_norm(h) @ W_qkv^T; the first layer's h is the embedding rows (program 0 stores them in h)
+        x_rows = h + rows[:, None] * H
+        if layer == 0:
+            ids = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+            x_rows = embed + ids[:, None] * H
+            if pid == 0:
+                hs = tl.arange(0, BLOCK_H)
+                mask = row_ok[:, None] & (hs < H)[None, :]
+                tl.store(h + rows[:, None] * H + hs[None, :], tl.load(x_rows + hs[None, :], mask=mask), mask=mask)
+        inv_rms = _inv_rms(x_rows, row_ok, H, eps, True, BK_H)
+        _projection(x_rows, row_ok, inv_rms, norm1 + layer * H, w_qkv + l64 * NQKV * H, b_qkv + layer * NQKV, qkv,
+                    rows, H, NQKV, pid, nprog, w_next, w_next, True, HAS_BIAS, False, False, BN_QKV, BK_H, USE_DOT)
+        epoch = _barrier(barrier, epoch, nprog, SYNC)
+        # ATTN
+        kv = kv_cache + l64 * stride_kv_layer
+        _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows, q_norm + layer * D,
+                   k_norm + layer * D, eps, cos_sin, stride_cs, kv, kv + stride_kv_kv, block_size, part, ml,
+                   counters, attn, scale, pid, nprog, HQ, HKV, D, SPLITS, BLOCK_G, BLOCK_T, IS_NEOX, HAS_QK_NORM)
+        w_first = _first_chunk(w_o + l64 * H * QD, H, QD, pid, BN_O, BK_QD)
+        epoch = _barrier(barrier, epoch, nprog, SYNC)
+        # O: h += attn @ W_o^T
+        no_norm = tl.zeros([BLOCK_M], tl.float32)
+        _projection(attn + rows[:, None] * QD, row_ok, no_norm, w_o, w_o + l64 * H * QD, w_o, h, rows, QD, H, pid,
+                    nprog, w_first, w_first, False, False, True, False, BN_O, BK_QD, USE_DOT)
+        gate_up = w_gate_up + l64 * 2 * INTER * H
+        gate_first = _first_chunk(gate_up, INTER, H, pid, BN_GATE_UP, BK_H)
+        up_first = _first_chunk(gate_up + INTER * H, INTER, H, pid, BN_GATE_UP, BK_H)
+        epoch = _barrier(barrier, epoch, nprog, SYNC)
+        # GATE_UP: act = silu(gate) * up of rms_norm(h)
+        inv_rms = _inv_rms(h + rows[:, None] * H, row_ok, H, eps, True, BK_H)
+        _projection(h + rows[:, None] * H, row_ok, inv_rms, norm2 + layer * H, gate_up, w_gate_up, act, rows, H,
+                    INTER, pid, nprog, gate_first, up_first, True, False, False, True, BN_GATE_UP, BK_H, USE_DOT)
+        w_first = _first_chunk(w_down + l64 * H * INTER, H, INTER, pid, BN_DOWN, BK_I)
+        epoch = _barrier(barrier, epoch, nprog, SYNC)
+        # DOWN: h += act @ W_down^T
+        _projection(act + rows[:, None] * INTER, row_ok, no_norm, w_down, w_down + l64 * H * INTER, w_down, h, rows,
+                    INTER, H, pid, nprog, w_first, w_first, False, False, True, False, BN_DOWN, BK_I, USE_DOT)
+        next_layer = tl.minimum(l64 + 1, num_layers - 1)
+        w_next = _first_chunk(w_qkv + next_layer * NQKV * H, NQKV, H, pid, BN_QKV, BK_H)
+        epoch = _barrier(barrier, epoch, nprog, SYNC)
+        if TRACE:  # [layer, program]: ns a layer
+            t_end = _now()
+            tl.store(trace + layer * nprog + pid, t_end - t_start)
+            t_start = t_end
+    _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H, BLOCK_H)
+
+
+class Weights(NamedTuple):
+    """A decoder's weights stacked per layer (L layers); None where the model has none."""
+    embed: torch.Tensor  # [V, H]
+    norm1: torch.Tensor  # [L, H]: input_layernorm
+    w_qkv: torch.Tensor  # [L, (Hq + 2 Hkv) D, H]
+    b_qkv: torch.Tensor | None  # [L, (Hq + 2 Hkv) D]
+    q_norm: torch.Tensor | None  # [L, D] (Qwen3)
+    k_norm: torch.Tensor | None  # [L, D]
+    w_o: torch.Tensor  # [L, H, Hq D]
+    norm2: torch.Tensor  # [L, H]: post_attention_layernorm
+    w_gate_up: torch.Tensor  # [L, 2 I, H]: [gate | up]
+    w_down: torch.Tensor  # [L, H, I]
+    final_norm: torch.Tensor  # [H]
+
+
+class Shape(NamedTuple):
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+MAX_SPLITS = 32
+_BLOCK_T = 16  # keys a step of a split's loop
+_NUM_WARPS = 8
+_DOT_BLOCK_K = 128
+_MAX_TILE_ELEMENTS = 16384  # of a W tile held in registers (64 KB in bf16: 64 registers a thread at 8 warps)
+
+
+def block_n(n_out: int, k_in: int, programs: int, use_dot: bool) -> int:
+    """Columns of W a tile: the fewest bytes on the busiest program (ties: larger tiles, fewer steps)."""
+    smallest = 16 if use_dot else 4
+    candidates = [b for b in (4, 8, 16, 32, 64)
+                  if b >= smallest and b * triton.next_power_of_2(k_in) <= _MAX_TILE_ELEMENTS] or [smallest]
+    return min(candidates, key=lambda b: (triton.cdiv(triton.cdiv(n_out, b), programs) * b, -b))
+
+
+def block_k(k_in: int, bn: int, use_dot: bool) -> int:
+    """Columns of K a step of a tile's loop: all of K in one load on the one-row path (as many bytes in
+    flight as the registers hold), a pipelined loop under tl.dot."""
+    whole = triton.next_power_of_2(k_in)
+    return min(whole, _DOT_BLOCK_K if use_dot else max(16, _MAX_TILE_ELEMENTS // bn))
+
+
+def num_splits(rows: int, num_kv_heads: int, programs: int) -> int:
+    """Attention splits a (row, KV head): about one work item a program."""
+    per = max(1, programs // (rows * num_kv_heads))
+    return min(MAX_SPLITS, 1 << (per.bit_length() - 1))
+
+
+def grid(device: torch.device) -> int:
+    """Programs a launch: one a SM on a GPU; one in the interpreter, which runs programs one after another (so
+    one program runs the phases in order, with no barriers)."""
+    return sm_count.num_sms(device) if device.type == "cuda" else 1
+
+
+# The interpreter's attention splits are counted as if for this many programs: several splits a KV head,
+# so the tests cover the merge.
+INTERPRETER_SPLIT_PROGRAMS = 32
+
+
+class Scratch:
+    """The kernel's working buffers for up to max_rows rows, and its counters (zero between launches)."""
+
+    def __init__(self, shape: Shape, max_rows: int, dtype: torch.dtype, device: torch.device):
+        s = shape
+        programs = grid(device) if device.type == "cuda" else INTERPRETER_SPLIT_PROGRAMS
+        splits = num_splits(1, s.num_kv_heads, programs)
+        self.h = torch.zeros(max_rows, s.hidden, dtype=dtype, device=device)
+        self.qkv = torch.zeros(max_rows, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, dtype=dtype, device=device)
+        self.part = torch.zeros(max_rows * s.num_heads * splits * s.head_dim, dtype=torch.float32, device=device)
+        self.ml = torch.zeros(max_rows * s.num_heads * splits * 2, dtype=torch.float32, device=device)
+        self.attn = torch.zeros(max_rows, s.num_heads * s.head_dim, dtype=dtype, device=device)
+        self.act = torch.zeros(max_rows, s.intermediate, dtype=dtype, device=device)
+        self.counters = torch.zeros(max_rows * s.num_kv_heads, dtype=torch.int32, device=device)
+        self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
+        self.max_rows, self.max_splits = max_rows, splits
+
+
+def constexprs(shape: Shape, rows: int, programs: int, splits: int, has_bias: bool, is_neox: bool,
+               has_qk_norm: bool, sync: bool, trace: bool) -> dict:
+    """The kernel's launch constexprs (and warps) for `rows` rows on `programs` programs."""
+    s, use_dot = shape, rows > 1
+    qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    bn_qkv, bn_o = block_n(nqkv, s.hidden, programs, use_dot), block_n(s.hidden, qd, programs, use_dot)
+    bn_gate_up = block_n(s.intermediate, s.hidden, programs, use_dot)
+    bn_down = block_n(s.hidden, s.intermediate, programs, use_dot)
+    return dict(
+        H=s.hidden, HQ=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim, INTER=s.intermediate,
+        BLOCK_M=max(16, triton.next_power_of_2(rows)) if use_dot else 1, BLOCK_H=triton.next_power_of_2(s.hidden),
+        BN_QKV=bn_qkv, BN_O=bn_o, BN_GATE_UP=bn_gate_up, BN_DOWN=bn_down,
+        BK_H=block_k(s.hidden, max(bn_qkv, bn_gate_up), use_dot), BK_QD=block_k(qd, bn_o, use_dot),
+        BK_I=block_k(s.intermediate, bn_down, use_dot),
+        SPLITS=splits, BLOCK_G=triton.next_power_of_2(s.num_heads // s.num_kv_heads), BLOCK_T=_BLOCK_T,
+        USE_DOT=use_dot, HAS_BIAS=has_bias, IS_NEOX=is_neox, HAS_QK_NORM=has_qk_norm, SYNC=sync, TRACE=trace,
+        num_warps=_NUM_WARPS)
+
+
+def launch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, weights: Weights, shape: Shape, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
+           is_neox: bool, scale: float, scratch: Scratch, out: torch.Tensor, trace: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """out [rows, H] = the final norm of the decoder's output for one new token a row (input_ids [rows] at
+    positions [rows]; seq_lens [rows] count the new token), writing each row's k/v at slot_mapping [rows]
+    (< 0: nothing) of kv_cache [L, 2, blocks, block_size, Hkv, D]. trace (GPU): int64 [L, programs] to receive
+    each program's ns a layer (layer_times)."""
+    s, rows, w = shape, input_ids.shape[0], weights
+    assert 0 < rows <= scratch.max_rows and out.shape == (rows, s.hidden), (rows, out.shape)
+    assert kv_cache.shape[0] == s.num_layers and kv_cache.shape[1] == 2 and kv_cache.is_contiguous()
+    device = input_ids.device
+    sync = device.type == "cuda"
+    programs = grid(device)
+    assert trace is None or (sync and trace.shape == (s.num_layers, programs) and trace.dtype == torch.int64)
+    splits = min(num_splits(rows, s.num_kv_heads, programs if sync else INTERPRETER_SPLIT_PROGRAMS),
+                 scratch.max_splits)
+    scratch.barrier.zero_()
+    unused = w.norm1  # (a placeholder pointer for the weights a model lacks)
+    # One launch; on a GPU every program resident (cooperative), meeting at the barriers.
+    _decoder_kernel[(programs,)](
+        input_ids, positions, slot_mapping, block_tables, block_tables.stride(0), seq_lens, rows,
+        w.embed, w.norm1, w.w_qkv, unused if w.b_qkv is None else w.b_qkv, unused if w.q_norm is None else w.q_norm,
+        unused if w.k_norm is None else w.k_norm, w.w_o, w.norm2, w.w_gate_up, w.w_down, w.final_norm,
+        cos_sin, cos_sin.stride(0), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[3],
+        scratch.h, scratch.qkv, scratch.part, scratch.ml, scratch.attn, scratch.act, out, scratch.counters,
+        scratch.barrier, scratch.barrier if trace is None else trace, s.num_layers, s.eps, scale,
+        launch_cooperative_grid=sync,
+        **constexprs(s, rows, programs, splits, w.b_qkv is not None, is_neox, w.q_norm is not None, sync,
+                     trace is not None))
+    return out
+
+
+def layer_times(trace: torch.Tensor) -> tuple[float, float]:
+    """A traced launch's microseconds a layer: (mean over the layers of the mean program, of the slowest)."""
+    t = trace.double() / 1e3
+    return t.mean().item(), t.max(1).values.mean().item()
