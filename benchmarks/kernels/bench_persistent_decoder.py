@@ -110,15 +110,17 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row))
         if args.trace:
-            trace = torch.zeros(a.num_layers, persistent_decoder.grid(device), dtype=torch.int64, device=device)
+            trace = torch.zeros(a.num_layers, len(persistent_decoder.PHASES), persistent_decoder.grid(device), 2,
+                                dtype=torch.int64, device=device)
             with torch.inference_mode():
                 for _ in range(3):
                     persistent_decoder.launch(ids, positions, slots, tables, metadata.seq_lens, decoder.weights,
                                               decoder.shape, kv, decoder.cos_sin, decoder.is_neox, decoder.scale,
                                               decoder.scratch, decoder.out[:rows], trace)
             torch.cuda.synchronize()
-            mean, slowest = persistent_decoder.layer_times(trace.cpu())
-            print(f"rows {rows}: a layer takes {mean:.2f} us (the slowest program's {slowest:.2f} us)")
+            print(f"rows {rows}, us a layer per phase: the mean program's work / the slowest's / with the barrier")
+            for name, (mean, slowest, whole) in persistent_decoder.phase_times(trace.cpu()).items():
+                print(f"  {name:9} {mean:6.2f} {slowest:6.2f} {whole:6.2f}")
     print("| rows | forward ms | persistent ms | speedup | max abs diff |")
     print("|---:|---:|---:|---:|---:|")
     for r in results:

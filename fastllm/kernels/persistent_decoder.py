@@ -101,65 +101,156 @@ def _first_chunk(w, n_out, k_in, pid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
-def _tile(x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM: tl.constexpr,
-          BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+def _whole_input(x_rows, row_ok, k_in, norm_w, eps, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    """All k_in columns of the input rows [BLOCK_M, BLOCK_K] in one load: x, or its rms_norm with weight
+    norm_w, rounded where the norm kernel rounds."""
+    ks = tl.arange(0, BLOCK_K)
+    k_ok = ks < k_in
+    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
+    if NORM:
+        xf = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / k_in + eps)
+        w = tl.load(norm_w + ks, mask=k_ok, other=0.0)[None, :]
+        x = head_rms_norm(xf, w, inv_rms[:, None], x.dtype).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _product(x, w, USE_DOT: tl.constexpr):
+    """x [BLOCK_M, K] @ w [BLOCK_N, K]^T in fp32: tl.dot, or one row's FMAs."""
+    if USE_DOT:
+        product = tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:  # BLOCK_M == 1
+        product = tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
+    return product
+
+
+@triton.jit
+def _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM: tl.constexpr,
+          WHOLE: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
     """x @ w_tile^T [BLOCK_M, BLOCK_N] in fp32 over the whole K (w_rows [BLOCK_N, 1]; w_first: its first chunk
-    when `first`): tl.dot, or one row's FMAs in per-lane sums reduced once."""
-    acc = tl.zeros([x_rows.shape[0], w_rows.shape[0]], tl.float32)
-    lanes = tl.zeros([w_rows.shape[0], BLOCK_K], tl.float32)
-    for k0 in range(0, k_in, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_in
-        if first and k0 == 0:
+    when `first`). WHOLE: K is one chunk and x holds it; else the input is read a chunk at a time."""
+    if WHOLE:
+        if first:
             w = w_first
         else:
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+            ks = tl.arange(0, BLOCK_K)
+            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_in)[None, :], other=0.0,
                         eviction_policy="evict_first")
-        x = _input_chunk(x_rows, row_ok, ks, k_ok, inv_rms, norm_w, NORM)
-        if USE_DOT:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:  # BLOCK_M == 1
-            lanes += x.to(tl.float32) * w.to(tl.float32)
-    if not USE_DOT:
-        acc = tl.sum(lanes, axis=1)[None, :]
+        acc = _product(x, w, USE_DOT)
+    else:
+        acc = tl.zeros([x_rows.shape[0], w_rows.shape[0]], tl.float32)
+        for k0 in range(0, k_in, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_in
+            if first and k0 == 0:
+                w = w_first
+            else:
+                w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
+                            eviction_policy="evict_first")
+            acc += _product(_input_chunk(x_rows, row_ok, ks, k_ok, inv_rms, norm_w, NORM), w, USE_DOT)
     return acc
 
 
 @triton.jit
-def _projection(x_rows, row_ok, inv_rms, norm_w, w, bias, out, rows, k_in, n_out, pid, nprog, w_first, up_first,
+def _projection(x_rows, row_ok, norm_w, eps, w, bias, out, rows, k_in, n_out, pid, nprog, w_first, up_first,
                 NORM: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
-    """For this program's column tiles of out [rows, n_out]: x @ w[tile]^T (+ bias), rounded to out's dtype.
-    RESIDUAL: out[:, tile] += that (rounded again: the residual stream's add). GATED: w = [gate | up] rows
-    (2 n_out of them) and out = silu(gate) * up, rounded where the projection and the SiLU kernel round.
-    w_first (up_first): the first tile's first chunk (of its up rows), already loaded (_first_chunk)."""
+    """For this program's column tiles of out [rows, n_out]: x @ w[tile]^T (+ bias), rounded to out's dtype,
+    x the rows at x_rows or (NORM) their rms_norm with weight norm_w. RESIDUAL: out[:, tile] += that (rounded
+    again: the residual stream's add). GATED: w = [gate | up] rows (2 n_out of them) and out = silu(gate) *
+    up, rounded where the projection and the SiLU kernel round. w_first (up_first): the first tile's first
+    chunk (of its up rows), already loaded (_first_chunk)."""
     dtype = out.dtype.element_ty
+    WHOLE: tl.constexpr = BLOCK_K >= k_in
+    if WHOLE:  # the input in one load, normed once for every tile
+        x = _whole_input(x_rows, row_ok, k_in, norm_w, eps, NORM, BLOCK_K)
+        inv_rms = tl.zeros([x_rows.shape[0]], tl.float32)  # (unused)
+    else:
+        x = tl.zeros([x_rows.shape[0], BLOCK_K], dtype)  # (unused)
+        inv_rms = _inv_rms(x_rows, row_ok, k_in, eps, NORM, BLOCK_K)
     for tile in range(pid, tl.cdiv(n_out, BLOCK_N), nprog):
         first = tile == pid
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_out
+        dst = out + rows[:, None] * n_out + cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
+        if RESIDUAL:  # (read with the input, not after the products)
+            residual = tl.load(dst, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         w_rows = w + cols.to(tl.int64)[:, None] * k_in
-        y = _tile(x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM, BLOCK_K, USE_DOT)
+        y = _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM, WHOLE, BLOCK_K,
+                  USE_DOT)
         if HAS_BIAS:
             y += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
             gate = y.to(dtype).to(tl.float32)
-            up = _tile(x_rows, row_ok, inv_rms, norm_w, w_rows + n_out * k_in, col_ok, k_in, up_first, first, NORM,
-                       BLOCK_K, USE_DOT).to(dtype).to(tl.float32)
+            up = _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows + n_out * k_in, col_ok, k_in, up_first, first,
+                       NORM, WHOLE, BLOCK_K, USE_DOT).to(dtype).to(tl.float32)
             y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-        dst = out + rows[:, None] * n_out + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
         if RESIDUAL:
-            y = y.to(dtype).to(tl.float32) + tl.load(dst, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+            y = y.to(dtype).to(tl.float32) + residual
         tl.store(dst, y.to(dtype), mask=mask)
+
+
+@triton.jit
+def _key_tile(k_cache, v_cache, table_ptr, stride_table, block_size, row, kvh, t0, hi, off_a, off_b,
+              HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Cached keys t0 .. t0 + BLOCK_T (below hi) of a (row, KV head): their k halves and v, in fp32."""
+    t = t0 + tl.arange(0, BLOCK_T)
+    t_ok = t < hi
+    block = tl.load(table_ptr + row * stride_table + t // block_size, mask=t_ok, other=0)
+    slot = (block.to(tl.int64) * block_size + t % block_size) * (HKV * D) + kvh * D
+    ka = tl.load(k_cache + slot[:, None] + off_a, mask=t_ok[:, None], other=0.0).to(tl.float32)
+    kb = tl.load(k_cache + slot[:, None] + off_b, mask=t_ok[:, None], other=0.0).to(tl.float32)
+    v = tl.load(v_cache + slot[:, None] + tl.arange(0, D)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+    return ka, kb, v
+
+
+@triton.jit
+def _item_keys(item, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, k_cache, v_cache,
+               block_size, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
+               IS_NEOX: tl.constexpr):
+    """What an attention item (row, KV head, split) reads that no phase of this launch writes: its position,
+    cached keys, their range lo .. hi in this split, the rotary cos/sin and the first tile of keys. Loaded for
+    a program's first item before the barrier that ends QKV."""
+    HALF: tl.constexpr = D // 2
+    row = item // (HKV * SPLITS)
+    kvh = (item // SPLITS) % HKV
+    split = item % SPLITS
+    row_ok = row < num_rows  # (a program with no item: nothing to load)
+    pos = tl.load(pos_ptr + row, mask=row_ok, other=0).to(tl.int64)
+    cached = tl.load(seq_len_ptr + row, mask=row_ok, other=1) - 1  # keys in the cache; the new token is the last
+    i = tl.arange(0, HALF)
+    cos = tl.load(cos_sin + pos * stride_cs + i).to(tl.float32)
+    sin = tl.load(cos_sin + pos * stride_cs + HALF + i).to(tl.float32)
+    per_split = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_T) * BLOCK_T
+    lo = split * per_split
+    hi = tl.minimum(cached, lo + per_split)
+    off_a, off_b = _pair_offsets(HALF, IS_NEOX)
+    ka, kb, v = _key_tile(k_cache, v_cache, table_ptr, stride_table, block_size, row, kvh, lo, hi, off_a, off_b, HKV,
+                          D, BLOCK_T)
+    return pos, cached, lo, hi, cos, sin, ka, kb, v
+
+
+@triton.jit
+def _pair_offsets(HALF: tl.constexpr, IS_NEOX: tl.constexpr):
+    """A head's rotary pair halves as offsets [1, HALF] (rotary.py's layouts)."""
+    i = tl.arange(0, HALF)
+    if IS_NEOX:
+        off_a, off_b = i, i + HALF
+    else:
+        off_a, off_b = 2 * i, 2 * i + 1
+    return off_a[None, :], off_b[None, :]
 
 
 @triton.jit
 def _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows, q_norm, k_norm, eps,
                cos_sin, stride_cs, k_cache, v_cache, block_size, part, ml, counters, attn, scale, pid, nprog,
+               pre_pos, pre_cached, pre_lo, pre_hi, pre_cos, pre_sin, pre_ka, pre_kb, pre_v,
                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QK_NORM: tl.constexpr):
-    """The ATTN phase: work items (row, KV head, split)."""
+    """The ATTN phase: work items (row, KV head, split); the first one's keys already loaded (pre_*,
+    _item_keys)."""
     G: tl.constexpr = HQ // HKV
     HALF: tl.constexpr = D // 2
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
@@ -173,29 +264,28 @@ def _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num
         row = item // (HKV * SPLITS)
         kvh = (item // SPLITS) % HKV
         split = item % SPLITS
-        pos = tl.load(pos_ptr + row).to(tl.int64)
-        cached = tl.load(seq_len_ptr + row) - 1  # keys in the cache; the new token is the last
-        cos = tl.load(cos_sin + pos * stride_cs + i).to(tl.float32)
-        sin = tl.load(cos_sin + pos * stride_cs + HALF + i).to(tl.float32)
+        if item == pid:
+            pos, cached, lo, hi, cos, sin, ka0, kb0, v0 = pre_pos, pre_cached, pre_lo, pre_hi, pre_cos, pre_sin, \
+                pre_ka, pre_kb, pre_v
+        else:
+            pos, cached, lo, hi, cos, sin, ka0, kb0, v0 = _item_keys(
+                item, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, k_cache, v_cache,
+                block_size, HKV, D, SPLITS, BLOCK_T, IS_NEOX)
         src = qkv + row * NQKV
         qa, qb, _heads, off_a, off_b, _mask = rotated_halves(src + kvh * G * D, D, G, cos, sin, i, i_ok, q_norm, eps,
-                                                    HALF, BLOCK_G, IS_NEOX, HAS_QK_NORM)
+                                                             HALF, BLOCK_G, IS_NEOX, HAS_QK_NORM)
         qa, qb = qa.to(dtype).to(tl.float32), qb.to(dtype).to(tl.float32)  # [BLOCK_G, HALF]
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        per_split = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_T) * BLOCK_T
-        lo = split * per_split
-        hi = tl.minimum(cached, lo + per_split)
         qk_scale = scale * _LOG2E
         for t0 in range(lo, hi, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            t_ok = t < hi
-            block = tl.load(table_ptr + row * stride_table + t // block_size, mask=t_ok, other=0)
-            slot = (block.to(tl.int64) * block_size + t % block_size) * (HKV * D) + kvh * D
-            ka = tl.load(k_cache + slot[:, None] + off_a, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            kb = tl.load(k_cache + slot[:, None] + off_b, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_cache + slot[:, None] + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+            t_ok = t0 + tl.arange(0, BLOCK_T) < hi
+            if t0 == lo:
+                ka, kb, v = ka0, kb0, v0
+            else:
+                ka, kb, v = _key_tile(k_cache, v_cache, table_ptr, stride_table, block_size, row, kvh, t0, hi, off_a,
+                                      off_b, HKV, D, BLOCK_T)
             s = tl.sum(qa[:, None, :] * ka[None, :, :], axis=2) + tl.sum(qb[:, None, :] * kb[None, :, :], axis=2)
             s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_T], base 2
             m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -255,12 +345,17 @@ def _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H: tl.constexpr, BLO
 
 
 @triton.jit
-def _barrier(counter, epoch, nprog, SYNC: tl.constexpr):
+def _barrier(counter, epoch, nprog, trace, t_layer, SYNC: tl.constexpr, TRACE: tl.constexpr):
     """The grid barrier that ends a phase (none in the interpreter, whose one program runs the phases in
-    order). Returns the next epoch."""
+    order). Returns the next epoch. TRACE: this program's ns since its layer began, at its arrival and when
+    it passes, into trace[layer, phase, program, 0/1] (the epoch counts the phases)."""
+    if TRACE:
+        tl.store(trace + ((epoch - 1) * nprog + tl.program_id(0)) * 2, _now() - t_layer)
     if SYNC:
         _arrive(counter)
         _wait(counter, epoch * nprog)
+    if TRACE:
+        tl.store(trace + ((epoch - 1) * nprog + tl.program_id(0)) * 2 + 1, _now() - t_layer)
     return epoch + 1
 
 
@@ -285,11 +380,12 @@ def _decoder_kernel(
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < num_rows
     epoch = 1
-    if TRACE:
-        t_start = _now()
+    t_layer = tl.full([], 0, tl.int64)
     w_next = _first_chunk(w_qkv, NQKV, H, pid, BN_QKV, BK_H)
     for layer in range(0, num_layers):
         l64 = tl.full([], layer, tl.int64)  # (a cache layer is past int32)
+        if TRACE:
+            t_layer = _now()
         # QKV: rms_norm(h) @ W_qkv^T; the first layer's h is the embedding rows (program 0 stores them in h)
         x_rows = h + rows[:, None] * H
         if layer == 0:
@@ -299,41 +395,38 @@ def _decoder_kernel(
                 hs = tl.arange(0, BLOCK_H)
                 mask = row_ok[:, None] & (hs < H)[None, :]
                 tl.store(h + rows[:, None] * H + hs[None, :], tl.load(x_rows + hs[None, :], mask=mask), mask=mask)
-        inv_rms = _inv_rms(x_rows, row_ok, H, eps, True, BK_H)
-        _projection(x_rows, row_ok, inv_rms, norm1 + layer * H, w_qkv + l64 * NQKV * H, b_qkv + layer * NQKV, qkv,
-                    rows, H, NQKV, pid, nprog, w_next, w_next, True, HAS_BIAS, False, False, BN_QKV, BK_H, USE_DOT)
-        epoch = _barrier(barrier, epoch, nprog, SYNC)
-        # ATTN
+        _projection(x_rows, row_ok, norm1 + layer * H, eps, w_qkv + l64 * NQKV * H, b_qkv + layer * NQKV, qkv, rows,
+                    H, NQKV, pid, nprog, w_next, w_next, True, HAS_BIAS, False, False, BN_QKV, BK_H, USE_DOT)
         kv = kv_cache + l64 * stride_kv_layer
+        pos, cached, lo, hi, cos, sin, ka, kb, v = _item_keys(
+            pid, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, kv, kv + stride_kv_kv,
+            block_size, HKV, D, SPLITS, BLOCK_T, IS_NEOX)
+        epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+        # ATTN
         _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows, q_norm + layer * D,
                    k_norm + layer * D, eps, cos_sin, stride_cs, kv, kv + stride_kv_kv, block_size, part, ml,
-                   counters, attn, scale, pid, nprog, HQ, HKV, D, SPLITS, BLOCK_G, BLOCK_T, IS_NEOX, HAS_QK_NORM)
+                   counters, attn, scale, pid, nprog, pos, cached, lo, hi, cos, sin, ka, kb, v, HQ, HKV, D, SPLITS,
+                   BLOCK_G, BLOCK_T, IS_NEOX, HAS_QK_NORM)
         w_first = _first_chunk(w_o + l64 * H * QD, H, QD, pid, BN_O, BK_QD)
-        epoch = _barrier(barrier, epoch, nprog, SYNC)
+        epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # O: h += attn @ W_o^T
-        no_norm = tl.zeros([BLOCK_M], tl.float32)
-        _projection(attn + rows[:, None] * QD, row_ok, no_norm, w_o, w_o + l64 * H * QD, w_o, h, rows, QD, H, pid,
-                    nprog, w_first, w_first, False, False, True, False, BN_O, BK_QD, USE_DOT)
+        _projection(attn + rows[:, None] * QD, row_ok, w_o, eps, w_o + l64 * H * QD, w_o, h, rows, QD, H, pid, nprog,
+                    w_first, w_first, False, False, True, False, BN_O, BK_QD, USE_DOT)
         gate_up = w_gate_up + l64 * 2 * INTER * H
         gate_first = _first_chunk(gate_up, INTER, H, pid, BN_GATE_UP, BK_H)
         up_first = _first_chunk(gate_up + INTER * H, INTER, H, pid, BN_GATE_UP, BK_H)
-        epoch = _barrier(barrier, epoch, nprog, SYNC)
+        epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # GATE_UP: act = silu(gate) * up of rms_norm(h)
-        inv_rms = _inv_rms(h + rows[:, None] * H, row_ok, H, eps, True, BK_H)
-        _projection(h + rows[:, None] * H, row_ok, inv_rms, norm2 + layer * H, gate_up, w_gate_up, act, rows, H,
-                    INTER, pid, nprog, gate_first, up_first, True, False, False, True, BN_GATE_UP, BK_H, USE_DOT)
+        _projection(h + rows[:, None] * H, row_ok, norm2 + layer * H, eps, gate_up, w_gate_up, act, rows, H, INTER,
+                    pid, nprog, gate_first, up_first, True, False, False, True, BN_GATE_UP, BK_H, USE_DOT)
         w_first = _first_chunk(w_down + l64 * H * INTER, H, INTER, pid, BN_DOWN, BK_I)
-        epoch = _barrier(barrier, epoch, nprog, SYNC)
+        epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # DOWN: h += act @ W_down^T
-        _projection(act + rows[:, None] * INTER, row_ok, no_norm, w_down, w_down + l64 * H * INTER, w_down, h, rows,
-                    INTER, H, pid, nprog, w_first, w_first, False, False, True, False, BN_DOWN, BK_I, USE_DOT)
+        _projection(act + rows[:, None] * INTER, row_ok, w_down, eps, w_down + l64 * H * INTER, w_down, h, rows, INTER,
+                    H, pid, nprog, w_first, w_first, False, False, True, False, BN_DOWN, BK_I, USE_DOT)
         next_layer = tl.minimum(l64 + 1, num_layers - 1)
         w_next = _first_chunk(w_qkv + next_layer * NQKV * H, NQKV, H, pid, BN_QKV, BK_H)
-        epoch = _barrier(barrier, epoch, nprog, SYNC)
-        if TRACE:  # [layer, program]: ns a layer
-            t_end = _now()
-            tl.store(trace + layer * nprog + pid, t_end - t_start)
-            t_start = t_end
+        epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
     _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H, BLOCK_H)
 
 
@@ -366,22 +459,25 @@ MAX_SPLITS = 32
 _BLOCK_T = 16  # keys a step of a split's loop
 _NUM_WARPS = 8
 _DOT_BLOCK_K = 128
-_MAX_TILE_ELEMENTS = 16384  # of a W tile held in registers (64 KB in bf16: 64 registers a thread at 8 warps)
+_MAX_TILE_ELEMENTS = 16384  # of a W tile held in registers (32 KB in bf16: 32 registers a thread at 8 warps)
 
 
-def block_n(n_out: int, k_in: int, programs: int, use_dot: bool) -> int:
-    """Columns of W a tile: the fewest bytes on the busiest program (ties: larger tiles, fewer steps)."""
+def block_n(n_out: int, k_in: int, programs: int, use_dot: bool, gated: bool = False) -> int:
+    """Columns of W a tile: the fewest bytes on the busiest program (ties: larger tiles, fewer steps). On the
+    one-row path a tile (both its gate and up rows) is one load of registers: at most _MAX_TILE_ELEMENTS."""
     smallest = 16 if use_dot else 4
+    rows_per_col = 2 if gated else 1
+    width = _DOT_BLOCK_K if use_dot else triton.next_power_of_2(k_in)
     candidates = [b for b in (4, 8, 16, 32, 64)
-                  if b >= smallest and b * triton.next_power_of_2(k_in) <= _MAX_TILE_ELEMENTS] or [smallest]
+                  if b >= smallest and b * rows_per_col * width <= _MAX_TILE_ELEMENTS] or [smallest]
     return min(candidates, key=lambda b: (triton.cdiv(triton.cdiv(n_out, b), programs) * b, -b))
 
 
-def block_k(k_in: int, bn: int, use_dot: bool) -> int:
+def block_k(k_in: int, use_dot: bool) -> int:
     """Columns of K a step of a tile's loop: all of K in one load on the one-row path (as many bytes in
     flight as the registers hold), a pipelined loop under tl.dot."""
     whole = triton.next_power_of_2(k_in)
-    return min(whole, _DOT_BLOCK_K if use_dot else max(16, _MAX_TILE_ELEMENTS // bn))
+    return min(whole, _DOT_BLOCK_K) if use_dot else whole
 
 
 def num_splits(rows: int, num_kv_heads: int, programs: int) -> int:
@@ -425,14 +521,13 @@ def constexprs(shape: Shape, rows: int, programs: int, splits: int, has_bias: bo
     s, use_dot = shape, rows > 1
     qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     bn_qkv, bn_o = block_n(nqkv, s.hidden, programs, use_dot), block_n(s.hidden, qd, programs, use_dot)
-    bn_gate_up = block_n(s.intermediate, s.hidden, programs, use_dot)
+    bn_gate_up = block_n(s.intermediate, s.hidden, programs, use_dot, gated=True)
     bn_down = block_n(s.hidden, s.intermediate, programs, use_dot)
     return dict(
         H=s.hidden, HQ=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim, INTER=s.intermediate,
         BLOCK_M=max(16, triton.next_power_of_2(rows)) if use_dot else 1, BLOCK_H=triton.next_power_of_2(s.hidden),
         BN_QKV=bn_qkv, BN_O=bn_o, BN_GATE_UP=bn_gate_up, BN_DOWN=bn_down,
-        BK_H=block_k(s.hidden, max(bn_qkv, bn_gate_up), use_dot), BK_QD=block_k(qd, bn_o, use_dot),
-        BK_I=block_k(s.intermediate, bn_down, use_dot),
+        BK_H=block_k(s.hidden, use_dot), BK_QD=block_k(qd, use_dot), BK_I=block_k(s.intermediate, use_dot),
         SPLITS=splits, BLOCK_G=triton.next_power_of_2(s.num_heads // s.num_kv_heads), BLOCK_T=_BLOCK_T,
         USE_DOT=use_dot, HAS_BIAS=has_bias, IS_NEOX=is_neox, HAS_QK_NORM=has_qk_norm, SYNC=sync, TRACE=trace,
         num_warps=_NUM_WARPS)
@@ -444,15 +539,16 @@ def launch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch
            ) -> torch.Tensor:
     """out [rows, H] = the final norm of the decoder's output for one new token a row (input_ids [rows] at
     positions [rows]; seq_lens [rows] count the new token), writing each row's k/v at slot_mapping [rows]
-    (< 0: nothing) of kv_cache [L, 2, blocks, block_size, Hkv, D]. trace (GPU): int64 [L, programs] to receive
-    each program's ns a layer (layer_times)."""
+    (< 0: nothing) of kv_cache [L, 2, blocks, block_size, Hkv, D]. trace (GPU): int64 [L, 5, programs, 2] to
+    receive each program's ns into its layer at each phase's end and barrier (phase_times)."""
     s, rows, w = shape, input_ids.shape[0], weights
     assert 0 < rows <= scratch.max_rows and out.shape == (rows, s.hidden), (rows, out.shape)
     assert kv_cache.shape[0] == s.num_layers and kv_cache.shape[1] == 2 and kv_cache.is_contiguous()
     device = input_ids.device
     sync = device.type == "cuda"
     programs = grid(device)
-    assert trace is None or (sync and trace.shape == (s.num_layers, programs) and trace.dtype == torch.int64)
+    assert trace is None or (sync and trace.shape == (s.num_layers, len(PHASES), programs, 2)
+                             and trace.dtype == torch.int64)
     splits = min(num_splits(rows, s.num_kv_heads, programs if sync else INTERPRETER_SPLIT_PROGRAMS),
                  scratch.max_splits)
     scratch.barrier.zero_()
@@ -471,7 +567,16 @@ def launch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch
     return out
 
 
-def layer_times(trace: torch.Tensor) -> tuple[float, float]:
-    """A traced launch's microseconds a layer: (mean over the layers of the mean program, of the slowest)."""
-    t = trace.double() / 1e3
-    return t.mean().item(), t.max(1).values.mean().item()
+PHASES = ("qkv", "attention", "o", "gate_up", "down")
+
+
+def phase_times(trace: torch.Tensor) -> dict[str, tuple[float, float, float]]:
+    """A traced launch's microseconds a layer per phase (means over the layers): (the mean program's work,
+    the slowest program's work, the phase with its barrier)."""
+    t = trace.double() / 1e3  # [layer, phase, program, (work done, barrier passed)]
+    passed = t[..., 1]
+    began = torch.cat([torch.zeros_like(passed[:, :1]), passed[:, :-1]], dim=1)
+    work = t[..., 0] - began
+    whole = passed - began
+    return {name: (work[:, i].mean().item(), work[:, i].max(-1).values.mean().item(), whole[:, i].mean().item())
+            for i, name in enumerate(PHASES)}
