@@ -59,10 +59,12 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,8")
     parser.add_argument("--context", type=int, default=256, help="keys in the cache before the round's token")
     parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--trace", action="store_true", help="also each phase's time (a traced launch, %%globaltimer)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also each phase's time (a traced launch, %%globaltimer)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    model = load_model(ModelConfig(model=resolve_model_path(args.model), load_format="dummy", dtype=args.dtype), device)
+    config = ModelConfig(model=resolve_model_path(args.model), load_format="dummy", dtype=args.dtype)
+    model = load_model(config, device)
     rows_list = [int(r) for r in args.rows.split(",")]
     decoder = DraftDecoder(model, max_rows=max(rows_list))
     a = model.args
@@ -75,8 +77,9 @@ def main() -> None:
         layer.kv_cache = (kv[i, 0], kv[i, 1])
     decoder.kv_cache = kv
     weight_bytes = sum(t.numel() * t.element_size() for t in decoder.weights[1:] if t is not None)
-    print(f"# {args.model} {args.dtype}, {a.num_layers} layers, {weight_bytes / 1e6:.0f} MB of layer weights; "
-          f"{device_name(device)}; commit {git_commit()}; {persistent_decoder.grid(device)} programs")
+    print(f"# {args.model} {args.dtype}, {a.num_layers} layers, {weight_bytes / 1e6:.0f} MB of layer "
+          f"weights; {device_name(device)}; commit {git_commit()}; "
+          f"{persistent_decoder.grid(device)} programs")
     results = []
     for rows in rows_list:
         tables = torch.arange(rows * width, dtype=torch.int32, device=device).view(rows, width) + 1
@@ -110,15 +113,17 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row))
         if args.trace:
-            trace = torch.zeros(a.num_layers, len(persistent_decoder.PHASES), persistent_decoder.grid(device), 2,
-                                dtype=torch.int64, device=device)
+            shape = (a.num_layers, len(persistent_decoder.PHASES), persistent_decoder.grid(device), 2)
+            trace = torch.zeros(shape, dtype=torch.int64, device=device)
             with torch.inference_mode():
                 for _ in range(3):
-                    persistent_decoder.launch(ids, positions, slots, tables, metadata.seq_lens, decoder.weights,
-                                              decoder.shape, kv, decoder.cos_sin, decoder.is_neox, decoder.scale,
-                                              decoder.scratch, decoder.out[:rows], trace)
+                    persistent_decoder.launch(ids, positions, slots, tables, metadata.seq_lens,
+                                              decoder.weights, decoder.shape, kv, decoder.cos_sin,
+                                              decoder.is_neox, decoder.scale, decoder.scratch,
+                                              decoder.out[:rows], trace)
             torch.cuda.synchronize()
-            print(f"rows {rows}, us a layer per phase: the mean program's work / the slowest's / with the barrier")
+            print(f"rows {rows}, us a layer per phase: the mean program's work / the slowest's / "
+                  "with the barrier")
             for name, (mean, slowest, whole) in persistent_decoder.phase_times(trace.cpu()).items():
                 print(f"  {name:9} {mean:6.2f} {slowest:6.2f} {whole:6.2f}")
     print("| rows | forward ms | persistent ms | speedup | max abs diff |")

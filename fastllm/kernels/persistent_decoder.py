@@ -13,24 +13,23 @@ and meet at a grid barrier (a global counter) between phases:
   GATE_UP  rms_norm(h) @ W_gate_up^T -> act = silu(gate) * up
   DOWN     h += act @ W_down^T
 and after the last layer FINAL: out = rms_norm(h). Every program strides over its phase's work (column
-tiles of W, attention splits), streaming each weight tile over the whole K in one load, so a phase reads
-its weights once at the SMs' combined bandwidth. Each value is rounded where the model's own kernels
-round it (skinny_linear.py's prologues, rotary.py's norm, the fused add-norm), so the result is theirs up
-to the order of sums.
+tiles of W, attention splits). Weights depend on no phase, so each program loads its first tile of the
+next phase (and its attention item's cached keys) before it waits at the barrier: the wait hides their
+latency. On the one-row path a tile is one load over the whole K, and the input is loaded (and normed) once
+a phase. Each value is rounded where the model's own kernels round it (skinny_linear.py's prologues,
+rotary.py's norm, the fused add-norm), so the result is theirs up to the order of sums.
 
-Weights are stacked per layer ([L, N, K]); PersistentDecoder makes the model's parameters views of the
-stacks, so they cost no memory twice. The KV cache is the CacheEngine's one tensor [L, 2, blocks, block,
-Hkv, D]. Rows are one new token each at positions[row] (seq_lens[row] = position + 1); slot < 0 writes
-nothing (padding rows).
+Weights are stacked per layer ([L, N, K]); DraftDecoder makes the model's parameters views of the stacks,
+so they cost no memory twice. The KV cache is the CacheEngine's one tensor [L, 2, blocks, block, Hkv, D].
+Rows are one new token each at positions[row] (seq_lens[row] counts it); slot < 0 writes nothing (padding
+rows).
 
-Under the Triton interpreter (CPU tests) programs run one after another and cannot wait for each other,
-so each phase is its own launch there (SYNC=False): the same code between the barriers.
+Under the Triton interpreter (CPU tests) programs run one after another and cannot wait for each other, so
+one program runs there (SYNC=False): every phase's work in order, the same code between the barriers.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import NamedTuple
 
 import torch
@@ -39,8 +38,6 @@ import triton.language as tl
 
 from fastllm.kernels import sm_count
 from fastllm.kernels.rotary import head_rms_norm, rotated_halves
-
-logger = logging.getLogger("fastllm.kernels")
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -63,7 +60,8 @@ def _wait(counter_ptr, target):
 
 @triton.jit
 def _now():
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                     pack=1)
 
 
 @triton.jit
@@ -97,7 +95,8 @@ def _first_chunk(w, n_out, k_in, pid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     return tl.load(w + cols.to(tl.int64)[:, None] * k_in + ks[None, :],
-                   mask=(cols < n_out)[:, None] & (ks < k_in)[None, :], other=0.0, eviction_policy="evict_first")
+                   mask=(cols < n_out)[:, None] & (ks < k_in)[None, :], other=0.0,
+                   eviction_policy="evict_first")
 
 
 @triton.jit
@@ -178,14 +177,14 @@ def _projection(x_rows, row_ok, norm_w, eps, w, bias, out, rows, k_in, n_out, pi
         if RESIDUAL:  # (read with the input, not after the products)
             residual = tl.load(dst, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         w_rows = w + cols.to(tl.int64)[:, None] * k_in
-        y = _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM, WHOLE, BLOCK_K,
-                  USE_DOT)
+        y = _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM, WHOLE,
+                  BLOCK_K, USE_DOT)
         if HAS_BIAS:
             y += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
             gate = y.to(dtype).to(tl.float32)
-            up = _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows + n_out * k_in, col_ok, k_in, up_first, first,
-                       NORM, WHOLE, BLOCK_K, USE_DOT).to(dtype).to(tl.float32)
+            up = _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows + n_out * k_in, col_ok, k_in, up_first,
+                       first, NORM, WHOLE, BLOCK_K, USE_DOT).to(dtype).to(tl.float32)
             y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
         if RESIDUAL:
             y = y.to(dtype).to(tl.float32) + residual
@@ -202,14 +201,15 @@ def _key_tile(k_cache, v_cache, table_ptr, stride_table, block_size, row, kvh, t
     slot = (block.to(tl.int64) * block_size + t % block_size) * (HKV * D) + kvh * D
     ka = tl.load(k_cache + slot[:, None] + off_a, mask=t_ok[:, None], other=0.0).to(tl.float32)
     kb = tl.load(k_cache + slot[:, None] + off_b, mask=t_ok[:, None], other=0.0).to(tl.float32)
-    v = tl.load(v_cache + slot[:, None] + tl.arange(0, D)[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+    d = tl.arange(0, D)
+    v = tl.load(v_cache + slot[:, None] + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
     return ka, kb, v
 
 
 @triton.jit
-def _item_keys(item, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, k_cache, v_cache,
-               block_size, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr,
-               IS_NEOX: tl.constexpr):
+def _item_keys(item, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, k_cache,
+               v_cache, block_size, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
+               BLOCK_T: tl.constexpr, IS_NEOX: tl.constexpr):
     """What an attention item (row, KV head, split) reads that no phase of this launch writes: its position,
     cached keys, their range lo .. hi in this split, the rotary cos/sin and the first tile of keys. Loaded for
     a program's first item before the barrier that ends QKV."""
@@ -219,7 +219,8 @@ def _item_keys(item, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, co
     split = item % SPLITS
     row_ok = row < num_rows  # (a program with no item: nothing to load)
     pos = tl.load(pos_ptr + row, mask=row_ok, other=0).to(tl.int64)
-    cached = tl.load(seq_len_ptr + row, mask=row_ok, other=1) - 1  # keys in the cache; the new token is the last
+    # keys in the cache; the new token is the last
+    cached = tl.load(seq_len_ptr + row, mask=row_ok, other=1) - 1
     i = tl.arange(0, HALF)
     cos = tl.load(cos_sin + pos * stride_cs + i).to(tl.float32)
     sin = tl.load(cos_sin + pos * stride_cs + HALF + i).to(tl.float32)
@@ -227,8 +228,8 @@ def _item_keys(item, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, co
     lo = split * per_split
     hi = tl.minimum(cached, lo + per_split)
     off_a, off_b = _pair_offsets(HALF, IS_NEOX)
-    ka, kb, v = _key_tile(k_cache, v_cache, table_ptr, stride_table, block_size, row, kvh, lo, hi, off_a, off_b, HKV,
-                          D, BLOCK_T)
+    ka, kb, v = _key_tile(k_cache, v_cache, table_ptr, stride_table, block_size, row, kvh, lo, hi, off_a,
+                          off_b, HKV, D, BLOCK_T)
     return pos, cached, lo, hi, cos, sin, ka, kb, v
 
 
@@ -248,7 +249,8 @@ def _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num
                cos_sin, stride_cs, k_cache, v_cache, block_size, part, ml, counters, attn, scale, pid, nprog,
                pre_pos, pre_cached, pre_lo, pre_hi, pre_cos, pre_sin, pre_ka, pre_kb, pre_v,
                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-               BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QK_NORM: tl.constexpr):
+               BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, IS_NEOX: tl.constexpr,
+               HAS_QK_NORM: tl.constexpr):
     """The ATTN phase: work items (row, KV head, split); the first one's keys already loaded (pre_*,
     _item_keys)."""
     G: tl.constexpr = HQ // HKV
@@ -265,15 +267,15 @@ def _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num
         kvh = (item // SPLITS) % HKV
         split = item % SPLITS
         if item == pid:
-            pos, cached, lo, hi, cos, sin, ka0, kb0, v0 = pre_pos, pre_cached, pre_lo, pre_hi, pre_cos, pre_sin, \
-                pre_ka, pre_kb, pre_v
+            pos, cached, lo, hi = pre_pos, pre_cached, pre_lo, pre_hi
+            cos, sin, ka0, kb0, v0 = pre_cos, pre_sin, pre_ka, pre_kb, pre_v
         else:
             pos, cached, lo, hi, cos, sin, ka0, kb0, v0 = _item_keys(
-                item, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, k_cache, v_cache,
-                block_size, HKV, D, SPLITS, BLOCK_T, IS_NEOX)
+                item, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, k_cache,
+                v_cache, block_size, HKV, D, SPLITS, BLOCK_T, IS_NEOX)
         src = qkv + row * NQKV
-        qa, qb, _heads, off_a, off_b, _mask = rotated_halves(src + kvh * G * D, D, G, cos, sin, i, i_ok, q_norm, eps,
-                                                             HALF, BLOCK_G, IS_NEOX, HAS_QK_NORM)
+        qa, qb, _heads, off_a, off_b, _mask = rotated_halves(
+            src + kvh * G * D, D, G, cos, sin, i, i_ok, q_norm, eps, HALF, BLOCK_G, IS_NEOX, HAS_QK_NORM)
         qa, qb = qa.to(dtype).to(tl.float32), qb.to(dtype).to(tl.float32)  # [BLOCK_G, HALF]
         m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l = tl.zeros([BLOCK_G], tl.float32)
@@ -284,9 +286,10 @@ def _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num
             if t0 == lo:
                 ka, kb, v = ka0, kb0, v0
             else:
-                ka, kb, v = _key_tile(k_cache, v_cache, table_ptr, stride_table, block_size, row, kvh, t0, hi, off_a,
-                                      off_b, HKV, D, BLOCK_T)
-            s = tl.sum(qa[:, None, :] * ka[None, :, :], axis=2) + tl.sum(qb[:, None, :] * kb[None, :, :], axis=2)
+                ka, kb, v = _key_tile(k_cache, v_cache, table_ptr, stride_table, block_size, row, kvh, t0, hi,
+                                      off_a, off_b, HKV, D, BLOCK_T)
+            s = tl.sum(qa[:, None, :] * ka[None, :, :], axis=2)
+            s += tl.sum(qb[:, None, :] * kb[None, :, :], axis=2)
             s = tl.where(t_ok[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_T], base 2
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
@@ -295,8 +298,8 @@ def _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m = m_new
         if split == SPLITS - 1:  # the new token: rotated (and normed) here, written for later rounds
-            new_ka, new_kb, _head, _off_a, _off_b, _new_mask = rotated_halves(src + (HQ + kvh) * D, D, 1, cos, sin, i, i_ok, k_norm, eps,
-                                                        HALF, 1, IS_NEOX, HAS_QK_NORM)
+            new_ka, new_kb, _head, _off_a, _off_b, _new_mask = rotated_halves(
+                src + (HQ + kvh) * D, D, 1, cos, sin, i, i_ok, k_norm, eps, HALF, 1, IS_NEOX, HAS_QK_NORM)
             new_ka, new_kb = new_ka.to(dtype), new_kb.to(dtype)  # [1, HALF]
             new_v = tl.load(src + (HQ + HKV + kvh) * D + d[None, :])  # [1, D]
             s_new = tl.sum(qa * new_ka.to(tl.float32), axis=1) + tl.sum(qb * new_kb.to(tl.float32), axis=1)
@@ -328,8 +331,9 @@ def _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num
             l_s = tl.load(states + 1, mask=g_ok[:, None], other=0.0, cache_modifier=".cg")
             m_all = tl.max(m_s, axis=1)
             w_s = tl.exp2(m_s - m_all[:, None])  # empty splits (m = -inf) weigh 0
-            parts = tl.load(part + (heads[:, None, None] * SPLITS + s_idx[None, :, None]) * D + d[None, None, :],
-                            mask=g_ok[:, None, None], other=0.0, cache_modifier=".cg")
+            states = heads[:, None, None] * SPLITS + s_idx[None, :, None]
+            parts = tl.load(part + states * D + d[None, None, :], mask=g_ok[:, None, None], other=0.0,
+                            cache_modifier=".cg")
             o = tl.sum(w_s[:, :, None] * parts, axis=1) / tl.sum(w_s * l_s, axis=1)[:, None]
             tl.store(attn + heads[:, None] * D + d[None, :], o.to(dtype), mask=g_ok[:, None])
 
@@ -394,36 +398,40 @@ def _decoder_kernel(
             if pid == 0:
                 hs = tl.arange(0, BLOCK_H)
                 mask = row_ok[:, None] & (hs < H)[None, :]
-                tl.store(h + rows[:, None] * H + hs[None, :], tl.load(x_rows + hs[None, :], mask=mask), mask=mask)
-        _projection(x_rows, row_ok, norm1 + layer * H, eps, w_qkv + l64 * NQKV * H, b_qkv + layer * NQKV, qkv, rows,
-                    H, NQKV, pid, nprog, w_next, w_next, True, HAS_BIAS, False, False, BN_QKV, BK_H, USE_DOT)
+                embedded = tl.load(x_rows + hs[None, :], mask=mask)
+                tl.store(h + rows[:, None] * H + hs[None, :], embedded, mask=mask)
+        _projection(x_rows, row_ok, norm1 + layer * H, eps, w_qkv + l64 * NQKV * H, b_qkv + layer * NQKV, qkv,
+                    rows, H, NQKV, pid, nprog, w_next, w_next, True, HAS_BIAS, False, False, BN_QKV, BK_H,
+                    USE_DOT)
         kv = kv_cache + l64 * stride_kv_layer
         pos, cached, lo, hi, cos, sin, ka, kb, v = _item_keys(
-            pid, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, kv, kv + stride_kv_kv,
-            block_size, HKV, D, SPLITS, BLOCK_T, IS_NEOX)
+            pid, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, kv,
+            kv + stride_kv_kv, block_size, HKV, D, SPLITS, BLOCK_T, IS_NEOX)
         epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # ATTN
         _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows, q_norm + layer * D,
                    k_norm + layer * D, eps, cos_sin, stride_cs, kv, kv + stride_kv_kv, block_size, part, ml,
-                   counters, attn, scale, pid, nprog, pos, cached, lo, hi, cos, sin, ka, kb, v, HQ, HKV, D, SPLITS,
-                   BLOCK_G, BLOCK_T, IS_NEOX, HAS_QK_NORM)
+                   counters, attn, scale, pid, nprog, pos, cached, lo, hi, cos, sin, ka, kb, v, HQ, HKV, D,
+                   SPLITS, BLOCK_G, BLOCK_T, IS_NEOX, HAS_QK_NORM)
         w_first = _first_chunk(w_o + l64 * H * QD, H, QD, pid, BN_O, BK_QD)
         epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # O: h += attn @ W_o^T
-        _projection(attn + rows[:, None] * QD, row_ok, w_o, eps, w_o + l64 * H * QD, w_o, h, rows, QD, H, pid, nprog,
-                    w_first, w_first, False, False, True, False, BN_O, BK_QD, USE_DOT)
+        _projection(attn + rows[:, None] * QD, row_ok, w_o, eps, w_o + l64 * H * QD, w_o, h, rows, QD, H, pid,
+                    nprog, w_first, w_first, False, False, True, False, BN_O, BK_QD, USE_DOT)
         gate_up = w_gate_up + l64 * 2 * INTER * H
         gate_first = _first_chunk(gate_up, INTER, H, pid, BN_GATE_UP, BK_H)
         up_first = _first_chunk(gate_up + INTER * H, INTER, H, pid, BN_GATE_UP, BK_H)
         epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # GATE_UP: act = silu(gate) * up of rms_norm(h)
-        _projection(h + rows[:, None] * H, row_ok, norm2 + layer * H, eps, gate_up, w_gate_up, act, rows, H, INTER,
-                    pid, nprog, gate_first, up_first, True, False, False, True, BN_GATE_UP, BK_H, USE_DOT)
+        _projection(h + rows[:, None] * H, row_ok, norm2 + layer * H, eps, gate_up, w_gate_up, act, rows, H,
+                    INTER, pid, nprog, gate_first, up_first, True, False, False, True, BN_GATE_UP, BK_H,
+                    USE_DOT)
         w_first = _first_chunk(w_down + l64 * H * INTER, H, INTER, pid, BN_DOWN, BK_I)
         epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # DOWN: h += act @ W_down^T
-        _projection(act + rows[:, None] * INTER, row_ok, w_down, eps, w_down + l64 * H * INTER, w_down, h, rows, INTER,
-                    H, pid, nprog, w_first, w_first, False, False, True, False, BN_DOWN, BK_I, USE_DOT)
+        _projection(act + rows[:, None] * INTER, row_ok, w_down, eps, w_down + l64 * H * INTER, w_down, h,
+                    rows, INTER, H, pid, nprog, w_first, w_first, False, False, True, False, BN_DOWN, BK_I,
+                    USE_DOT)
         next_layer = tl.minimum(l64 + 1, num_layers - 1)
         w_next = _first_chunk(w_qkv + next_layer * NQKV * H, NQKV, H, pid, BN_QKV, BK_H)
         epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
@@ -505,8 +513,10 @@ class Scratch:
         programs = grid(device) if device.type == "cuda" else INTERPRETER_SPLIT_PROGRAMS
         splits = num_splits(1, s.num_kv_heads, programs)
         self.h = torch.zeros(max_rows, s.hidden, dtype=dtype, device=device)
-        self.qkv = torch.zeros(max_rows, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, dtype=dtype, device=device)
-        self.part = torch.zeros(max_rows * s.num_heads * splits * s.head_dim, dtype=torch.float32, device=device)
+        nqkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+        self.qkv = torch.zeros(max_rows, nqkv, dtype=dtype, device=device)
+        self.part = torch.zeros(max_rows * s.num_heads * splits * s.head_dim, dtype=torch.float32,
+                                device=device)
         self.ml = torch.zeros(max_rows * s.num_heads * splits * 2, dtype=torch.float32, device=device)
         self.attn = torch.zeros(max_rows, s.num_heads * s.head_dim, dtype=dtype, device=device)
         self.act = torch.zeros(max_rows, s.intermediate, dtype=dtype, device=device)
@@ -525,7 +535,8 @@ def constexprs(shape: Shape, rows: int, programs: int, splits: int, has_bias: bo
     bn_down = block_n(s.hidden, s.intermediate, programs, use_dot)
     return dict(
         H=s.hidden, HQ=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim, INTER=s.intermediate,
-        BLOCK_M=max(16, triton.next_power_of_2(rows)) if use_dot else 1, BLOCK_H=triton.next_power_of_2(s.hidden),
+        BLOCK_M=max(16, triton.next_power_of_2(rows)) if use_dot else 1,
+        BLOCK_H=triton.next_power_of_2(s.hidden),
         BN_QKV=bn_qkv, BN_O=bn_o, BN_GATE_UP=bn_gate_up, BN_DOWN=bn_down,
         BK_H=block_k(s.hidden, use_dot), BK_QD=block_k(qd, use_dot), BK_I=block_k(s.intermediate, use_dot),
         SPLITS=splits, BLOCK_G=triton.next_power_of_2(s.num_heads // s.num_kv_heads), BLOCK_T=_BLOCK_T,
@@ -533,10 +544,10 @@ def constexprs(shape: Shape, rows: int, programs: int, splits: int, has_bias: bo
         num_warps=_NUM_WARPS)
 
 
-def launch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, weights: Weights, shape: Shape, kv_cache: torch.Tensor, cos_sin: torch.Tensor,
-           is_neox: bool, scale: float, scratch: Scratch, out: torch.Tensor, trace: torch.Tensor | None = None
-           ) -> torch.Tensor:
+def launch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+           block_tables: torch.Tensor, seq_lens: torch.Tensor, weights: Weights, shape: Shape,
+           kv_cache: torch.Tensor, cos_sin: torch.Tensor, is_neox: bool, scale: float, scratch: Scratch,
+           out: torch.Tensor, trace: torch.Tensor | None = None) -> torch.Tensor:
     """out [rows, H] = the final norm of the decoder's output for one new token a row (input_ids [rows] at
     positions [rows]; seq_lens [rows] count the new token), writing each row's k/v at slot_mapping [rows]
     (< 0: nothing) of kv_cache [L, 2, blocks, block_size, Hkv, D]. trace (GPU): int64 [L, 5, programs, 2] to
@@ -556,8 +567,9 @@ def launch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch
     # One launch; on a GPU every program resident (cooperative), meeting at the barriers.
     _decoder_kernel[(programs,)](
         input_ids, positions, slot_mapping, block_tables, block_tables.stride(0), seq_lens, rows,
-        w.embed, w.norm1, w.w_qkv, unused if w.b_qkv is None else w.b_qkv, unused if w.q_norm is None else w.q_norm,
-        unused if w.k_norm is None else w.k_norm, w.w_o, w.norm2, w.w_gate_up, w.w_down, w.final_norm,
+        w.embed, w.norm1, w.w_qkv, unused if w.b_qkv is None else w.b_qkv,
+        unused if w.q_norm is None else w.q_norm, unused if w.k_norm is None else w.k_norm, w.w_o, w.norm2,
+        w.w_gate_up, w.w_down, w.final_norm,
         cos_sin, cos_sin.stride(0), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[3],
         scratch.h, scratch.qkv, scratch.part, scratch.ml, scratch.attn, scratch.act, out, scratch.counters,
         scratch.barrier, scratch.barrier if trace is None else trace, s.num_layers, s.eps, scale,
@@ -578,5 +590,5 @@ def phase_times(trace: torch.Tensor) -> dict[str, tuple[float, float, float]]:
     began = torch.cat([torch.zeros_like(passed[:, :1]), passed[:, :-1]], dim=1)
     work = t[..., 0] - began
     whole = passed - began
-    return {name: (work[:, i].mean().item(), work[:, i].max(-1).values.mean().item(), whole[:, i].mean().item())
-            for i, name in enumerate(PHASES)}
+    return {name: (work[:, i].mean().item(), work[:, i].max(-1).values.mean().item(),
+                   whole[:, i].mean().item()) for i, name in enumerate(PHASES)}

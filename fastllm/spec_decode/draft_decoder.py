@@ -21,7 +21,8 @@ from fastllm.worker.attn_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 1  # rows a round (batch size); larger batches run the model's forward (bench_persistent_decoder.py)
+# Rows a round (batch size); larger batches run the model's forward (its tl.dot rows lost: README)
+MAX_ROWS = 1
 _MAX_K = 4096  # the kernel holds a whole K of x and of each W tile in registers
 _MAX_PROJECTION_BYTES = 16 << 20  # a draft's projections: latency-bound, which is what the kernel is for
 
@@ -89,8 +90,8 @@ class DraftDecoder:
             w_gate_up=stack(lambda layer: layer.mlp.gate_up_proj.weight),
             w_down=stack(lambda layer: layer.mlp.down_proj.weight),
             final_norm=model.model.norm.weight)
-        self.shape = kernel.Shape(len(layers), args.hidden_size, attn.num_heads, attn.num_kv_heads, args.head_dim,
-                                  args.intermediate_size, args.rms_norm_eps)
+        self.shape = kernel.Shape(len(layers), args.hidden_size, attn.num_heads, attn.num_kv_heads,
+                                  args.head_dim, args.intermediate_size, args.rms_norm_eps)
         rotary = attn.attn.rotary
         self.cos_sin, self.is_neox, self.scale = rotary.cos_sin_cache, rotary.is_neox, attn.attn.scale
         device = self.weights.w_qkv.device
@@ -103,6 +104,6 @@ class DraftDecoder:
                  ) -> torch.Tensor:
         """The draft's final hidden states [rows, H] for one token a row (a decode round's metadata)."""
         rows = input_ids.shape[0]
-        return kernel.launch(input_ids, positions, metadata.slot_mapping, metadata.block_tables, metadata.seq_lens,
-                             self.weights, self.shape, self.kv_cache, self.cos_sin, self.is_neox, self.scale,
-                             self.scratch, self.out[:rows])
+        return kernel.launch(input_ids, positions, metadata.slot_mapping, metadata.block_tables,
+                             metadata.seq_lens, self.weights, self.shape, self.kv_cache, self.cos_sin,
+                             self.is_neox, self.scale, self.scratch, self.out[:rows])

@@ -42,10 +42,12 @@ def round_inputs(model, rows: list[tuple[int, bool]], device, generator):
     tables = perm[:len(rows) * width].view(len(rows), width).to(torch.int32)
     positions = torch.tensor([cached for cached, _ in rows])
     blocks = tables.gather(1, (positions // BLOCK_SIZE).view(-1, 1)).view(-1).long()
-    slots = torch.where(torch.tensor([writes for _, writes in rows]), blocks * BLOCK_SIZE + positions % BLOCK_SIZE, -1)
+    writes = torch.tensor([writes for _, writes in rows])
+    slots = torch.where(writes, blocks * BLOCK_SIZE + positions % BLOCK_SIZE, -1)
     ids = torch.randint(3, a.vocab_size, (len(rows),), generator=generator)
     metadata = AttentionMetadata(
-        slot_mapping=slots.to(device), block_tables=tables.to(device), seq_lens=(positions + 1).to(torch.int32).to(device),
+        slot_mapping=slots.to(device), block_tables=tables.to(device),
+        seq_lens=(positions + 1).to(torch.int32).to(device),
         query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=device), max_query_len=1,
         max_seq_len=int(positions.max()) + 1)
     return ids.to(device), positions.to(device), metadata, kv
@@ -61,8 +63,8 @@ def model_round(model, ids, positions, metadata, kv):
 
 
 def assert_close(got, expected, tolerance, what):
-    """Within tolerance of expected in norm, relative to its norm (bf16: the two paths sum in different orders,
-    so values round a bf16 step apart here and there, and that moves what follows a little)."""
+    """Within tolerance of expected in norm, relative to its norm (bf16: the two paths sum in different
+    orders, so values round a bf16 step apart here and there, and that moves what follows a little)."""
     error = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
     assert error <= tolerance, f"{what}: relative error {error:.2e} > {tolerance:.0e}"
 
@@ -113,8 +115,8 @@ def test_unsupported_models_say_why(tiny_path, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FASTLLM_PERSISTENT_DRAFT", "1")
     assert "cpu device" in draft_decoder.unsupported(model, torch.device("cpu"))
     assert draft_decoder.unsupported(model, torch.device("cuda")) is None
-    window = load_model(ModelConfig(model=make_tiny_model(tmp_path_factory, "mistral-window"), dtype="float32"),
-                        torch.device("cpu"))
+    window_config = ModelConfig(model=make_tiny_model(tmp_path_factory, "mistral-window"), dtype="float32")
+    window = load_model(window_config, torch.device("cpu"))
     assert draft_decoder.unsupported(window, torch.device("cuda")) == "sliding windows"
 
 
