@@ -10,7 +10,6 @@ the draft's graphed forward (README, "Speculative decoding"), so the rounds run 
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -18,8 +17,6 @@ from torch import nn
 
 from fastllm.kernels import persistent_decoder as kernel
 from fastllm.worker.attn_metadata import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 # Rows a round (batch size); larger batches run the model's forward (its tl.dot rows lost: README)
 MAX_ROWS = 1
