@@ -81,7 +81,7 @@ def test_drafts_read_on_the_device_are_the_ones_the_host_would_read(monkeypatch)
         monkeypatch.setattr(runner.step, "stage", record)
         if not chained:
             monkeypatch.setattr(runner, "_execute_step", unchained)
-        outputs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+        outputs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
         llm.engine.check_kv_pool_whole()
         return token_ids(outputs), llm.engine.scheduler.spec_stats.num_accepted_tokens, sum(rows)
 
