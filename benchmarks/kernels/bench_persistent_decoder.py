@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from fastllm.bench.ceilings import device_name, git_commit  # noqa: E402
+from fastllm.compile.cuda_graphs import record_graph, time_graph  # noqa: E402
 from fastllm.config import ModelConfig, resolve_model_path  # noqa: E402
 from fastllm.kernels import dispatch, persistent_decoder  # noqa: E402
 from fastllm.models.loader import load_model  # noqa: E402
@@ -29,27 +30,11 @@ BLOCK_SIZE = 16
 
 
 def graph_ms(fn, repeats: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # warm-up: every Triton compile happens here
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    """Median over `repeats` of a CUDA graph of fn's mean time over 10 replays, in ms."""
+    for _ in range(3):  # warm-up: every Triton compile happens here
         fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 10)
-    return sorted(times)[len(times) // 2]
+    graph = record_graph(fn, None, torch.cuda.Stream())
+    return sorted(time_graph(graph, 10) for _ in range(repeats))[repeats // 2]
 
 
 def main() -> None:
