@@ -341,10 +341,8 @@ def _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num
 @triton.jit
 def _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H: tl.constexpr, BLOCK_H: tl.constexpr):
     if pid == 0:
-        x_rows = h + rows[:, None] * H
-        inv_rms = _inv_rms(x_rows, row_ok, H, eps, True, BLOCK_H)
+        x = _whole_input(h + rows[:, None] * H, row_ok, H, final_norm, eps, True, BLOCK_H)
         hs = tl.arange(0, BLOCK_H)
-        x = _input_chunk(x_rows, row_ok, hs, hs < H, inv_rms, final_norm, True)
         tl.store(out + rows[:, None] * H + hs[None, :], x, mask=row_ok[:, None] & (hs < H)[None, :])
 
 
