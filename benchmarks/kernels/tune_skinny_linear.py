@@ -90,10 +90,14 @@ def graph_us(fn, per_replay: int) -> float:
 
 
 def configs(rows: int, element_size: int = 2, splits: tuple[int, ...] = (1,)) -> list[S.Config]:
-    """The sweep, BLOCK_K in elements scaled to the same bytes a load as bf16's, each at every split of K."""
+    """The sweep, BLOCK_K in elements scaled to the same bytes a load as bf16's, each at every split of K;
+    the bf16 kernel's dot also swapped where BLOCK_N reaches a wgmma's M (the e4m3 kernel swaps by its output
+    dtype)."""
     widen = 2 // element_size
     dot = [S.Config(bn, bk * widen, w, st, True) for bn, bk, w, st in
            itertools.product([16, 32, 64, 128], [128, 256, 512], [4, 8], [3, 4, 5]) if bn * bk <= 32768]
+    if element_size == 2 and rows > 1:
+        dot += [cfg._replace(swap_ab=True) for cfg in dot if cfg.block_n >= 64]
     fma = [S.Config(bn, bk * widen, w, st, False) for bn, bk, w, st in
            itertools.product([8, 16, 32], [512, 1024], [4, 8], [2, 3]) if bn * bk * rows <= 16384]
     return [cfg._replace(split_k=split) for cfg in dot + (fma if rows <= 2 else []) for split in splits]

@@ -27,10 +27,12 @@ import triton.language as tl
 from fastllm.kernels import pdl, sm_count
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token, reciprocal, row_scale, to_e4m3
 from fastllm.kernels.reference import FP8_MAX, MIN_AMAX
-from fastllm.kernels.skinny_linear import (MAX_ROWS, Config, k_mask, k_range, merge_k_splits, prefetch_args,
-                                          prefetch_weights, row_bucket, split_k_buffers, store_out)
+from fastllm.kernels.skinny_linear import (Config, k_mask, k_range, merge_k_splits, prefetch_args, prefetch_weights,
+                                          row_bucket, split_k_buffers, store_out)
 
 __all__ = ["MAX_ROWS", "choose_config", "launch", "launch_quantized"]
+
+MAX_ROWS = 32  # its e4m3 configs were swept up to here (the bf16 kernel's 33-64-row bucket is not this one's)
 
 # Launch configs from an H200 sweep of e4m3 weights at Llama-3.1-8B's projections, x quantized ahead and the
 # dot swapped (one-off: tune_skinny_linear.py's configs cut to BLOCK_N 64/128, the sizes that reach wgmma;

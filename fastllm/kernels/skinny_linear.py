@@ -3,8 +3,10 @@
 At decode batch sizes a projection is a matrix-vector product: its time is the read of W [N, K]. Each
 program streams BLOCK_N rows of W over the whole K (no split-K, so no reduction pass) while the few rows
 of x stay in L2. One row takes an FMA path (per-lane partial sums over the loop, one cross-lane reduction
-at the end); more rows tl.dot, padded to 16 rows. Up to MAX_ROWS rows; larger batches are GEMMs, which
-cuBLAS does better, and the public `linear` hands them to it.
+at the end); more rows tl.dot, padded to 16 rows, or swapped (W @ x^T: the weights' tile as the MMA's M
+side, which Hopper runs as a wgmma). Up to 32 rows for any shape, 33-64 (a batch-8 verify's 40) only for
+the shapes the table has measured there; larger batches are GEMMs, which cuBLAS does better, and the public
+`linear` hands them to it.
 
 On the one-row FMA path the input may be computed in the loads rather than read (Prologue): rms_norm(x +
 residual), the first program storing the residual sum, or silu(gate) * up of x = [gate | up]. Every program
@@ -41,7 +43,8 @@ from fastllm.kernels.split_counters import split_counters
 
 logger = logging.getLogger("fastllm.kernels")
 
-MAX_ROWS = 32
+MAX_ROWS = 64
+ROW_BUCKETS = (1, 8, 16, 32, 64)  # the config table's row buckets: a batch takes the first that holds it
 
 
 @triton.jit
@@ -170,7 +173,8 @@ def _skinny_linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, num_rows, n_out, k_in, stride_xm,  # W, out contiguous
     res_ptr, norm_w_ptr, res_out_ptr, stride_rm, eps,  # ADD_RMS_NORM's (res_out contiguous)
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,  # PDL: W lines (of LINE elements) per row to prefetch
     PROLOGUE: tl.constexpr,
 ):
@@ -183,6 +187,7 @@ def _skinny_linear_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * k_in  # [BLOCK_N, 1]
     x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWAP_AB's: out^T = W @ x^T
     acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
     res_rows, res_out_rows = res_ptr + rows[:, None] * stride_rm, res_out_ptr + rows[:, None] * k_in
     prefetch_weights(w_rows, k_lo, k_hi, USE_PDL, PREFETCH_LINES, LINE)
@@ -196,12 +201,16 @@ def _skinny_linear_kernel(
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         x = input_tile(x_rows, res_rows, norm_w_ptr, inv_rms, ks, row_ok[:, None] & k_ok[None, :], k_ok, k_in,
                        PROLOGUE)
-        if USE_DOT:
+        if USE_DOT and SWAP_AB:
+            acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision="ieee")
+        elif USE_DOT:
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:  # BLOCK_M == 1
             acc_lanes += x.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
     if not USE_DOT:
         acc = tl.sum(acc_lanes, axis=1)[None, :]
+    elif SWAP_AB:
+        acc = tl.trans(acc_t)
     mask = row_ok[:, None] & col_ok[None, :]
     acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
     if last:
@@ -223,13 +232,14 @@ class Config(NamedTuple):
     use_dot: bool = True  # False: the one-row FMA path
     prefetch_k: int = 0  # columns of each W row prefetched into L2 before the PDL wait
     split_k: int = 1  # programs a column tile's K is split over (the last to finish adds the partials)
+    swap_ab: bool = False  # tl.dot as W @ x^T (BLOCK_N >= 64: a wgmma's M side on Hopper)
 
 
 # Launch configs from an H100 sweep (benchmarks/kernels/tune_skinny_linear.py shapes, bf16): per row
 # bucket a default, which was the best or within ~2% of it on most of Llama-3.1-8B's projections, and the
 # measured best where it differed. One row takes the FMA path; more rows tl.dot (rows padded to 16).
 _DEFAULT = {1: Config(16, 1024, 4, 3, False), 8: Config(32, 512, 4, 5), 16: Config(32, 512, 4, 5),
-            32: Config(32, 512, 4, 4)}
+            32: Config(32, 512, 4, 4), 64: Config(64, 128, 4, 5, swap_ab=True)}
 _TUNED = {  # (row bucket, N, K)
     (1, 6144, 4096): Config(8, 512, 4, 3, False), (8, 6144, 4096): Config(64, 128, 4, 5),
     (16, 6144, 4096): Config(32, 128, 4, 5),
@@ -243,7 +253,7 @@ _TUNED = {  # (row bucket, N, K)
     (1, 4096, 1024): Config(8, 1024, 4, 2, False), (8, 4096, 1024): Config(32, 128, 4, 5),
     (1, 1024, 2048): Config(8, 1024, 8, 2, False), (8, 1024, 2048): Config(16, 512, 4, 3),
     (1, 6144, 1024): Config(8, 512, 4, 2, False), (8, 6144, 1024): Config(64, 128, 4, 5),
-    (1, 1024, 3072): Config(8, 1024, 8, 2, False), (8, 1024, 3072): Config(16, 512, 4, 4),
+    (1, 1024, 3072): Config(8, 1024, 8, 2, False),
     (1, 151936, 1024): Config(64, 128, 4, 4), (8, 151936, 1024): Config(64, 128, 4, 4),
     # H200, --model: the 8B at 16 and 32 rows (its batches' decode), the 0.6B at 16 and 32 (the draft's rounds
     # at batch 8-32; its first round at batch 8 has 16 rows). The 8B's qkv at 32 rows is Llama-3.1-8B's shape:
@@ -256,6 +266,12 @@ _TUNED = {  # (row bucket, N, K)
     (16, 6144, 1024): Config(64, 128, 4, 5), (32, 6144, 1024): Config(64, 256, 4, 4),
     (16, 1024, 3072): Config(16, 512, 4, 3), (32, 1024, 3072): Config(16, 512, 4, 3),
     (16, 151936, 1024): Config(64, 128, 4, 3), (32, 151936, 1024): Config(128, 128, 4, 3),
+    (8, 1024, 3072): Config(32, 128, 4, 5, split_k=4),  # the 0.6B's down at 8 rows, split: 5.3 us against 6.1
+    # The 64-row bucket (33-64 rows; a batch-8 verify at k 4 has 40), H200, --model qwen3-8b --rows 40,64 --split-k
+    # 1,2 with swapped dots: the shapes where the kernel was not slower than cuBLAS at either edge (gate/up was
+    # within 2% of it: left to cuBLAS). qkv and o are Llama-3.1-8B's shapes too.
+    (64, 6144, 4096): Config(64, 128, 4, 5, swap_ab=True), (64, 4096, 4096): Config(32, 256, 4, 4),
+    (64, 4096, 12288): Config(64, 128, 4, 5, split_k=2, swap_ab=True), (64, 151936, 4096): Config(128, 128, 4, 4),
 }
 
 
@@ -267,7 +283,13 @@ SMALL_WEIGHT_BYTES = 16 << 20
 
 def row_bucket(num_rows: int) -> int:
     """The tables' row bucket of a batch of 1..MAX_ROWS rows."""
-    return next(bucket for bucket in (1, 8, 16, 32) if num_rows <= bucket)
+    return next(bucket for bucket in ROW_BUCKETS if num_rows <= bucket)
+
+
+def measured_there(num_rows: int, n_out: int, k_in: int) -> bool:
+    """Whether the kernel runs this shape at this row count: any shape up to 32 rows, only the table's above
+    (33-64 rows, where cuBLAS's GEMMs are as fast elsewhere)."""
+    return num_rows <= 32 or (row_bucket(num_rows), n_out, k_in) in _TUNED
 
 
 def choose_config(num_rows: int, n_out: int, k_in: int, element_size: int = 2, triggers: bool = False
@@ -332,7 +354,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         residual.stride(0), prologue.eps,
         HAS_BIAS=bias is not None, BLOCK_M=max(16, triton.next_power_of_2(num_rows)) if use_dot else 1,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
-        SPLIT_K=cfg.split_k,
+        SWAP_AB=use_dot and cfg.swap_ab, SPLIT_K=cfg.split_k,
         **prefetch_args(cfg, x.element_size()), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch_options(x.device), PROLOGUE=prologue.kind,
     )
@@ -369,6 +391,8 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
         why = f"batches of more than {MAX_ROWS} rows"
     elif x.shape[0] == 0:
         why = "empty batches"
+    elif not measured_there(x.shape[0], *weight.shape):
+        why = f"[{weight.shape[0]}, {weight.shape[1]}] weights at 33-{MAX_ROWS} rows (no measured config there)"
     if why is None:
         return True
     if why not in _logged:

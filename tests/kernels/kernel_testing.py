@@ -92,7 +92,7 @@ def bucket_edges(bucket: int) -> list[int]:
     """The smallest and largest row count of a skinny_linear config table's row bucket."""
     from fastllm.kernels import skinny_linear
 
-    buckets = [1, 8, 16, 32]
+    buckets = [1, 8, 16, 32, 64]
     assert buckets[-1] == skinny_linear.MAX_ROWS and all(skinny_linear.row_bucket(b) == b for b in buckets)
     below = buckets[buckets.index(bucket) - 1] if bucket > 1 else 0
     return sorted({below + 1, bucket})

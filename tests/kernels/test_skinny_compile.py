@@ -42,8 +42,9 @@ def bf16_kernel(capability: int, cfg: S.Config, rows: int, prologue: int = S.PLA
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", **_SPLIT_ARGS,
                  **_SHAPE_ARGS, "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_out_ptr": "*bf16",
                  "stride_rm": "i32", "eps": "fp32"}
-    constexprs = dict(HAS_BIAS=True, BLOCK_M=16 if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                      EVEN_K=True, USE_DOT=dot, SPLIT_K=cfg.split_k, USE_PDL=capability >= 90,
+    constexprs = dict(HAS_BIAS=True, BLOCK_M=max(16, rows) if dot else 1, BLOCK_N=cfg.block_n,
+                      BLOCK_K=cfg.block_k, EVEN_K=True, USE_DOT=dot, SWAP_AB=dot and cfg.swap_ab,
+                      SPLIT_K=cfg.split_k, USE_PDL=capability >= 90,
                       PREFETCH_LINES=0, LINE=64, PROLOGUE=prologue)
     return compile_for(capability, S._skinny_linear_kernel, signature, constexprs, cfg)
 
@@ -89,7 +90,8 @@ def table(module) -> list[tuple[int, S.Config]]:
     tuned = {(bucket, cfg) for (bucket, _, _), cfg in module._TUNED.items()}
     if module is F:  # the dot's default at every bucket; one row in 16 bits' configs
         one_row = {F._ONE_ROW_16BIT, *F._ONE_ROW_16BIT_TUNED.values()}
-        return sorted(tuned | {(bucket, F._DOT) for bucket in S._DEFAULT} | {(1, cfg) for cfg in one_row})
+        dot = {(bucket, F._DOT) for bucket in S._DEFAULT if bucket <= F.MAX_ROWS}
+        return sorted(tuned | dot | {(1, cfg) for cfg in one_row})
     return sorted(tuned | set(module._DEFAULT.items()))
 
 

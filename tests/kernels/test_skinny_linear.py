@@ -37,12 +37,16 @@ def _check(device, dtype, rows, n_out, k_in, cfg=None, bias=False):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,n_out,k_in", [(1, 40, 64), (1, 100, 200), (3, 64, 96), (16, 33, 128),
-                                             (32, 70, 256)])
+                                             (32, 70, 256), (40, 150, 96), (64, 64, 128)])
 @pytest.mark.parametrize("cfg", [S.Config(32, 64, 4, 2, True), S.Config(16, 64, 4, 2, False), None,
-                                 S.Config(32, 32, 4, 2, True, split_k=3), S.Config(16, 32, 4, 2, False, split_k=4)],
-                         ids=["dot", "fma-one-row", "chosen", "dot-split3", "fma-one-row-split4"])
+                                 S.Config(32, 32, 4, 2, True, split_k=3), S.Config(16, 32, 4, 2, False, split_k=4),
+                                 S.Config(64, 32, 4, 2, True, swap_ab=True),
+                                 S.Config(64, 32, 4, 2, True, split_k=3, swap_ab=True)],
+                         ids=["dot", "fma-one-row", "chosen", "dot-split3", "fma-one-row-split4", "swapped",
+                              "swapped-split3"])
 def test_matches_float32(device, dtype, rows, n_out, k_in, cfg):
-    """(Split K: K = 64 in 32-wide tiles over 3 or 4 programs leaves some with an empty share.)"""
+    """(Split K: K = 64 in 32-wide tiles over 3 or 4 programs leaves some with an empty share. The FMA
+    configs hold one row: more rows take tl.dot with the config's tiles.)"""
     _check(device, dtype, rows, n_out, k_in, cfg, bias=rows % 2 == 1)
 
 
@@ -57,16 +61,28 @@ def test_split_k_sums_in_a_fixed_order_and_leaves_its_counters_zero(device, spli
     assert not split_counters("skinny linear", x.device, 1).any()
 
 
-def test_linear_entry_point(device):
-    """linear(): the kernel up to MAX_ROWS rows, cuBLAS beyond (same results), into `out` too."""
+def test_linear_entry_point(device, monkeypatch):
+    """linear(): the kernel up to 32 rows, and up to MAX_ROWS for the shapes the table has measured there,
+    cuBLAS beyond (same results), into `out` too."""
+    monkeypatch.setitem(S._TUNED, (64, 48, 80), S.Config(64, 32, 4, 2, swap_ab=True))
     w = torch.randn(48, 80, device=device).half()
     b = torch.randn(48, device=device).half()
-    for rows in (1, S.MAX_ROWS, S.MAX_ROWS + 1):
+    for rows in (1, 32, 33, S.MAX_ROWS, S.MAX_ROWS + 1):
         x = torch.randn(rows, 80, device=device).half()
         out = torch.full((rows, 48), float("nan"), device=device).half()
         assert triton_impl("linear")(x, w, b, out).data_ptr() == out.data_ptr()
         assert rel_err(out, F.linear(x.float(), w.float(), b.float())) <= TOL[torch.float16]
         assert rel_err(triton_impl("linear")(x, w, None), F.linear(x.float(), w.float())) <= TOL[torch.float16]
+
+
+def test_rows_past_32_take_the_kernel_only_where_measured(monkeypatch):
+    monkeypatch.setitem(S._TUNED, (64, 48, 80), S.Config(64, 32, 4, 2, swap_ab=True))
+    assert [S.measured_there(rows, 48, 80) for rows in (1, 32, 33, 64)] == [True] * 4
+    assert [S.measured_there(rows, 48, 96) for rows in (1, 32, 33, 64)] == [True, True, False, False]
+    x, w = torch.randn(40, 96), torch.randn(48, 96)
+    launched = []
+    monkeypatch.setattr(S, "launch", lambda *args, **kwargs: launched.append(args))
+    assert torch.allclose(S.linear(x, w, None), F.linear(x, w)) and not launched  # cuBLAS (F.linear)
 
 
 def test_fp32_configs_fit_shared_memory():
@@ -76,7 +92,7 @@ def test_fp32_configs_fit_shared_memory():
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 16, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 16, 32, 40, 64])
 @pytest.mark.parametrize("n_out,k_in", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096),
                                         (1000, 1000)])
 def test_llama_shapes_gpu(dtype, rows, n_out, k_in):
@@ -104,8 +120,8 @@ def test_small_weights_prefetch_a_quarter_of_k_under_pdl_triggers(monkeypatch):
 
 
 def test_row_buckets():
-    assert [S.row_bucket(rows) for rows in (1, 2, 8, 9, 16, 17, 32)] == [1, 8, 8, 16, 16, 32, 32]
-    assert bucket_edges(1) == [1] and bucket_edges(32) == [17, 32]
+    assert [S.row_bucket(rows) for rows in (1, 2, 8, 9, 16, 17, 32, 33, 64)] == [1, 8, 8, 16, 16, 32, 32, 64, 64]
+    assert bucket_edges(1) == [1] and bucket_edges(32) == [17, 32] and bucket_edges(64) == [33, 64]
 
 
 @gpu
