@@ -44,7 +44,6 @@ from fastllm.kernels.split_counters import split_counters
 logger = logging.getLogger("fastllm.kernels")
 
 MAX_ROWS = 64
-ROW_BUCKETS = (1, 8, 16, 32, 64)  # the config table's row buckets: a batch takes the first that holds it
 
 
 @triton.jit
@@ -237,7 +236,10 @@ class Config(NamedTuple):
 
 # Launch configs from an H100 sweep (benchmarks/kernels/tune_skinny_linear.py shapes, bf16): per row
 # bucket a default, which was the best or within ~2% of it on most of Llama-3.1-8B's projections, and the
-# measured best where it differed. One row takes the FMA path; more rows tl.dot (rows padded to 16).
+# measured best where it differed. One row takes the FMA path; more rows tl.dot (rows padded to 16). The
+# 64-row bucket's default (the swapped dot that won most Qwen3-8B shapes at 40 and 64 rows, H200) runs only
+# where called with no config for an unmeasured shape: linear() hands those to cuBLAS (measured_there).
+# A batch takes the first bucket that holds it.
 _DEFAULT = {1: Config(16, 1024, 4, 3, False), 8: Config(32, 512, 4, 5), 16: Config(32, 512, 4, 5),
             32: Config(32, 512, 4, 4), 64: Config(64, 128, 4, 5, swap_ab=True)}
 _TUNED = {  # (row bucket, N, K)
@@ -283,7 +285,7 @@ SMALL_WEIGHT_BYTES = 16 << 20
 
 def row_bucket(num_rows: int) -> int:
     """The tables' row bucket of a batch of 1..MAX_ROWS rows."""
-    return next(bucket for bucket in ROW_BUCKETS if num_rows <= bucket)
+    return next(bucket for bucket in _DEFAULT if num_rows <= bucket)
 
 
 def measured_there(num_rows: int, n_out: int, k_in: int) -> bool:
