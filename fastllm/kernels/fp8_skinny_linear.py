@@ -183,6 +183,7 @@ def _launch(x: torch.Tensor, scales: torch.Tensor | None, prequant: bool, weight
     assert 0 < num_rows <= MAX_ROWS and weight_scale.shape == (n_out,), (num_rows, weight_scale.shape)
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
     assert prequant or not use_dot, "tl.dot takes e4m3 activations"
+    assert not cfg.swap_ab, "the e4m3 kernel swaps its dot by the output dtype (swap_ab), not by the config"
     out = torch.empty(num_rows, n_out, dtype=out_dtype, device=x.device)
     tiles = triton.cdiv(n_out, cfg.block_n)
     part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)

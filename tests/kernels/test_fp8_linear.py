@@ -164,6 +164,14 @@ def test_swapped_dot_of_16bit_outputs_matches_the_unswapped_one(device, rows, n_
     assert rel_err(unswapped, exact) <= TOL[torch.bfloat16]
 
 
+def test_a_swapped_config_is_refused(device):
+    """The e4m3 kernel swaps by its output dtype; a config's swap_ab (the bf16 kernel's) would do nothing."""
+    x_q, x_scale = fp8_quantize.quantize_fp8_per_token(exact_rows(2, 64, device))
+    weight, scale = random_weight(64, 64, device)
+    with pytest.raises(AssertionError, match="swap_ab"):
+        S.launch_quantized(x_q, x_scale, weight, scale, None, torch.bfloat16, config=Config(64, 64, 4, 2, swap_ab=True))
+
+
 def test_skinny_kernel_static_scale(device):
     x = exact_rows(4, 96, device, power=2.0 ** -3)
     input_scale = torch.tensor(2.0 ** -5, device=device)  # saturates the larger values, as above
