@@ -108,7 +108,13 @@ def measure(engine: LLMEngine, batch_size: int, args) -> dict:
                          f"bs{batch_size}-{i}", progress=False)
             for i in range(-(-args.min_requests // batch_size))]
     decode = [s for run in runs for s in run.decode_steps()]
+    # A batch's speculative requests finish at different steps (each accepts its own number of tokens a
+    # step), so its last steps run fewer than batch_size requests; plain decode's never do. full_batch_tok_s
+    # times only the steps that returned tokens for all batch_size requests: the batch size's steady state.
+    full = [s for s in decode if s.num_outputs == batch_size]
     row = {"decode_tok_s": sum(s.num_tokens for s in decode) / sum(s.seconds for s in decode),
+           "full_batch_tok_s": sum(s.num_tokens for s in full) / sum(s.seconds for s in full) if full else None,
+           "full_batch_steps": len(full) / len(decode),
            "batches": len(runs), "steps": sum(len(run.steps) for run in runs),
            "jit_in_window": sum(len(run.jit_compiles) for run in runs)}
     if spec is not None:
@@ -194,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "plain_tok_s": baseline[b]["decode_tok_s"], "spec_tok_s": got.pop("decode_tok_s"),
                                  **got})
                     rows[-1]["speedup"] = rows[-1]["spec_tok_s"] / rows[-1]["plain_tok_s"]
+                    full, plain_full = got["full_batch_tok_s"], baseline[b]["full_batch_tok_s"]
+                    rows[-1]["full_batch_speedup"] = full / plain_full if full and plain_full else None
             profiled(engine, f"{method}_k{k}")
         return run
 
@@ -204,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                                      quantization=args.draft_quantization if method == "draft_model" else None)
             with_engine(args, spec, speculative(method, draft, k))
     frame = pd.DataFrame(rows)
-    cols = ["method", "k", "batch_size", "acceptance", "plain_tok_s", "spec_tok_s", "speedup", "spec_acceptance_rate",
+    cols = ["method", "k", "batch_size", "acceptance", "plain_tok_s", "spec_tok_s", "speedup", "full_batch_steps",
+            "full_batch_speedup", "spec_acceptance_rate",
             "spec_mean_accepted_len", "graphed_spec_steps", "step_ms", "verify_ms", "draft_ms", "host_ms",
             "jit_in_window"]
     print(f"speculative decoding: {meta['model']} on {meta['device']} (commit {meta.get('commit')}), "

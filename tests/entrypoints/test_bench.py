@@ -330,6 +330,12 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
         # drafts were accepted: fewer steps than plain decode for the same tokens
         assert r["steps"] < result["baseline"][str(r["batch_size"])]["steps"]
         assert 0 < r["spec_acceptance_rate"] <= 1 and r["speedup"] > 0 and r["acceptance"] == "measured"
+        # plain decode's batches never drain (every request ends at the same step); a speculative batch of
+        # one is always full; the full steps' speedup is timed over the same kind of steps as the plain one
+        assert result["baseline"][str(r["batch_size"])]["full_batch_steps"] == 1.0
+        assert 0 < r["full_batch_steps"] <= 1 and r["full_batch_speedup"] > 0
+    assert rows[0]["full_batch_steps"] == 1.0
+    assert rows[0]["full_batch_speedup"] == pytest.approx(rows[0]["speedup"])
     assert "spec_mean_accepted_len" in capsys.readouterr().out
 
 
