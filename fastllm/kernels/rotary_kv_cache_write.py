@@ -11,8 +11,10 @@ those e4m3 values in the activations' dtype (exact), and with a 16/32-bit cache 
 itself. Prefill attention reads the chunk's keys and values from them (contiguous rows, rounded once here
 rather than in every program that reads a tile); return_kv=False leaves them to the cache.
 Out of place: query and key (views of the qkv projection) are left as they are, so the attention op
-that calls this mutates none of its inputs. The engine's decode steps no longer come here:
-rotary_decode_attention does this inside decode attention.
+that calls this mutates none of its inputs. Plain decode steps no longer come here
+(rotary_decode_attention does this inside decode attention); a speculative step's token rows (the verify,
+the draft's first round) do, between the qkv projection and decode attention, so it launches with PDL as
+they do.
 
 Why fused: at decode a step ran a rotary and a KV-write kernel per layer, each launch-bound work for
 one token's heads. One program per token reads q, k, v once and writes each once.
@@ -29,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastllm.kernels import pdl
 from fastllm.kernels.kv_fp8 import to_cache
 from fastllm.kernels.reference import FP8, check_kv_scales
 from fastllm.kernels.rotary import check_qk_norm, rotated_halves
@@ -47,7 +50,9 @@ def _rotary_kv_write_kernel(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PAGE: tl.constexpr,
     IS_NEOX: tl.constexpr, RETURN_KV: tl.constexpr, RETURN_V: tl.constexpr, HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): positions and slots too may be the step's own outputs
 ):
+    pdl.wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)  # int64: block * stride_kcb can exceed 2^31
@@ -162,6 +167,6 @@ def rotary_kv_cache_write(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         PAGE=key_cache.shape[1], IS_NEOX=is_neox, RETURN_KV=return_kv, RETURN_V=return_v, HAS_NORM=has_norm,
-        num_warps=4,
+        num_warps=4, **pdl.launch_options(query.device),
     )
     return q_out, k_out, v_out
