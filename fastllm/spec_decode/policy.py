@@ -10,7 +10,8 @@ choice stays as it is, so an estimate that wanders around one threshold does not
 - T is wall-clock time per step, as the engine sees it (observe()): a plain step overlaps its host
   work with the GPU (async scheduling) while a speculative one cannot, so a small model whose plain
   steps are host-bound gains from drafts that its GPU time alone would reject. Until a size has been
-  observed, the CUDA graphs' replay times measured at startup stand in.
+  observed, the CUDA graphs' replay times measured at startup stand in: its first measured step of each
+  kind replaces them, and each later one moves the estimate by STEP_TIME_WEIGHT.
 - a is measured as accepted / tried over the last WINDOW_DRAFT_TOKENS tried drafts (or over the k drafts a
   request of the last WINDOW_STEPS steps, at batches where that is more: a step of 32 requests tries ~100, too
   noisy an estimate to decide on), with PRIOR_DRAFTS more counted as accepted: a verification of n drafts
@@ -61,6 +62,7 @@ class SpecPolicy:
         self._window = WINDOW_DRAFT_TOKENS  # tried drafts
         self._sizes: list[int] = []  # the speculative graphs' batch sizes, sorted
         self._ms: dict[bool, dict[int, float]] = {True: {}, False: {}}  # speculative? -> size -> ms a step
+        self._observed: set[tuple[bool, int]] = set()  # (speculative?, size) whose _ms is measured wall time
         self._plain_steps = 0
         self._probe_interval = PROBE_INTERVAL
         self._probe_ms = 0.0  # the last probe's steps' time beyond plain steps
@@ -81,8 +83,12 @@ class SpecPolicy:
         if speculative and self._on is False:  # a probe's step
             self._probe_ms += max(0.0, 1e3 * seconds - self._ms[False][size])
         if not caught_up:
-            costs = self._ms[speculative]
-            costs[size] += STEP_TIME_WEIGHT * (1e3 * seconds - costs[size])
+            costs, kind = self._ms[speculative], (speculative, size)
+            if kind in self._observed:
+                costs[size] += STEP_TIME_WEIGHT * (1e3 * seconds - costs[size])
+            else:  # the replay time only stood in until now
+                costs[size] = 1e3 * seconds
+                self._observed.add(kind)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verified drafts (into the window of about WINDOW_DRAFT_TOKENS tried drafts)."""

@@ -306,11 +306,13 @@ def test_policy_spaces_probes_by_their_cost():
         if k and len([d for d in decisions if d]) == 2:  # the second probe: its catch-up step, then its verify
             policy.observe(True, 1, 0.105, caught_up=True)
             policy.observe(True, 1, 0.012)
-        else:
-            policy.observe(bool(k), 1, 0.005)
+        else:  # (a probe's verify at the speculative step's cost: one measured step replaces the replay time)
+            policy.observe(bool(k), 1, 0.012 if k else 0.005)
     probes = [i for i, k in enumerate(decisions) if k]
     budgeted = 100.0 / (PROBE_BUDGET * 5.0)  # the second probe's extra ms (~100 + 7), over 2% of a step
-    assert probes[:2] == [31, 31 + 64]
+    # the first probe's verify costs 7 ms beyond a plain step: 7 / (PROBE_BUDGET * 5) = 70 plain steps, more
+    # than the doubled interval (64)
+    assert probes[:2] == [31, 31 + 70]
     assert probes[2] - probes[1] >= budgeted and probes[2] - probes[1] > 2 * 64
     assert policy._ms[True][1] < 13.0  # the catch-up step did not enter the speculative step's cost
 
@@ -395,6 +397,28 @@ def test_policy_weighs_wall_time_not_only_gpu_time():
         policy.observe(False, 1, 0.4e-3)
         policy.observe(True, 1, 0.6e-3)
     assert policy.num_to_propose(1) == 2  # 1.75 tokens in 0.6 ms beat 1 in 0.4 ms
+
+
+def test_the_first_measured_step_replaces_the_replay_time():
+    """The graphs' replay times stand in for a size's step costs only until its first step of that kind is
+    measured. A host-bound model's plain steps take 0.207 ms against a 0.068 ms replay: blended in a fifth at
+    a time from the replay, the estimate crept up one plain step after another and every few steps turned
+    failing n-gram lookups back on (the log of the stories260K n-gram benchmark, H200); measured once, it
+    turns speculation on once more, keeps it on while it pays and then leaves it to the probes."""
+    policy = SpecPolicy(4, adaptive=True)
+    policy.set_step_costs({1: 0.151}, {1: 0.068})
+    decisions = []
+    for _ in range(30):  # (the first probe comes 32 steps after speculation stops)
+        decisions.append(policy.num_to_propose(1))
+        if decisions[-1]:
+            policy.record_failed_lookups(1)
+            policy.observe(True, 1, 0.35e-3)
+        else:
+            policy.observe(False, 1, 0.207e-3)
+        if len(decisions) == 2:
+            assert policy._ms == {True: {1: 0.35}, False: {1: 0.207}}
+    switches = sum(a != b for a, b in zip(decisions, decisions[1:]))
+    assert switches == 3 and decisions[:3] == [4, 0, 4] and not any(decisions[10:])  # on, off, on, off
 
 
 def test_spec_tiny_random_configs(tmp_path_factory):
