@@ -72,6 +72,7 @@ class SpecPolicy:
         """The graphs' replay times by batch size; sizes past the largest speculative one never speculate."""
         self._sizes = sorted(spec_ms)
         self._ms = {True: dict(spec_ms), False: {b: plain_ms.get(b, 0.0) for b in spec_ms}}
+        self._observed = set()
 
     def observe(self, speculative: bool, batch_size: int, seconds: float, caught_up: bool = False) -> None:
         """The wall time of one decode step (speculative or plain) of batch_size requests. A step whose draft

@@ -419,6 +419,9 @@ def test_the_first_measured_step_replaces_the_replay_time():
             assert policy._ms == {True: {1: 0.35}, False: {1: 0.207}}
     switches = sum(a != b for a, b in zip(decisions, decisions[1:]))
     assert switches == 3 and decisions[:3] == [4, 0, 4] and not any(decisions[10:])  # on, off, on, off
+    policy.set_step_costs({1: 0.151}, {1: 0.068})  # new replay times stand in again until measured
+    policy.observe(False, 1, 0.3e-3)
+    assert policy._ms[False][1] == pytest.approx(0.3)
 
 
 def test_spec_tiny_random_configs(tmp_path_factory):
