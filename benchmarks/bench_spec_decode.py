@@ -112,8 +112,11 @@ def measure(engine: LLMEngine, batch_size: int, args) -> dict:
     # step), so its last steps run fewer than batch_size requests; plain decode's never do. full_batch_tok_s
     # times only the steps that returned tokens for all batch_size requests: the batch size's steady state.
     full = [s for s in decode if s.num_outputs == batch_size]
-    row = {"decode_tok_s": sum(s.num_tokens for s in decode) / sum(s.seconds for s in decode),
-           "full_batch_tok_s": sum(s.num_tokens for s in full) / sum(s.seconds for s in full) if full else None,
+
+    def tok_s(steps):
+        return sum(s.num_tokens for s in steps) / sum(s.seconds for s in steps) if steps else None
+
+    row = {"decode_tok_s": tok_s(decode), "full_batch_tok_s": tok_s(full),
            "full_batch_steps": len(full) / len(decode),
            "batches": len(runs), "steps": sum(len(run.steps) for run in runs),
            "jit_in_window": sum(len(run.jit_compiles) for run in runs)}
@@ -212,10 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                                      quantization=args.draft_quantization if method == "draft_model" else None)
             with_engine(args, spec, speculative(method, draft, k))
     frame = pd.DataFrame(rows)
-    cols = ["method", "k", "batch_size", "acceptance", "plain_tok_s", "spec_tok_s", "speedup", "full_batch_steps",
-            "full_batch_speedup", "spec_acceptance_rate",
-            "spec_mean_accepted_len", "graphed_spec_steps", "step_ms", "verify_ms", "draft_ms", "host_ms",
-            "jit_in_window"]
+    cols = ["method", "k", "batch_size", "acceptance", "plain_tok_s", "spec_tok_s", "speedup",
+            "full_batch_steps", "full_batch_speedup", "spec_acceptance_rate", "spec_mean_accepted_len",
+            "graphed_spec_steps", "step_ms", "verify_ms", "draft_ms", "host_ms", "jit_in_window"]
     print(f"speculative decoding: {meta['model']} on {meta['device']} (commit {meta.get('commit')}), "
           f"{args.input_len or 'story'} in / {args.output_len} out, {args.dtype}")
     print(report.format_frame(frame[[c for c in cols if c in frame]]))

@@ -50,7 +50,7 @@ def _rotary_kv_write_kernel(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PAGE: tl.constexpr,
     IS_NEOX: tl.constexpr, RETURN_KV: tl.constexpr, RETURN_V: tl.constexpr, HAS_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): positions and slots too may be the step's own outputs
+    USE_PDL: tl.constexpr,  # launched with PDL (pdl.py): positions and slots may be the step's outputs too
 ):
     pdl.wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)

@@ -61,21 +61,23 @@ def _cases():
     positions = torch.arange(100, 140, device="cuda")
     slots = torch.randperm(64 * page, device="cuda")[:40]
 
-    def rotary_kv_write(a, b):  # a verify's 40 token rows: the qkv projection, then their rotary and K/V write
+    def rotary_kv_write(a, b):  # a verify's 40 token rows: the qkv projection, then their rotary and KV write
         q, k, v = (a @ b).view(40, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], 1)
-        q_out, _, _ = triton_impl("rotary_kv_cache_write")(positions, q, k, v, cos_sin, True, caches[0], caches[1],
-                                                          slots, False)
+        write = triton_impl("rotary_kv_cache_write")
+        q_out, _, _ = write(positions, q, k, v, cos_sin, True, caches[0], caches[1], slots, False)
         return q_out, caches
 
     return {"fused_add_rms_norm": (norm, (mk(64, 4096), mk(4096, hidden), mk(64, hidden))),
-            "rotary_kv_cache_write": (rotary_kv_write, (mk(40, 4096), mk(4096, (heads + 2 * kv_heads) * head_dim))),
+            "rotary_kv_cache_write": (rotary_kv_write,
+                                      (mk(40, 4096), mk(4096, (heads + 2 * kv_heads) * head_dim))),
             "linear": (linear, (mk(8, 4096), mk(4096, hidden))),
             "silu_and_mul": (silu, (mk(64, 4096), mk(4096, 2 * inter))),
             "argmax": (argmax, (mk(32, 4096), mk(4096, vocab)))}
 
 
 @gpu
-@pytest.mark.parametrize("name", ["fused_add_rms_norm", "silu_and_mul", "argmax", "linear", "rotary_kv_cache_write"])
+@pytest.mark.parametrize("name", ["fused_add_rms_norm", "silu_and_mul", "argmax", "linear",
+                                  "rotary_kv_cache_write"])
 @pytest.mark.parametrize("setting", ["1", "trigger"])
 def test_pdl_kernels_equal_plain_launch(device, name, setting, monkeypatch):
     if torch.cuda.get_device_capability()[0] < 9:
