@@ -9,9 +9,10 @@ choice stays as it is, so an estimate that wanders around one threshold does not
 
 - T is wall-clock time per step, as the engine sees it (observe()): a plain step overlaps its host
   work with the GPU (async scheduling) while a speculative one cannot, so a small model whose plain
-  steps are host-bound gains from drafts that its GPU time alone would reject. Until a size has been
-  observed, the CUDA graphs' replay times measured at startup stand in: its first measured step of each
-  kind replaces them, and each later one moves the estimate by STEP_TIME_WEIGHT.
+  steps are host-bound gains from drafts that its GPU time alone would reject. A size's cost is the
+  low median of its last STEP_TIME_WINDOW measured steps of that kind, so a pause in one step (a
+  collection) moves it by nothing once a second step is measured; until one is, the CUDA graphs' replay
+  time at startup stands in.
 - a is measured as accepted / tried over the last WINDOW_DRAFT_TOKENS tried drafts (or over the k drafts a
   request of the last WINDOW_STEPS steps, at batches where that is more: a step of 32 requests tries ~100, too
   noisy an estimate to decide on), with PRIOR_DRAFTS more counted as accepted: a verification of n drafts
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import statistics
 from collections import deque
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ MAX_PROBE_INTERVAL = 1024
 WINDOW_DRAFT_TOKENS = 64  # the acceptance estimate is over about this many recent tried drafts, at least
 WINDOW_STEPS = 4  # and over about this many steps' drafts at larger batches
 PRIOR_DRAFTS = 4  # pseudo-drafts, all accepted, in every estimate (speculate first, then judge)
-STEP_TIME_WEIGHT = 0.2  # of each observed step in its size's running average
+STEP_TIME_WINDOW = 8  # a size's last measured steps of each kind, whose low median is its cost
 PROBE_BUDGET = 0.02  # of the decode time, at most, spent on probes beyond what plain steps would take
 
 
@@ -61,8 +63,8 @@ class SpecPolicy:
         self._accepted = self._tried = 0  # their sums
         self._window = WINDOW_DRAFT_TOKENS  # tried drafts
         self._sizes: list[int] = []  # the speculative graphs' batch sizes, sorted
-        self._ms: dict[bool, dict[int, float]] = {True: {}, False: {}}  # speculative? -> size -> ms a step
-        self._observed: set[tuple[bool, int]] = set()  # (speculative?, size) whose _ms is measured wall time
+        self._replay_ms: dict[bool, dict[int, float]] = {True: {}, False: {}}  # speculative? -> size -> ms
+        self._measured_ms: dict[tuple[bool, int], deque[float]] = {}  # (speculative?, size) -> last steps' ms
         self._plain_steps = 0
         self._probe_interval = PROBE_INTERVAL
         self._probe_ms = 0.0  # the last probe's steps' time beyond plain steps
@@ -71,8 +73,13 @@ class SpecPolicy:
     def set_step_costs(self, spec_ms: dict[int, float], plain_ms: dict[int, float]) -> None:
         """The graphs' replay times by batch size; sizes past the largest speculative one never speculate."""
         self._sizes = sorted(spec_ms)
-        self._ms = {True: dict(spec_ms), False: {b: plain_ms.get(b, 0.0) for b in spec_ms}}
-        self._observed = set()
+        self._replay_ms = {True: dict(spec_ms), False: {b: plain_ms.get(b, 0.0) for b in spec_ms}}
+        self._measured_ms = {}
+
+    def step_ms(self, speculative: bool, size: int) -> float:
+        """A step's cost at a graph size: the low median of its last measured steps, else its replay time."""
+        measured = self._measured_ms.get((speculative, size))
+        return statistics.median_low(measured) if measured else self._replay_ms[speculative][size]
 
     def observe(self, speculative: bool, batch_size: int, seconds: float, caught_up: bool = False) -> None:
         """The wall time of one decode step (speculative or plain) of batch_size requests. A step whose draft
@@ -82,14 +89,10 @@ class SpecPolicy:
         if size is None:
             return
         if speculative and self._on is False:  # a probe's step
-            self._probe_ms += max(0.0, 1e3 * seconds - self._ms[False][size])
+            self._probe_ms += max(0.0, 1e3 * seconds - self.step_ms(False, size))
         if not caught_up:
-            costs, kind = self._ms[speculative], (speculative, size)
-            if kind in self._observed:
-                costs[size] += STEP_TIME_WEIGHT * (1e3 * seconds - costs[size])
-            else:  # the replay time only stood in until now
-                costs[size] = 1e3 * seconds
-                self._observed.add(kind)
+            measured = self._measured_ms.setdefault((speculative, size), deque(maxlen=STEP_TIME_WINDOW))
+            measured.append(1e3 * seconds)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verified drafts (into the window of about WINDOW_DRAFT_TOKENS tried drafts)."""
@@ -139,7 +142,7 @@ class SpecPolicy:
 
     def _steps_before_probe(self, size: int) -> float:
         """The probe interval, or more plain steps if the last probe cost more than PROBE_BUDGET of them."""
-        plain_ms = self._ms[False][size]
+        plain_ms = self.step_ms(False, size)
         budgeted = self._probe_ms / (PROBE_BUDGET * plain_ms) if plain_ms > 0 else 0.0
         return min(MAX_PROBE_INTERVAL, max(self._probe_interval, budgeted))
 
@@ -152,7 +155,7 @@ class SpecPolicy:
         size = self._size(batch_size)
         if size is None:
             return False, f"batch {batch_size} is past the largest speculative graph ({self._sizes[-1]})"
-        spec, plain = self._ms[True][size], self._ms[False][size]
+        spec, plain = self.step_ms(True, size), self.step_ms(False, size)
         tokens = expected_tokens(self.acceptance_rate, self.k)
         gain = tokens * plain / spec
         threshold = 1.0 if self._on else MARGIN

@@ -17,8 +17,8 @@ import torch
 
 from fastllm import LLM, SamplingParams
 from fastllm.spec_decode import batched_step, draft_decoder, spec_runner
-from fastllm.spec_decode.policy import (PRIOR_DRAFTS, PROBE_BUDGET, WINDOW_DRAFT_TOKENS, WINDOW_STEPS, SpecPolicy,
-                                        expected_tokens)
+from fastllm.spec_decode.policy import (PRIOR_DRAFTS, PROBE_BUDGET, PROBE_INTERVAL, WINDOW_DRAFT_TOKENS,
+                                        WINDOW_STEPS, SpecPolicy, expected_tokens)
 from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm, tokenize
 from tests.models.test_llama_vs_hf import TINY, make_tiny_model
 from tests.spec_decode.test_spec_decode import assert_third_token_follows_target
@@ -314,7 +314,7 @@ def test_policy_spaces_probes_by_their_cost():
     # than the doubled interval (64)
     assert probes[:2] == [31, 31 + 70]
     assert probes[2] - probes[1] >= budgeted and probes[2] - probes[1] > 2 * 64
-    assert policy._ms[True][1] < 13.0  # the catch-up step did not enter the speculative step's cost
+    assert policy.step_ms(True, 1) < 13.0  # the catch-up step did not enter the speculative step's cost
 
 
 def test_lookups_that_find_nothing_turn_speculation_off():
@@ -416,12 +416,36 @@ def test_the_first_measured_step_replaces_the_replay_time():
         else:
             policy.observe(False, 1, 0.207e-3)
         if len(decisions) == 2:
-            assert policy._ms == {True: {1: 0.35}, False: {1: 0.207}}
+            assert policy.step_ms(True, 1) == pytest.approx(0.35)
+            assert policy.step_ms(False, 1) == pytest.approx(0.207)
     switches = sum(a != b for a, b in zip(decisions, decisions[1:]))
     assert switches == 3 and decisions[:3] == [4, 0, 4] and not any(decisions[10:])  # on, off, on, off
     policy.set_step_costs({1: 0.151}, {1: 0.068})  # new replay times stand in again until measured
     policy.observe(False, 1, 0.3e-3)
-    assert policy._ms[False][1] == pytest.approx(0.3)
+    assert policy.step_ms(False, 1) == pytest.approx(0.3)
+
+
+def test_a_pause_in_one_step_does_not_turn_speculation_off():
+    """A step stalled by a pause (a garbage collection, 200 ms against 8) is one of the size's last measured
+    steps, and their low median leaves it out: blended into a running average it alone turned speculation
+    off. As a size's first measured step it does turn speculation off, until the next probe measures again."""
+    policy = SpecPolicy(4, adaptive=True)
+    policy.set_step_costs({1: 8.0}, {1: 5.0})
+    for _ in range(20):
+        policy.record(4, 2)  # a = 2 / 3: 2.6 tokens a step, 1.6x at 8 ms against 5
+    for seconds in (0.008, 0.008, 0.008, 0.200):
+        assert policy.num_to_propose(1) == 4
+        policy.observe(True, 1, seconds)
+    assert policy.num_to_propose(1) == 4 and policy.step_ms(True, 1) == pytest.approx(8.0)
+
+    policy.set_step_costs({1: 8.0}, {1: 5.0})  # again, the pause first
+    policy.observe(True, 1, 0.200)
+    decisions = []
+    for _ in range(40):
+        decisions.append(policy.num_to_propose(1))
+        policy.observe(bool(decisions[-1]), 1, 0.008 if decisions[-1] else 0.005)
+    probe = PROBE_INTERVAL - 1  # (the decision that turned it off is the first of the interval's plain steps)
+    assert decisions[0] == 0 and decisions.index(4) == probe and all(decisions[probe:])
 
 
 def test_spec_tiny_random_configs(tmp_path_factory):
