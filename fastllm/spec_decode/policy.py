@@ -36,6 +36,7 @@ import bisect
 import logging
 import statistics
 from collections import deque
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class SpecPolicy:
         self._accepted = self._tried = 0  # their sums
         self._window = WINDOW_DRAFT_TOKENS  # tried drafts
         self._sizes: list[int] = []  # the speculative graphs' batch sizes, sorted
-        self._replay_ms: dict[bool, dict[int, float]] = {True: {}, False: {}}  # speculative? -> size -> ms
+        self._ms: dict[bool, dict[int, float]] = {True: {}, False: {}}  # speculative? -> size -> ms a step
         self._measured_ms: dict[tuple[bool, int], deque[float]] = {}  # (speculative?, size) -> last steps' ms
         self._plain_steps = 0
         self._probe_interval = PROBE_INTERVAL
@@ -73,13 +74,12 @@ class SpecPolicy:
     def set_step_costs(self, spec_ms: dict[int, float], plain_ms: dict[int, float]) -> None:
         """The graphs' replay times by batch size; sizes past the largest speculative one never speculate."""
         self._sizes = sorted(spec_ms)
-        self._replay_ms = {True: dict(spec_ms), False: {b: plain_ms.get(b, 0.0) for b in spec_ms}}
+        self._ms = {True: dict(spec_ms), False: {b: plain_ms.get(b, 0.0) for b in spec_ms}}
         self._measured_ms = {}
 
     def step_ms(self, speculative: bool, size: int) -> float:
         """A step's cost at a graph size: the low median of its last measured steps, else its replay time."""
-        measured = self._measured_ms.get((speculative, size))
-        return statistics.median_low(measured) if measured else self._replay_ms[speculative][size]
+        return self._ms[speculative][size]
 
     def observe(self, speculative: bool, batch_size: int, seconds: float, caught_up: bool = False) -> None:
         """The wall time of one decode step (speculative or plain) of batch_size requests. A step whose draft
@@ -89,10 +89,11 @@ class SpecPolicy:
         if size is None:
             return
         if speculative and self._on is False:  # a probe's step
-            self._probe_ms += max(0.0, 1e3 * seconds - self.step_ms(False, size))
+            self._probe_ms += max(0.0, 1e3 * seconds - self._ms[False][size])
         if not caught_up:
             measured = self._measured_ms.setdefault((speculative, size), deque(maxlen=STEP_TIME_WINDOW))
             measured.append(1e3 * seconds)
+            self._ms[speculative][size] = statistics.median_low(measured)
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One request's verified drafts (into the window of about WINDOW_DRAFT_TOKENS tried drafts)."""
@@ -142,7 +143,7 @@ class SpecPolicy:
 
     def _steps_before_probe(self, size: int) -> float:
         """The probe interval, or more plain steps if the last probe cost more than PROBE_BUDGET of them."""
-        plain_ms = self.step_ms(False, size)
+        plain_ms = self._ms[False][size]
         budgeted = self._probe_ms / (PROBE_BUDGET * plain_ms) if plain_ms > 0 else 0.0
         return min(MAX_PROBE_INTERVAL, max(self._probe_interval, budgeted))
 
@@ -151,19 +152,22 @@ class SpecPolicy:
         i = bisect.bisect_left(self._sizes, batch_size)
         return self._sizes[i] if i < len(self._sizes) else None
 
-    def _pays(self, batch_size: int) -> tuple[bool, str]:
+    def _pays(self, batch_size: int) -> tuple[bool, Callable[[], str]]:
+        """Whether drafts pay at this batch, and why (a message made only when the decision is logged: this
+        runs every step)."""
         size = self._size(batch_size)
         if size is None:
-            return False, f"batch {batch_size} is past the largest speculative graph ({self._sizes[-1]})"
-        spec, plain = self.step_ms(True, size), self.step_ms(False, size)
-        tokens = expected_tokens(self.acceptance_rate, self.k)
+            return False, lambda: f"batch {batch_size} is past the largest speculative graph ({self._sizes[-1]})"
+        spec, plain = self._ms[True][size], self._ms[False][size]
+        a = self.acceptance_rate
+        tokens = expected_tokens(a, self.k)
         gain = tokens * plain / spec
         threshold = 1.0 if self._on else MARGIN
-        return gain >= threshold, (f"batch {batch_size}: acceptance {self.acceptance_rate:.2f} gives {tokens:.2f} "
-                                   f"tokens a step of {spec:.2f} ms against 1 a plain step of {plain:.2f} ms "
-                                   f"({gain:.2f}x)")
+        return gain >= threshold, lambda: (f"batch {batch_size}: acceptance {a:.2f} gives {tokens:.2f} tokens a "
+                                           f"step of {spec:.2f} ms against 1 a plain step of {plain:.2f} ms "
+                                           f"({gain:.2f}x)")
 
-    def _say(self, on: bool, why: str) -> None:
+    def _say(self, on: bool, why: Callable[[], str]) -> None:
         if on != self._on:
             self._on = on
-            logger.info("speculative decoding %s: %s", "on" if on else "off (probes now and then)", why)
+            logger.info("speculative decoding %s: %s", "on" if on else "off (probes now and then)", why())
