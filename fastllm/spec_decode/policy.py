@@ -65,7 +65,7 @@ class SpecPolicy:
         self._window = WINDOW_DRAFT_TOKENS  # tried drafts
         self._sizes: list[int] = []  # the speculative graphs' batch sizes, sorted
         self._ms: dict[bool, dict[int, float]] = {True: {}, False: {}}  # speculative? -> size -> ms a step
-        self._measured_ms: dict[tuple[bool, int], deque[float]] = {}  # (speculative?, size) -> last steps' ms
+        self._measured_ms: dict[tuple[bool, int], deque[float]] = {}  # (speculative?, size) -> last ms
         self._plain_steps = 0
         self._probe_interval = PROBE_INTERVAL
         self._probe_ms = 0.0  # the last probe's steps' time beyond plain steps
@@ -78,7 +78,7 @@ class SpecPolicy:
         self._measured_ms = {}
 
     def step_ms(self, speculative: bool, size: int) -> float:
-        """A step's cost at a graph size: the low median of its last measured steps, else its replay time."""
+        """A step's cost at a graph size: the low median of its last measured steps, else its replay."""
         return self._ms[speculative][size]
 
     def observe(self, speculative: bool, batch_size: int, seconds: float, caught_up: bool = False) -> None:
@@ -157,15 +157,16 @@ class SpecPolicy:
         runs every step)."""
         size = self._size(batch_size)
         if size is None:
-            return False, lambda: f"batch {batch_size} is past the largest speculative graph ({self._sizes[-1]})"
+            largest = self._sizes[-1]
+            return False, lambda: f"batch {batch_size} is past the largest speculative graph ({largest})"
         spec, plain = self._ms[True][size], self._ms[False][size]
         a = self.acceptance_rate
         tokens = expected_tokens(a, self.k)
         gain = tokens * plain / spec
         threshold = 1.0 if self._on else MARGIN
-        return gain >= threshold, lambda: (f"batch {batch_size}: acceptance {a:.2f} gives {tokens:.2f} tokens a "
-                                           f"step of {spec:.2f} ms against 1 a plain step of {plain:.2f} ms "
-                                           f"({gain:.2f}x)")
+        return gain >= threshold, lambda: (f"batch {batch_size}: acceptance {a:.2f} gives {tokens:.2f} "
+                                           f"tokens a step of {spec:.2f} ms against 1 a plain step of "
+                                           f"{plain:.2f} ms ({gain:.2f}x)")
 
     def _say(self, on: bool, why: Callable[[], str]) -> None:
         if on != self._on:
