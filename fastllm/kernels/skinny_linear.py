@@ -44,6 +44,7 @@ from fastllm.kernels.split_counters import split_counters
 logger = logging.getLogger("fastllm.kernels")
 
 MAX_ROWS = 64
+ANY_SHAPE_ROWS = 32  # up to here every shape takes the kernel; past it only those the table measured there
 
 
 @triton.jit
@@ -289,9 +290,9 @@ def row_bucket(num_rows: int) -> int:
 
 
 def measured_there(num_rows: int, n_out: int, k_in: int) -> bool:
-    """Whether the kernel runs this shape at this row count: any shape up to 32 rows, only the table's above
-    (33-64 rows, where cuBLAS's GEMMs are as fast elsewhere)."""
-    return num_rows <= 32 or (row_bucket(num_rows), n_out, k_in) in _TUNED
+    """Whether the kernel runs this shape at this row count: any shape up to ANY_SHAPE_ROWS, only the table's
+    above (where cuBLAS's GEMMs are as fast elsewhere)."""
+    return num_rows <= ANY_SHAPE_ROWS or (row_bucket(num_rows), n_out, k_in) in _TUNED
 
 
 def choose_config(num_rows: int, n_out: int, k_in: int, element_size: int = 2, triggers: bool = False
@@ -394,7 +395,8 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     elif x.shape[0] == 0:
         why = "empty batches"
     elif not measured_there(x.shape[0], *weight.shape):
-        why = f"[{weight.shape[0]}, {weight.shape[1]}] weights at 33-{MAX_ROWS} rows (no measured config there)"
+        why = (f"[{weight.shape[0]}, {weight.shape[1]}] weights at {ANY_SHAPE_ROWS + 1}-{MAX_ROWS} rows (no measured "
+               "config there)")
     if why is None:
         return True
     if why not in _logged:
