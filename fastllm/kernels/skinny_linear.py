@@ -395,8 +395,8 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     elif x.shape[0] == 0:
         why = "empty batches"
     elif not measured_there(x.shape[0], *weight.shape):
-        why = (f"[{weight.shape[0]}, {weight.shape[1]}] weights at {ANY_SHAPE_ROWS + 1}-{MAX_ROWS} rows (no measured "
-               "config there)")
+        why = (f"[{weight.shape[0]}, {weight.shape[1]}] weights at {ANY_SHAPE_ROWS + 1}-{MAX_ROWS} rows "
+               "(no measured config there)")
     if why is None:
         return True
     if why not in _logged:
