@@ -20,8 +20,9 @@ chain: the 32 layers' projections of one decode step with their norms and SiLU (
   the final norm + lm_head, as one CUDA graph: our norm / SiLU kernels with cuBLAS against the same with
   skinny_linear (configs from --table, a shapes run's jsonl, else choose_config), with and without PDL
   early triggers (FASTLLM_PDL=trigger: all our kernels) and the L2 weight prefetch (CHAIN_VARIANTS).
-  The fused columns: the model's fused ops (add_rms_norm_linear, silu_and_mul_linear: a norm or the SiLU
-  computed in the loads of the projection after it where they fuse), plain PDL and triggers.
+  The fused columns: the model's fused ops (add_rms_norm_linear and add_rms_norm_gated_linear: the norm in
+  the loads of the projection after it where they fuse, the SiLU in gate_up's epilogue), plain PDL and
+  triggers.
   --fp8: e4m3 projections (the quantizing norms and SiLU before them, o's input quantized by its own
   launch above one row, as the FP8 model runs them) and the bf16 lm_head; no cuBLAS column.
   --max-stages N caps every config's pipeline stages, to test whether shared memory kept the next
@@ -180,14 +181,14 @@ def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, 
         return fused_add_rms_norm(h, res, nw, EPS)
 
     def fused_step(layers, hidden):
-        """step() through the model's fused ops: a norm or the SiLU in the loads of the projection after it
-        where those ops fuse (skinny_linear._fuses), else apart, as in step()."""
+        """step() through the model's fused ops: the norm in the loads of the projection after it where they
+        fuse (skinny_linear._fuses), else apart, as in step(); the SiLU in gate_up's epilogue."""
         h, res = hidden, hidden
         for layer in layers:
             qkv, res = S.add_rms_norm_linear(h, res, nw, EPS, layer["qkv"], None)
             h = S.launch(qkv[:, :q_size].contiguous(), layer["o"])
-            gate_up, res = S.add_rms_norm_linear(h, res, nw, EPS, layer["gate_up"], None)
-            h = S.silu_and_mul_linear(gate_up, layer["down"], None)
+            act, res = S.add_rms_norm_gated_linear(h, res, nw, EPS, layer["gate_up"])
+            h = S.linear(act, layer["down"], None)
         S.launch(fused_add_rms_norm(h, res, nw, EPS)[0], lm_head)  # as the model: the lm_head unfused
 
     for rows in rows_list:

@@ -72,15 +72,29 @@ def _(x, residual, norm_weight, eps, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0])), torch.empty_like(x)
 
 
-@torch.library.custom_op("fastllm::silu_and_mul_linear", mutates_args=())
-def silu_and_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """linear(silu_and_mul(x)) of x = [gate | up]: the MLP's down projection, one launch at decode rows."""
-    return kernels.silu_and_mul_linear(x, weight, bias)
+@torch.library.custom_op("fastllm::gated_linear", mutates_args=())
+def gated_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """silu_and_mul(linear(x)) of weight [gate; up]: the MLP's activation, one launch at decode rows (the SiLU
+    in the projection's epilogue: kernels/skinny_linear.py)."""
+    return kernels.gated_linear(x, weight)
 
 
-@silu_and_mul_linear.register_fake
-def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+@gated_linear.register_fake
+def _(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+@torch.library.custom_op("fastllm::add_rms_norm_gated_linear", mutates_args=())
+def add_rms_norm_gated_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor
+                              ) -> tuple[Tensor, Tensor]:
+    """(gated_linear(rms_norm(x + residual)), x + residual): one launch at one decode row for small
+    weights."""
+    return kernels.add_rms_norm_gated_linear(x, residual, norm_weight, eps, weight)
+
+
+@add_rms_norm_gated_linear.register_fake
+def _(x, residual, norm_weight, eps, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2)), torch.empty_like(x)
 
 
 @torch.library.custom_op("fastllm::fp8_linear", mutates_args=())

@@ -35,7 +35,8 @@ KERNEL_NAMES = (
     "rotary_decode_attention",
     "linear",
     "add_rms_norm_linear",
-    "silu_and_mul_linear",
+    "gated_linear",
+    "add_rms_norm_gated_linear",
     "cascade_prefix_attention",
     "merge_attn_states",
     "cascade_decode_attention",
@@ -58,7 +59,8 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "rotary_decode_attention": "paged_decode_attention",
     "linear": "skinny_linear",
     "add_rms_norm_linear": "skinny_linear",
-    "silu_and_mul_linear": "skinny_linear",
+    "gated_linear": "skinny_linear",
+    "add_rms_norm_gated_linear": "skinny_linear",
     "cascade_prefix_attention": "cascade_attention",
     "merge_attn_states": "merge_attn_states",
     "cascade_decode_attention": "cascade_attention",
@@ -232,8 +234,13 @@ def add_rms_norm_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: f
     return _select("add_rms_norm_linear", x.device)(x, residual, norm_weight, eps, weight, bias)
 
 
-def silu_and_mul_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return _select("silu_and_mul_linear", x.device)(x, weight, bias)
+def gated_linear(x: Tensor, weight: Tensor) -> Tensor:
+    return _select("gated_linear", x.device)(x, weight)
+
+
+def add_rms_norm_gated_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor
+                              ) -> tuple[Tensor, Tensor]:
+    return _select("add_rms_norm_gated_linear", x.device)(x, residual, norm_weight, eps, weight)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,

@@ -402,9 +402,17 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
     return linear(normed, weight, bias), residual
 
 
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """linear(silu_and_mul(x)): the gated MLP's down projection of x = [gate | up]."""
-    return linear(silu_and_mul(x), weight, bias)
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(linear(x)) of weight [gate; up]: the gated MLP's activation."""
+    return silu_and_mul(linear(x, weight, None))
+
+
+def add_rms_norm_gated_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gated_linear(rms_norm(x + residual)), x + residual): the gated MLP's first half and the new
+    residual."""
+    normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return gated_linear(normed, weight), residual
 
 
 # FP8 e4m3: weights [N, K] with a float32 scale per output row, activations quantized per token.

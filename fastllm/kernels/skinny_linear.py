@@ -8,16 +8,21 @@ side, which Hopper runs as a wgmma). Up to 32 rows for any shape, 33-64 (a batch
 the shapes the table has measured there; larger batches are GEMMs, which cuBLAS does better, and the public
 `linear` hands them to it.
 
+The gated MLP's gate/up projection (weight [gate; up], [2N, K]) may end in its activation (GATED): each
+program streams BLOCK_N rows of gate and the same rows of up, and stores silu(gate) * up [rows, N], rounded
+where the projection and the SiLU kernel round, so it gives the unfused pair's bits; the SiLU's launch and
+the [rows, 2N] round trip go. Its config is the [2N, K] projection's with half the tile width (the same
+bytes a program, as many programs), or its own table's where that lost (gated_config).
+
 On the one-row FMA path the input may be computed in the loads rather than read (Prologue): rms_norm(x +
-residual), the first program storing the residual sum, or silu(gate) * up of x = [gate | up]. Every program
-recomputes its tiles from L2: a launch saved for a little elementwise work. Each rounds where the unfused
-kernels round, so it gives the unfused pair's result (the norm's up to the order of its sum of squares:
-each program first passes over K for the row's rms, which the norm needs before it rounds h / rms;
-launches with the norm are unsplit, so program 0 alone stores the residual sum). The fused ops take it
-for latency-bound weights (<= SMALL_WEIGHT_BYTES): every program's re-reads of x cost more than the
-launch saved on Qwen3-8B's (tune_skinny_linear.py chain at one row: Qwen3-0.6B's projections 0.73 -> 0.67
-ms a step, the 8B's 4.06 -> 4.32). Not under tl.dot: a tile from registers rather than shared memory
-made the 0.6B's projections 3-4x slower at 2-8 rows.
+residual), the first program storing the residual sum. Every program recomputes its tiles from L2: a launch
+saved for a little elementwise work. The tiles round where the norm kernel rounds, so it gives the unfused
+pair's result up to the order of its sum of squares (each program first passes over K for the row's rms,
+which the norm needs before it rounds h / rms; launches with the norm are unsplit, so program 0 alone
+stores the residual sum). The fused ops take it for latency-bound weights (<= SMALL_WEIGHT_BYTES): every
+program's re-reads of x cost more than the launch saved on Qwen3-8B's (tune_skinny_linear.py chain at one
+row: Qwen3-0.6B's projections 0.73 -> 0.67 ms a step, the 8B's 4.06 -> 4.32). Not under tl.dot: a tile from
+registers rather than shared memory made the 0.6B's projections 3-4x slower at 2-8 rows.
 
 It beat cuBLAS on every projection of Llama-3.1-8B at 1 to 32 rows (tune_skinny_linear.py shapes:
 CUDA-graph replays over weight copies larger than L2, bf16; README, "Kernel choices").
@@ -116,10 +121,10 @@ def merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_ou
     return acc, last
 
 
-# What the kernel's input is (the PROLOGUE constexpr): x itself; rms_norm(x + residual) with the norm's
-# weight; silu(gate) * up of x = [gate | up] (x [rows, 2K]).
-PLAIN, ADD_RMS_NORM, SILU_AND_MUL = 0, 1, 2
-_ADD_RMS_NORM, _SILU_AND_MUL = tl.constexpr(ADD_RMS_NORM), tl.constexpr(SILU_AND_MUL)  # as kernels read them
+# What the kernel's input is (the PROLOGUE constexpr): x itself, or rms_norm(x + residual) with the norm's
+# weight.
+PLAIN, ADD_RMS_NORM = 0, 1
+_ADD_RMS_NORM = tl.constexpr(ADD_RMS_NORM)  # as kernels read it
 
 
 @triton.jit
@@ -149,10 +154,9 @@ def inv_rms_of_sum(x_rows, res_rows, res_out_rows, row_ok, k_in, eps, store, BLO
 
 
 @triton.jit
-def input_tile(x_rows, res_rows, norm_w_ptr, inv_rms, ks, mask, k_ok, k_in, PROLOGUE: tl.constexpr):
-    """The input's [BLOCK_M, BLOCK_K] tile at columns ks in the model dtype: x; norm_w * rms_norm(x +
-    residual), rounded where fused_add_rms_norm rounds (inv_rms from inv_rms_of_sum); or silu(gate) * up,
-    rounded where the SiLU kernel rounds."""
+def input_tile(x_rows, res_rows, norm_w_ptr, inv_rms, ks, mask, k_ok, PROLOGUE: tl.constexpr):
+    """The input's [BLOCK_M, BLOCK_K] tile at columns ks in the model dtype: x, or norm_w * rms_norm(x +
+    residual), rounded where fused_add_rms_norm rounds (inv_rms from inv_rms_of_sum)."""
     if PROLOGUE == _ADD_RMS_NORM:
         h = residual_sum(x_rows, res_rows, ks, mask)
         normed = (h.to(tl.float32) * inv_rms[:, None]).to(h.dtype)
@@ -160,12 +164,39 @@ def input_tile(x_rows, res_rows, norm_w_ptr, inv_rms, ks, mask, k_ok, k_in, PROL
         x = (norm_w.to(tl.float32)[None, :] * normed.to(tl.float32)).to(h.dtype)
     else:
         x = tl.load(x_rows + ks[None, :], mask=mask, other=0.0)
-        if PROLOGUE == _SILU_AND_MUL:
-            up = tl.load(x_rows + k_in + ks[None, :], mask=mask, other=0.0)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
-            x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
     return x
+
+
+@triton.jit
+def accumulate(x, w, acc, acc_t, acc_lanes, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One K tile's products into the path's accumulator: acc [BLOCK_M, BLOCK_N] (tl.dot), acc_t [BLOCK_N,
+    BLOCK_M] (the swapped dot, out^T = W @ x^T) or acc_lanes [BLOCK_N, BLOCK_K] (one row's per-lane sums)."""
+    if USE_DOT and SWAP_AB:
+        acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision="ieee")
+    elif USE_DOT:
+        acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+    else:  # BLOCK_M == 1
+        acc_lanes += x.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
+    return acc, acc_t, acc_lanes
+
+
+@triton.jit
+def finished(acc, acc_t, acc_lanes, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
+    """accumulate's sums as [BLOCK_M, BLOCK_N]."""
+    if not USE_DOT:
+        acc = tl.sum(acc_lanes, axis=1)[None, :]
+    elif SWAP_AB:
+        acc = tl.trans(acc_t)
+    return acc
+
+
+@triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from the fp32 sums, each rounded where the unfused pair rounds: the projection's
+    output to dtype, then SiLU as silu_and_mul.py computes it."""
+    g = gate.to(dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype)
+    return act.to(tl.float32) * up.to(dtype).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -177,6 +208,7 @@ def _skinny_linear_kernel(
     USE_PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,  # PDL: W lines (of LINE elements) per row to prefetch
     PROLOGUE: tl.constexpr,
+    GATED: tl.constexpr,  # W is [gate; up] ([2 * n_out, K]) and out silu(gate) * up
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -186,9 +218,10 @@ def _skinny_linear_kernel(
     k_lo, k_hi = k_range(k_in, SPLIT_K, BLOCK_K)
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * k_in  # [BLOCK_N, 1]
     x_rows = x_ptr + rows[:, None] * stride_xm  # [BLOCK_M, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # SWAP_AB's: out^T = W @ x^T
-    acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # the one-row path's per-lane partial sums
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # accumulate's three paths' sums
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    up, up_t, up_lanes = tl.zeros_like(acc), tl.zeros_like(acc_t), tl.zeros_like(acc_lanes)  # GATED's up rows
     res_rows, res_out_rows = res_ptr + rows[:, None] * stride_rm, res_out_ptr + rows[:, None] * k_in
     prefetch_weights(w_rows, k_lo, k_hi, USE_PDL, PREFETCH_LINES, LINE)
     pdl.wait(USE_PDL)  # launched with PDL (pdl.py): nothing before it reads what an earlier kernel wrote
@@ -198,19 +231,17 @@ def _skinny_linear_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = k_mask(ks, k_hi, EVEN_K)
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        x = input_tile(x_rows, res_rows, norm_w_ptr, inv_rms, ks, row_ok[:, None] & k_ok[None, :], k_ok, k_in,
-                       PROLOGUE)
-        if USE_DOT and SWAP_AB:
-            acc_t = tl.dot(w, tl.trans(x), acc_t, input_precision="ieee")
-        elif USE_DOT:
-            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-        else:  # BLOCK_M == 1
-            acc_lanes += x.to(tl.float32) * w.to(tl.float32)  # [1, BLOCK_K] x [BLOCK_N, BLOCK_K]
-    if not USE_DOT:
-        acc = tl.sum(acc_lanes, axis=1)[None, :]
-    elif SWAP_AB:
-        acc = tl.trans(acc_t)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        x = input_tile(x_rows, res_rows, norm_w_ptr, inv_rms, ks, x_mask, k_ok, PROLOGUE)
+        acc, acc_t, acc_lanes = accumulate(x, w, acc, acc_t, acc_lanes, USE_DOT, SWAP_AB)
+        if GATED:
+            w_up = tl.load(w_rows + n_out * k_in + ks[None, :], mask=w_mask, other=0.0)
+            up, up_t, up_lanes = accumulate(x, w_up, up, up_t, up_lanes, USE_DOT, SWAP_AB)
+    acc = finished(acc, acc_t, acc_lanes, USE_DOT, SWAP_AB)
+    if GATED:  # (launches unsplit)
+        acc = silu_times(acc, finished(up, up_t, up_lanes, USE_DOT, SWAP_AB), out_ptr.dtype.element_ty)
     mask = row_ok[:, None] & col_ok[None, :]
     acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
     if last:
@@ -289,22 +320,63 @@ def row_bucket(num_rows: int) -> int:
     return next(bucket for bucket in _DEFAULT if num_rows <= bucket)
 
 
-def measured_there(num_rows: int, n_out: int, k_in: int) -> bool:
+def measured_there(num_rows: int, n_out: int, k_in: int, gated: bool = False) -> bool:
     """Whether the kernel runs this shape at this row count: any shape up to ANY_SHAPE_ROWS, only the table's
-    above (where cuBLAS's GEMMs are as fast elsewhere)."""
-    return num_rows <= ANY_SHAPE_ROWS or (row_bucket(num_rows), n_out, k_in) in _TUNED
+    above (where cuBLAS's GEMMs are as fast elsewhere; gated: its own table's too)."""
+    key = (row_bucket(num_rows), n_out, k_in)
+    return num_rows <= ANY_SHAPE_ROWS or key in _TUNED or (gated and key in _GATED_TUNED)
 
 
 def choose_config(num_rows: int, n_out: int, k_in: int, element_size: int = 2, triggers: bool = False
                   ) -> Config:
-    """The table's config; `triggers`: PDL early triggers are on (small weights then prefetch)."""
+    """The table's config, adapted to the launch (`triggers`: PDL early triggers are on)."""
     bucket = row_bucket(num_rows)
-    cfg = _TUNED.get((bucket, n_out, k_in), _DEFAULT[bucket])
+    return adapted(_TUNED.get((bucket, n_out, k_in), _DEFAULT[bucket]), n_out, k_in, element_size, triggers)
+
+
+def adapted(cfg: Config, n_out: int, k_in: int, element_size: int, triggers: bool) -> Config:
+    """A table's config for a [n_out, k_in] weight of element_size bytes: under PDL early triggers small
+    weights prefetch a quarter of K; fp32 halves BLOCK_K."""
     if triggers and n_out * k_in * element_size <= SMALL_WEIGHT_BYTES:
         cfg = cfg._replace(prefetch_k=k_in // (4 * cfg.split_k))
     if element_size > 2:  # fp32 (test models): the same tile bytes, so the pipeline still fits in shared memory
         cfg = cfg._replace(block_k=cfg.block_k * 2 // element_size)
     return cfg
+
+
+# Gated launches' own configs where the projection's, gated (gated_tiles), lost by 3% or more, and at 33-64
+# rows where they beat cuBLAS and the SiLU kernel: (row bucket, 2N, K) -> the config of the gated launch
+# (BLOCK_N columns of each half). H200, a sweep at Qwen3-0.6B's, Qwen3-8B's and Llama-3.1-8B's gate/up
+# (README, "Kernel choices").
+_GATED_TUNED = {
+    (1, 28672, 4096): Config(32, 256, 4, 3), (8, 28672, 4096): Config(64, 128, 4, 4, swap_ab=True),
+    (32, 6144, 1024): Config(64, 128, 4, 5, swap_ab=True), (64, 6144, 1024): Config(32, 128, 4, 5),
+    (32, 24576, 4096): Config(64, 64, 4, 4, swap_ab=True),
+    (64, 24576, 4096): Config(64, 64, 4, 4, swap_ab=True),
+}
+
+
+def gated_config(num_rows: int, n_out: int, k_in: int, element_size: int = 2, triggers: bool = False
+                 ) -> Config:
+    """A gated launch's config (weight [gate; up], [2 * n_out, K]): its own measured one, else the [2 * n_out,
+    K] projection's, gated."""
+    cfg = _GATED_TUNED.get((row_bucket(num_rows), 2 * n_out, k_in))
+    if cfg is not None:
+        return adapted(cfg, 2 * n_out, k_in, element_size, triggers)
+    return gated_tiles(choose_config(num_rows, 2 * n_out, k_in, element_size, triggers), num_rows)
+
+
+def gated_tiles(cfg: Config, num_rows: int) -> Config:
+    """A projection's config for its gated launch, so each program streams as many bytes a stage (gate's rows
+    and up's) and there are as many programs: half the tile width; unsplit. A tile that would fall below its
+    path's narrowest (16 for tl.dot, 64 for the swapped dot, a wgmma's M) keeps its width and halves its
+    depth instead (half the programs)."""
+    narrowest = 64 if cfg.swap_ab else 16 if cfg.use_dot or num_rows > 1 else 1
+    if cfg.block_n // 2 >= narrowest:
+        cfg = cfg._replace(block_n=cfg.block_n // 2)
+    else:
+        cfg = cfg._replace(block_k=cfg.block_k // 2)
+    return cfg._replace(split_k=1, prefetch_k=cfg.prefetch_k * cfg.split_k)
 
 
 def split_k_buffers(split_k: int, num_rows: int, n_out: int, tiles: int, out: torch.Tensor):
@@ -316,8 +388,8 @@ def split_k_buffers(split_k: int, num_rows: int, n_out: int, tiles: int, out: to
 
 
 class Prologue(NamedTuple):
-    """How the kernel computes its input from x: PLAIN (x is the input), ADD_RMS_NORM (rms_norm(x + residual)
-    with norm_weight and eps; the sum goes to residual_out) or SILU_AND_MUL (x = [gate | up], [rows, 2K])."""
+    """How the kernel computes its input from x: PLAIN (x is the input) or ADD_RMS_NORM (rms_norm(x +
+    residual) with norm_weight and eps; the sum goes to residual_out)."""
     kind: int = PLAIN
     residual: torch.Tensor | None = None
     norm_weight: torch.Tensor | None = None
@@ -326,15 +398,18 @@ class Prologue(NamedTuple):
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: Config | None = None,
-           out: torch.Tensor | None = None, prologue: Prologue = Prologue()) -> torch.Tensor:
-    """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows; [rows, 2K] for SILU_AND_MUL), weight
-    [N, K] contiguous."""
+           out: torch.Tensor | None = None, prologue: Prologue = Prologue(), gated: bool = False
+           ) -> torch.Tensor:
+    """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows), weight [N, K] contiguous; gated:
+    weight [gate; up] ([2N, K], no bias) and out silu(x @ gate^T) * (x @ up^T) [rows, N]."""
     num_rows = x.shape[0]
     n_out, k_in = weight.shape
-    x_width = 2 * k_in if prologue.kind == SILU_AND_MUL else k_in
-    assert x.dim() == 2 and x.shape[1] == x_width and x.stride(1) == 1 and weight.is_contiguous(), \
+    assert x.dim() == 2 and x.shape[1] == k_in and x.stride(1) == 1 and weight.is_contiguous(), \
         (x.shape, x.stride(), weight.shape)
     assert 0 < num_rows <= MAX_ROWS and x.dtype == weight.dtype, (num_rows, x.dtype, weight.dtype)
+    if gated:
+        assert n_out % 2 == 0 and bias is None, "a gated launch takes [gate; up] and no bias"
+        n_out //= 2
     if out is None:
         out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
     assert out.shape == (num_rows, n_out) and out.is_contiguous() and out.dtype == x.dtype
@@ -345,10 +420,14 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         assert residual_out.shape == x.shape and residual_out.dtype == x.dtype
         assert residual_out.is_contiguous()
         assert norm_weight.shape == (k_in,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
-    cfg = config or choose_config(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
+    if config is None:
+        chooser = gated_config if gated else choose_config
+        config = chooser(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
+    cfg = config
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
     assert prologue.kind == PLAIN or not use_dot, "prologues run on the one-row FMA path"
     assert prologue.kind != ADD_RMS_NORM or cfg.split_k == 1, "the norm's prologue runs unsplit"
+    assert not gated or cfg.split_k == 1, "gated launches run unsplit"
     tiles = triton.cdiv(n_out, cfg.block_n)
     part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)
     _skinny_linear_kernel[(tiles, cfg.split_k)](
@@ -359,32 +438,28 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN_K=k_in % cfg.block_k == 0, USE_DOT=use_dot,
         SWAP_AB=use_dot and cfg.swap_ab, SPLIT_K=cfg.split_k,
         **prefetch_args(cfg, x.element_size()), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl.launch_options(x.device), PROLOGUE=prologue.kind,
+        **pdl.launch_options(x.device), PROLOGUE=prologue.kind, GATED=gated,
     )
     return out
 
 
 def launch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual) in one launch."""
+                        config: Config | None = None, gated: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) @ weight^T (+ bias), x + residual) in one launch (gated: as launch's)."""
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    out = launch(x, weight, bias, config=config,
+    out = launch(x, weight, bias, config=config, gated=gated,
                  prologue=Prologue(ADD_RMS_NORM, residual, norm_weight, eps, residual_out))
     return out, residual_out
-
-
-def launch_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        config: Config | None = None) -> torch.Tensor:
-    """(silu(gate) * up) @ weight^T (+ bias) of x = [gate | up] in one launch."""
-    return launch(x, weight, bias, config=config, prologue=Prologue(SILU_AND_MUL))
 
 
 _logged: set = set()  # reasons a path was not taken, logged once
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this projection takes the kernel here, else cuBLAS (logged once per reason)."""
+def _skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+    """Whether this projection (gated: as a gated launch) takes the kernel here, else cuBLAS (logged once per
+    reason)."""
     why = None
     if x.dim() != 2 or x.stride(1) != 1 or not weight.is_contiguous():
         why = "inputs that are not [rows, K] with contiguous rows"
@@ -394,7 +469,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
         why = f"batches of more than {MAX_ROWS} rows"
     elif x.shape[0] == 0:
         why = "empty batches"
-    elif not measured_there(x.shape[0], *weight.shape):
+    elif not measured_there(x.shape[0], *weight.shape, gated):
         why = (f"[{weight.shape[0]}, {weight.shape[1]}] weights at {ANY_SHAPE_ROWS + 1}-{MAX_ROWS} rows "
                "(no measured config there)")
     if why is None:
@@ -415,12 +490,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return torch.addmm(bias, x, weight.t(), out=out) if bias is not None else torch.mm(x, weight.t(), out=out)
 
 
-def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Tensor) -> bool:
-    """Whether a fused op runs as one launch here (logged once per reason when not)."""
-    if not _skinny(x, weight):
+def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) of weight [gate; up] [2N, K] -> [rows, N]: one launch where the kernel
+    takes the projection, else cuBLAS and the SiLU kernel."""
+    if _skinny(x, weight, gated=True):
+        return launch(x, weight, gated=True)
+    return silu_and_mul(linear(x, weight, None))
+
+
+def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Tensor, gated: bool = False
+           ) -> bool:
+    """Whether the norm's prologue runs in the projection's launch here (logged once per reason when not)."""
+    if not _skinny(x, weight, gated):
         return False
     why = None
-    cfg = choose_config(x.shape[0], *weight.shape, x.element_size())
+    cfg = (gated_config(x.shape[0], weight.shape[0] // 2, weight.shape[1], x.element_size()) if gated
+           else choose_config(x.shape[0], *weight.shape, x.element_size()))
     if x.shape[0] > 1:
         why = "batches of more than one row"
     elif weight.numel() * weight.element_size() > SMALL_WEIGHT_BYTES:
@@ -429,7 +514,7 @@ def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Te
         why = f"[{weight.shape[0]}, {weight.shape[1]}] weights, whose one-row config takes tl.dot"
     elif any(t.dtype != x.dtype or t.stride(-1) != 1 for t in same_dtype):
         why = "a residual or norm weight not of the input's dtype, or strided"
-    elif op == "add_rms_norm_linear" and cfg.split_k > 1:
+    elif cfg.split_k > 1:
         why = "projections whose config splits K (the norm's prologue runs unsplit)"
     if why is None:
         return True
@@ -448,8 +533,11 @@ def add_rms_norm_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
     return linear(normed, weight, bias), residual
 
 
-def silu_and_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """(silu(gate) * up) @ weight^T (+ bias) of x = [gate | up]: one launch at one row (_fuses)."""
-    if _fuses("silu_and_mul_linear", x, weight):
-        return launch_silu_and_mul(x, weight, bias)
-    return linear(silu_and_mul(x), weight, bias)
+def add_rms_norm_gated_linear(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gated_linear(rms_norm(x + residual), weight), x + residual): the gated MLP's first half, one launch at
+    one row (_fuses), else the norm's and the gated one."""
+    if _fuses("add_rms_norm_gated_linear", x, weight, residual, norm_weight, gated=True):
+        return launch_add_rms_norm(x, residual, norm_weight, eps, weight, gated=True)
+    normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return gated_linear(normed, weight), residual

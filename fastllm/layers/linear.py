@@ -61,11 +61,12 @@ class Linear(nn.Module):
                ) -> torch.Tensor:
         """x @ W^T (+ bias): our few-row kernel at decode batch sizes, cuBLAS otherwise
         (fastllm/kernels/skinny_linear.py); FP8 weights: fastllm/kernels/fp8_linear.py, on x as it comes or
-        quantized by the kernel before (a QuantizedActivation). gated: x is [gate | up] and the input
-        silu(gate) * up (16/32-bit weights)."""
+        quantized by the kernel before (a QuantizedActivation). gated: W is [gate; up] and the output
+        silu(x @ gate^T) * (x @ up^T), the SiLU in the projection's epilogue at decode rows (16/32-bit
+        weights, no bias)."""
         if gated:
-            assert self.fp8 is None, "with FP8 weights the SiLU kernel quantizes ahead of the projection"
-            return torch.ops.fastllm.silu_and_mul_linear(x, self.weight, bias)
+            assert self.fp8 is None and bias is None, "gated: 16/32-bit weights, no bias (FP8: layers/fp8.py)"
+            return torch.ops.fastllm.gated_linear(x, self.weight)
         if self.fp8 is None:
             return torch.ops.fastllm.linear(x, self.weight, bias)
         if isinstance(x, QuantizedActivation):
@@ -118,15 +119,19 @@ class ColumnParallelLinear(Linear):
         self.slice_index = [tp_rank * parts // tp_size for parts in partitions]
         super().__init__(input_size, sum(self.output_sizes), bias, fp8)
 
-    def normed(self, norm, x: torch.Tensor, residual: torch.Tensor | None):
-        """(self(norm(x + residual)), x + residual) for an RMSNorm `norm` (layers/norm.py); without a residual
-        (a first layer), (self(norm(x)), x). With 16/32-bit weights one op: the norm in the projection's loads
-        at decode rows."""
+    def normed(self, norm, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False):
+        """(self(norm(x + residual), gated), x + residual) for an RMSNorm `norm` (layers/norm.py); without a
+        residual (a first layer), (self(norm(x), gated), x). With 16/32-bit weights one op: the norm in the
+        projection's loads at one decode row."""
         if residual is None:
-            return self(norm(x)), x
+            return self(norm(x), gated), x
         if self.fp8 is not None or norm.quantize_output:
             normed, residual = norm(x, residual)
-            return self(normed), residual
+            return self(normed, gated), residual
+        if gated:
+            assert self.bias is None, "gated: no bias"
+            return torch.ops.fastllm.add_rms_norm_gated_linear(x, residual, norm.weight, norm.eps,
+                                                               self.weight)
         return torch.ops.fastllm.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
                                                      self.bias)
 
@@ -166,10 +171,10 @@ class RowParallelLinear(Linear):
         super().__init__(input_size // tp_size, output_size, bias, fp8)
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return self.matmul(x, self.bias, gated)
-        out = torch.ops.fastllm.tp_all_reduce(self.matmul(x, None, gated))
+            return self.matmul(x, self.bias)
+        out = torch.ops.fastllm.tp_all_reduce(self.matmul(x, None))
         return out if self.bias is None else out + self.bias
 
     def copy_whole(self, param_name: str, source) -> None:

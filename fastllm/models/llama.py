@@ -135,12 +135,14 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(args.intermediate_size, args.hidden_size, False, tp_rank, tp,
                                            fp8=args.fp8)
 
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down_proj(silu(gate) * up): one op with 16/32-bit weights (the SiLU in the projection's loads at
-        decode rows); with FP8 ones the SiLU kernel quantizes for the projection."""
-        if self.down_proj.fp8 is not None:
-            return self.down_proj(self.act(gate_up))
-        return self.down_proj(gate_up, gated=True)
+    def activation(self, norm, hidden: torch.Tensor, residual: torch.Tensor | None):
+        """(silu(gate) * up of norm(hidden + residual), hidden + residual): with 16/32-bit weights the SiLU in
+        gate/up's epilogue at decode rows (and the norm in its loads at one row); with FP8 ones the norm and
+        the SiLU kernel quantize for the projection after them."""
+        if self.gate_up_proj.fp8 is not None:
+            gate_up, residual = self.gate_up_proj.normed(norm, hidden, residual)
+            return self.act(gate_up), residual
+        return self.gate_up_proj.normed(norm, hidden, residual, gated=True)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -158,8 +160,8 @@ class LlamaDecoderLayer(nn.Module):
         # the projection after it.
         qkv, residual = self.self_attn.qkv_proj.normed(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, qkv)
-        gate_up, residual = self.mlp.gate_up_proj.normed(self.post_attention_layernorm, hidden, residual)
-        return self.mlp.down(gate_up), residual
+        act, residual = self.mlp.activation(self.post_attention_layernorm, hidden, residual)
+        return self.mlp.down_proj(act), residual
 
 
 class LlamaModel(nn.Module):

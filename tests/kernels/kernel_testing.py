@@ -46,16 +46,16 @@ def triton_on_cpu(monkeypatch, names) -> set[str]:
     return called
 
 
-def record_prologues(monkeypatch) -> list[int]:
-    """The prologue kind (skinny_linear.PLAIN, ADD_RMS_NORM, SILU_AND_MUL) of every skinny_linear launch of
-    this test, in order."""
+def record_launches(monkeypatch) -> list[tuple[int, bool]]:
+    """(prologue kind: skinny_linear.PLAIN or ADD_RMS_NORM, gated) of every skinny_linear launch of this
+    test, in order."""
     from fastllm.kernels import skinny_linear
 
-    kinds: list[int] = []
+    kinds: list[tuple[int, bool]] = []
     launch = skinny_linear.launch
 
     def recorded(*args, **kwargs):
-        kinds.append(kwargs.get("prologue", skinny_linear.Prologue()).kind)
+        kinds.append((kwargs.get("prologue", skinny_linear.Prologue()).kind, kwargs.get("gated", False)))
         return launch(*args, **kwargs)
     monkeypatch.setattr(skinny_linear, "launch", recorded)
     return kinds

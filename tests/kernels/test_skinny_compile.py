@@ -1,7 +1,8 @@
 """The weight-streaming kernels compiled for real GPUs on the CPU (Triton's own ptxas, no device): every
 launch config in their tables builds for sm_90 and fits the 99 KB of shared memory a block has on sm_89 (the
-smallest GPU FP8 runs on), split K builds in every variant, and so do the fused norm and SiLU loads on the
-one-row FMA configs. So do the kernels that quantize the e4m3
+smallest GPU FP8 runs on), split K builds in every variant, every config builds gated (gated_config's
+halved tiles, the SiLU in the epilogue), and so do the fused norm's loads on the one-row FMA configs, gated
+or not. So do the kernels that quantize the e4m3
 kernel's activations (the quantizer, with rows held in registers up to its widest and rows it loops over; the
 RMSNorm and SiLU-and-mul kernels' quantizing variants) and the e4m3 kernel's one row taking them. The
 interpreter runs the kernels' math in the other tests; this is what it cannot see: a construct the GPU
@@ -24,6 +25,7 @@ from fastllm.kernels import skinny_linear as S
 from tests.kernels.kernel_testing import compiles_in_a_child
 
 SM89_SHARED_BYTES = 99 * 1024
+SM90_SHARED_BYTES = 227 * 1024  # the H100's and H200's most a block may take
 _SHAPE_ARGS = {"num_rows": "i32", "n_out": "i32", "k_in": "i32", "stride_xm": "i32"}
 _SPLIT_ARGS = {"part_ptr": "*fp32", "counters_ptr": "*i32"}
 SPLIT_VARIANTS = [(S.Config(32, 256, 4, 3, True, split_k=4), 8), (S.Config(8, 1024, 4, 2, False, split_k=2), 1)]
@@ -37,7 +39,8 @@ def compile_for(capability: int, fn, signature: dict, constexprs: dict, cfg: S.C
     return kernel.metadata.shared
 
 
-def bf16_kernel(capability: int, cfg: S.Config, rows: int, prologue: int = S.PLAIN) -> int:
+def bf16_kernel(capability: int, cfg: S.Config, rows: int, prologue: int = S.PLAIN, gated: bool = False
+                ) -> int:
     dot = cfg.use_dot or rows > 1
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", **_SPLIT_ARGS,
                  **_SHAPE_ARGS, "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_out_ptr": "*bf16",
@@ -45,7 +48,7 @@ def bf16_kernel(capability: int, cfg: S.Config, rows: int, prologue: int = S.PLA
     constexprs = dict(HAS_BIAS=True, BLOCK_M=max(16, rows) if dot else 1, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, EVEN_K=True, USE_DOT=dot, SWAP_AB=dot and cfg.swap_ab,
                       SPLIT_K=cfg.split_k, USE_PDL=capability >= 90,
-                      PREFETCH_LINES=0, LINE=64, PROLOGUE=prologue)
+                      PREFETCH_LINES=0, LINE=64, PROLOGUE=prologue, GATED=gated)
     return compile_for(capability, S._skinny_linear_kernel, signature, constexprs, cfg)
 
 
@@ -85,6 +88,12 @@ def quantizing_norm_and_silu(capability: int) -> None:
     compile_for(capability, A._silu_and_mul_fp8_kernel, silu, constexprs, S.Config(0, 0, Q.num_warps(16384), 3))
 
 
+def gated_table() -> list[tuple[int, S.Config]]:
+    """(row bucket, config) of every config gated_config can return: the table's, gated, and its own."""
+    return sorted({(bucket, S.gated_tiles(cfg, bucket)) for bucket, cfg in table(S)}
+                  | {(bucket, cfg) for (bucket, _, _), cfg in S._GATED_TUNED.items()})
+
+
 def table(module) -> list[tuple[int, S.Config]]:
     """(row bucket, config) of every config the module's table can return."""
     tuned = {(bucket, cfg) for (bucket, _, _), cfg in module._TUNED.items()}
@@ -100,14 +109,19 @@ def check_all() -> None:
         for bucket, cfg in table(module):
             shared = kernel(89, cfg, bucket)
             assert shared <= SM89_SHARED_BYTES, (kernel.__name__, bucket, cfg, shared)
-            kernel(90, cfg, bucket)
+            assert kernel(90, cfg, bucket) <= SM90_SHARED_BYTES, (kernel.__name__, bucket, cfg)
         for cfg, rows in SPLIT_VARIANTS:
             kernel(90, cfg, rows)
-    for bucket, cfg in table(S):  # the fused norm's and SiLU's loads: the one-row FMA configs
+    for bucket, gated in gated_table():
+        assert bf16_kernel(89, gated, bucket, gated=True) <= SM89_SHARED_BYTES, (bucket, gated)
+        assert bf16_kernel(90, gated, bucket, gated=True) <= SM90_SHARED_BYTES, (bucket, gated)
+    for bucket, cfg in table(S):  # the fused norm's loads: the one-row FMA configs, gated or not
+        gated = S.gated_tiles(cfg, bucket)
         if bucket == 1 and not cfg.use_dot:
-            for prologue in (S.ADD_RMS_NORM, S.SILU_AND_MUL):
-                assert bf16_kernel(89, cfg, bucket, prologue) <= SM89_SHARED_BYTES, (bucket, cfg, prologue)
-                bf16_kernel(90, cfg, bucket, prologue)
+            for config, is_gated in ((cfg, False), (gated, True)):
+                shared = bf16_kernel(89, config, bucket, S.ADD_RMS_NORM, is_gated)
+                assert shared <= SM89_SHARED_BYTES, (bucket, cfg)
+                bf16_kernel(90, config, bucket, S.ADD_RMS_NORM, is_gated)
     for bucket, cfg in table(F):  # float32 outputs: the unswapped dot
         fp8_kernel(90, cfg, bucket, swap_ab=False)
     for one_pass in (True, False):
@@ -119,6 +133,7 @@ def check_all() -> None:
         fp8_kernel(capability, F._ONE_ROW_16BIT, 1, prequant=True)
     fused = 4 * sum(bucket == 1 and not cfg.use_dot for bucket, cfg in table(S))
     plain = sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)) + len(table(F)) + 14
+    plain += 2 * len(gated_table())
     print("compiled", plain + fused, "kernels")
 
 

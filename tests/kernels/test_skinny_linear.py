@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from fastllm.kernels import skinny_linear as S
 from fastllm.kernels import triton_impl
-from tests.kernels.kernel_testing import bucket_edges, gpu, record_prologues, rel_err
+from tests.kernels.kernel_testing import bucket_edges, gpu, record_launches, rel_err
 
 TOL = {torch.float16: 2e-3, torch.bfloat16: 8e-3}
 
@@ -133,10 +133,10 @@ def test_every_tuned_config_gpu(key):
         _check("cuda", torch.bfloat16, rows, n_out, k_in)
 
 
-# The fused prologues against their unfused pair: the norm's or SiLU's reference, then F.linear in float64.
+# The fused prologue and the gated epilogue against their unfused pair: the norm's or SiLU's reference, and
+# F.linear in float64.
 NORM_CONFIGS = [S.Config(16, 64, 4, 2, False), S.Config(8, 256, 8, 3, False)]
 NORM_IDS = ["fma-16x64", "fma-8x256"]
-SILU_CONFIGS, SILU_IDS = NORM_CONFIGS + [S.Config(16, 32, 4, 2, False, split_k=3)], NORM_IDS + ["fma-split3"]
 FUSED_SHAPES = [(40, 64), (100, 200), (64, 96), (33, 1000)]
 
 
@@ -187,87 +187,136 @@ def test_add_rms_norm_prologue_rounds_as_the_norm_kernel(device, n_out, k_in, cf
     assert rel_err(out, ref) <= 2 ** -12, (cfg, rel_err(out, ref))
 
 
+GATED_CONFIGS = [S.Config(16, 64, 4, 2, False), S.Config(16, 32, 4, 2, True),
+                 S.Config(64, 32, 4, 2, True, swap_ab=True), None]
+GATED_IDS = ["fma-one-row", "dot", "swapped", "chosen"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
 @pytest.mark.parametrize("n_out,k_in", FUSED_SHAPES)
-@pytest.mark.parametrize("cfg", SILU_CONFIGS, ids=SILU_IDS)
-def test_silu_and_mul_prologue_matches_the_activation_then_the_projection(device, dtype, n_out, k_in, cfg):
+@pytest.mark.parametrize("cfg", GATED_CONFIGS, ids=GATED_IDS)
+def test_gated_epilogue_matches_the_projection_then_the_activation(device, dtype, rows, n_out, k_in, cfg):
+    """silu(x @ gate^T) * (x @ up^T) of weight [gate; up] against float64 math. Its error: gate's and up's
+    each within the projection's bound, the product's within their sum, and fp16's two more roundings
+    (SiLU's output and the product, 2^-11 each at most)."""
     from fastllm.kernels import reference
 
-    rows = 1
-    x, w, b = _fused_inputs(device, dtype, rows, n_out, k_in, 2 * k_in)
+    x, w, _ = _fused_inputs(device, dtype, rows, 2 * n_out, k_in, k_in)
     x = x * 3  # gates well into SiLU's curve on both sides
-    bias = b if k_in % 3 else None
-    out = S.launch_silu_and_mul(x, w, bias, config=cfg)
-    ref = F.linear(reference.silu_and_mul(x).double(), w.double(), None if bias is None else bias.double())
-    assert rel_err(out, ref) <= tolerance(dtype, k_in), (cfg, rel_err(out, ref))
+    out = torch.full((rows, n_out), float("nan"), device=device, dtype=dtype)
+    assert S.launch(x, w, config=cfg, out=out, gated=True).data_ptr() == out.data_ptr()
+    ref = reference.silu_and_mul(F.linear(x.double(), w.double()))
+    bound = 2 * tolerance(dtype, k_in) + (2 * 2 ** -11 if dtype == torch.float16 else 0)
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= bound, (cfg, rel_err(out, ref))
 
 
-def test_prologues_refuse_the_dot_and_the_norm_split_k_and_the_ops_run_apart_there(device, monkeypatch):
-    """Prologues run on the one-row FMA path, the norm's unsplit (program 0 alone stores x + residual):
-    other configs are refused, and the fused ops run apart where the table chooses them, and for weights
-    over SMALL_WEIGHT_BYTES."""
+@pytest.mark.parametrize("rows,cfg", [(1, S.Config(16, 64, 4, 2, False)), (1, S.Config(8, 256, 8, 3, False)),
+                                      (2, S.Config(16, 32, 4, 2, True))],
+                         ids=["fma-16x64", "fma-8x256", "dot"])
+def test_gated_epilogue_gives_the_unfused_pairs_bits(device, rows, cfg):
+    """bf16 (the FMA path's, and the interpreter's dot in float32): the gated launch against the same
+    config's projection into [rows, 2N] and the SiLU kernel: the same sums a column, rounded where the pair
+    rounds. On the GPU: test_gated_and_fused_prologue_gpu."""
+    from fastllm.kernels.silu_and_mul import silu_and_mul
+
+    dtype = torch.bfloat16 if not cfg.use_dot else torch.float32  # (the interpreter's bf16 tl.dot is wrong)
+    for n_out, k_in in FUSED_SHAPES:
+        x, w, _ = _fused_inputs(device, dtype, rows, 2 * n_out, k_in, k_in)
+        pair = silu_and_mul(torch.cat([S.launch(x, half, config=cfg) for half in w.chunk(2)], dim=1))
+        assert torch.equal(S.launch(x, w, config=cfg, gated=True), pair), (n_out, k_in)
+
+
+def test_gated_config_halves_the_projections_tile_width_down_to_its_paths_narrowest(monkeypatch):
+    for key, cfg in {(1, 96, 64): S.Config(16, 64, 4, 2, False), (8, 96, 64): S.Config(32, 64, 4, 2),
+                     (16, 96, 64): S.Config(16, 64, 4, 2), (32, 96, 64): S.Config(64, 64, 4, 2, swap_ab=True),
+                     (64, 96, 64): S.Config(128, 64, 4, 2, split_k=2, swap_ab=True)}.items():
+        monkeypatch.setitem(S._TUNED, key, cfg)
+    assert [S.gated_config(rows, 48, 64).block_n for rows in (1, 8, 16, 32, 64)] == [8, 16, 16, 64, 64]
+    assert S.gated_config(32, 48, 64).block_k == 32  # (too narrow to halve: half as deep)
+    assert S.gated_config(64, 48, 64).split_k == 1
+    own = S.Config(32, 32, 4, 3)
+    monkeypatch.setitem(S._GATED_TUNED, (8, 96, 64), own)
+    assert S.gated_config(8, 48, 64) == own and S.gated_config(8, 48, 64, 4) == own._replace(block_k=16)
+
+
+def test_gated_launches_past_32_rows_take_the_kernel_where_either_table_has_the_shape(monkeypatch):
+    monkeypatch.setitem(S._GATED_TUNED, (64, 96, 64), S.Config(64, 32, 4, 2, swap_ab=True))
+    assert S.measured_there(40, 96, 64, gated=True) and not S.measured_there(40, 96, 64)
+    assert not S.measured_there(40, 96, 80, gated=True)
+
+
+def test_the_prologue_refuses_the_dot_and_split_k_and_the_fused_ops_run_apart_there(device, monkeypatch):
+    """The norm's prologue runs on the one-row FMA path, unsplit (program 0 alone stores x + residual), and
+    gated launches unsplit: other configs are refused, and the fused ops run apart where the table chooses
+    them, and for weights over SMALL_WEIGHT_BYTES."""
     x, w = torch.randn(1, 64, device=device), torch.randn(8, 64, device=device)
     norm_w = torch.ones(64, device=device)
     with pytest.raises(AssertionError, match="unsplit"):
         S.launch_add_rms_norm(x, x, norm_w, 1e-6, w, config=S.Config(8, 32, 4, 2, False, split_k=2))
-    for rows, cfg in ((1, S.Config(16, 32, 4, 2, True)), (2, S.Config(8, 32, 4, 2, False))):
-        with pytest.raises(AssertionError, match="FMA"):
-            S.launch_silu_and_mul(torch.randn(rows, 128, device=device), w, config=cfg)
-    assert S._fuses("add_rms_norm_linear", x, w, x, norm_w) and S._fuses("silu_and_mul_linear", x, w)
+    with pytest.raises(AssertionError, match="unsplit"):
+        S.launch(x, w, config=S.Config(8, 32, 4, 2, False, split_k=2), gated=True)
+    with pytest.raises(AssertionError, match="FMA"):
+        S.launch_add_rms_norm(x, x, norm_w, 1e-6, w, config=S.Config(16, 32, 4, 2, True))
+    with pytest.raises(AssertionError, match="no bias"):
+        S.launch(x, w, torch.zeros(8, device=device), gated=True)
+    fuses = lambda: (S._fuses("add_rms_norm_linear", x, w, x, norm_w),  # noqa: E731
+                     S._fuses("add_rms_norm_gated_linear", x, w, x, norm_w, gated=True))
+    assert fuses() == (True, True)
     monkeypatch.setitem(S._TUNED, (1, 8, 64), S.Config(8, 32, 4, 2, False, split_k=2))
-    assert not S._fuses("add_rms_norm_linear", x, w, x, norm_w) and S._fuses("silu_and_mul_linear", x, w)
+    assert fuses() == (False, True)  # (gated launches drop the split)
     monkeypatch.setitem(S._TUNED, (1, 8, 64), S.Config(16, 32, 4, 2, True))
-    assert not S._fuses("add_rms_norm_linear", x, w, x, norm_w) and not S._fuses("silu_and_mul_linear", x, w)
+    assert fuses() == (False, False)
     monkeypatch.delitem(S._TUNED, (1, 8, 64))
     monkeypatch.setattr(S, "SMALL_WEIGHT_BYTES", w.numel() * w.element_size() - 1)  # not latency-bound
-    assert not S._fuses("add_rms_norm_linear", x, w, x, norm_w) and not S._fuses("silu_and_mul_linear", x, w)
+    assert fuses() == (False, False)
 
 
-def test_fused_ops_take_one_launch_at_decode_rows_and_two_above(device, monkeypatch, caplog):
-    """add_rms_norm_linear / silu_and_mul_linear: the prologue kernel at one row, else the norm's or SiLU's
-    kernel and the projection, said once in the log; the same results either way."""
+def test_fused_ops_take_one_launch_at_decode_rows_and_more_above(device, monkeypatch, caplog):
+    """add_rms_norm_linear / add_rms_norm_gated_linear: the prologue kernel at one row, else the norm's kernel
+    and the projection, said once in the log; gated_linear one gated launch up to MAX_ROWS, cuBLAS and the
+    SiLU kernel above; the same results either way."""
     import logging
 
     from fastllm.kernels import reference
 
-    launches = record_prologues(monkeypatch)
-    w_qkv, w_down = torch.randn(48, 64, device=device), torch.randn(64, 32, device=device)
+    launches = record_launches(monkeypatch)
+    w_qkv, w_gate_up = torch.randn(48, 64, device=device), torch.randn(64, 64, device=device)
     norm_w = torch.rand(64, device=device) + 0.5
     caplog.set_level(logging.INFO, logger="fastllm.kernels")
     monkeypatch.setattr(S, "_logged", set())  # (logged once a process: maybe by an earlier test)
-    for rows in (1, 2):
+    for rows in (1, 2, S.MAX_ROWS + 1):
         launches.clear()
-        x, residual, gate_up = (torch.randn(rows, 64, device=device), torch.randn(rows, 64, device=device),
-                                torch.randn(rows, 64, device=device))
+        x, residual = torch.randn(rows, 64, device=device), torch.randn(rows, 64, device=device)
         out, res = triton_impl("add_rms_norm_linear")(x, residual, norm_w, 1e-6, w_qkv, None)
         ref, ref_res = reference.add_rms_norm_linear(x, residual, norm_w, 1e-6, w_qkv, None)
         assert torch.equal(res, ref_res) and rel_err(out, ref.double()) <= tolerance(torch.float32, 64)
-        down = triton_impl("silu_and_mul_linear")(gate_up, w_down, None)
-        assert rel_err(down, reference.silu_and_mul_linear(gate_up, w_down, None).double()) <= 1e-6
-        fused = rows == 1
-        want = [S.ADD_RMS_NORM, S.SILU_AND_MUL] if fused else [S.PLAIN, S.PLAIN]
+        act, res = triton_impl("add_rms_norm_gated_linear")(x, residual, norm_w, 1e-6, w_gate_up)
+        ref, ref_res = reference.add_rms_norm_gated_linear(x, residual, norm_w, 1e-6, w_gate_up)
+        assert torch.equal(res, ref_res) and rel_err(act, ref.double()) <= 2 * tolerance(torch.float32, 64)
+        act = triton_impl("gated_linear")(x, w_gate_up)
+        assert rel_err(act, reference.gated_linear(x, w_gate_up).double()) <= 2 * tolerance(torch.float32, 64)
+        norm, plain, gated = (S.ADD_RMS_NORM, False), (S.PLAIN, False), (S.PLAIN, True)
+        want = {1: [norm, (S.ADD_RMS_NORM, True), gated], 2: [plain, gated, gated]}.get(rows, [])
         assert launches == want, (rows, launches)
     assert "two launches for batches of more than one row" in caplog.text
+    assert f"cuBLAS for batches of more than {S.MAX_ROWS} rows" in caplog.text
 
 
 @gpu
 @pytest.mark.parametrize("n_out,k_in", [(4096, 1024), (6144, 1024), (1024, 2048), (1024, 3072), (6144, 4096),
                                         (4096, 12288), (4096, 14336)])
-def test_fused_prologues_gpu(n_out, k_in):
-    """bf16, one row, the chosen configs at Qwen3-0.6B's and the 8B models' shapes, against the unfused pair
-    (the norm's or SiLU's kernel, then the same config): SiLU-and-mul's prologue gives the pair's bits (the
-    same elementwise math, then the same sums), and x + residual is bitwise the norm kernel's. The norm's
-    tiles round as the norm kernel's do, but its rms sums h^2 a tile at a time, not in one reduction: one
-    fp32 ulp of 1 / rms can move a few h / rms across a bf16 rounding, each moving an output by ~2^-8 of one
-    product (2^-16 of the output here), far below the 2^-8 that rounding w * h rather than w * (h / rms)
-    (the prologue before) gave."""
+def test_fused_prologue_gpu(n_out, k_in):
+    """bf16, one row, the chosen configs at Qwen3-0.6B's and the 8B models' shapes, against the norm kernel
+    and then the same config: x + residual is bitwise the norm kernel's. The norm's tiles round as the norm
+    kernel's do, but its rms sums h^2 a tile at a time, not in one reduction: one fp32 ulp of 1 / rms can
+    move a few h / rms across a bf16 rounding, each moving an output by ~2^-8 of one product (2^-16 of the
+    output here), far below the 2^-8 that rounding w * h rather than w * (h / rms) (the prologue before)
+    gave."""
     from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm
-    from fastllm.kernels.silu_and_mul import silu_and_mul
 
     x, w, b = _fused_inputs("cuda", torch.bfloat16, 1, n_out, k_in, 2 * k_in)
     cfg = S.choose_config(1, n_out, k_in)._replace(use_dot=False, split_k=1)  # (the 8B's gate_up: a dot)
-    out = S.launch_silu_and_mul(x, w, b, config=cfg)
-    assert torch.equal(out, S.launch(silu_and_mul(x), w, b, config=cfg))
     h, residual = x[:, :k_in].contiguous(), x[:, k_in:].contiguous()
     norm_w = (1 + torch.randn(k_in, device="cuda") / 4).to(torch.bfloat16)
     out, res_out = S.launch_add_rms_norm(h, residual, norm_w, 1e-6, w, b, config=cfg)
@@ -275,3 +324,60 @@ def test_fused_prologues_gpu(n_out, k_in):
     assert torch.equal(res_out, ref_res)
     ref = S.launch(normed, w, b, config=cfg)
     assert rel_err(out, ref) <= 2 ** -12, rel_err(out, ref)
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 16, 32, 40])
+@pytest.mark.parametrize("n_out,k_in", [(3072, 1024), (12288, 4096), (14336, 4096), (1000, 1000)])
+def test_gated_epilogue_gpu(rows, n_out, k_in):
+    """bf16 at the gate/up shapes of Qwen3-0.6B, Qwen3-8B and Llama-3.1-8B: the chosen gated config against
+    the same config's projection into [rows, 2N] and the SiLU kernel, bit for bit (the same dots a column,
+    rounded where the pair rounds), and against float64 math. Where the table has no gated config past 32
+    rows (gated_linear hands those to cuBLAS) the bucket's default runs."""
+    from fastllm.kernels import reference
+    from fastllm.kernels.silu_and_mul import silu_and_mul
+
+    x, w, _ = _fused_inputs("cuda", torch.bfloat16, rows, 2 * n_out, k_in, k_in)
+    cfg = S.gated_config(rows, n_out, k_in)
+    out = S.launch(x * 3, w, config=cfg, gated=True)
+    pair = silu_and_mul(torch.cat([S.launch(x * 3, half, config=cfg) for half in w.chunk(2)], dim=1))
+    assert torch.equal(out, pair)
+    ref = reference.silu_and_mul(F.linear((x * 3).double(), w.double()))
+    assert rel_err(out, ref) <= 2 * TOL[torch.bfloat16] + 2 * 2 ** -9, rel_err(out, ref)
+
+
+@gpu
+@pytest.mark.parametrize("key", sorted(S._GATED_TUNED), ids=lambda key: "x".join(map(str, key)))
+def test_every_gated_tuned_config_gpu(key):
+    """Each config of the gated table at the smallest and largest row count of its bucket, against the
+    projection's launch with the same config and the SiLU kernel (bit for bit) and float64 math."""
+    from fastllm.kernels import reference
+    from fastllm.kernels.silu_and_mul import silu_and_mul
+
+    bucket, n_gate_up, k_in = key
+    for rows in bucket_edges(bucket):
+        x, w, _ = _fused_inputs("cuda", torch.bfloat16, rows, n_gate_up, k_in, k_in)
+        cfg = S.gated_config(rows, n_gate_up // 2, k_in)
+        assert cfg == S._GATED_TUNED[key]
+        out = S.launch(x * 3, w, gated=True)
+        pair = silu_and_mul(torch.cat([S.launch(x * 3, half, config=cfg) for half in w.chunk(2)], dim=1))
+        assert torch.equal(out, pair), rows
+        ref = reference.silu_and_mul(F.linear((x * 3).double(), w.double()))
+        assert rel_err(out, ref) <= 2 * TOL[torch.bfloat16] + 2 * 2 ** -9, (rows, rel_err(out, ref))
+
+
+@gpu
+def test_fused_norm_and_gated_epilogue_gpu():
+    """Qwen3-0.6B's gate/up at one row, the norm in its loads and the SiLU in its epilogue, against the norm
+    kernel then the gated launch of the same config (the rms's sum order apart, as
+    test_fused_prologue_gpu)."""
+    from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm
+
+    x, w, _ = _fused_inputs("cuda", torch.bfloat16, 1, 6144, 1024, 2048)
+    h, residual = x[:, :1024].contiguous(), x[:, 1024:].contiguous()
+    norm_w = (1 + torch.randn(1024, device="cuda") / 4).to(torch.bfloat16)
+    assert S._fuses("add_rms_norm_gated_linear", h, w, residual, norm_w, gated=True)
+    out, _ = S.add_rms_norm_gated_linear(h, residual, norm_w, 1e-6, w)
+    normed, _ = fused_add_rms_norm(h, residual, norm_w, 1e-6)
+    ref = S.launch(normed, w, gated=True)
+    assert rel_err(out, ref) <= 2 ** -11, rel_err(out, ref)
