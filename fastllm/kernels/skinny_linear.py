@@ -420,10 +420,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         assert residual_out.shape == x.shape and residual_out.dtype == x.dtype
         assert residual_out.is_contiguous()
         assert norm_weight.shape == (k_in,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
-    if config is None:
-        chooser = gated_config if gated else choose_config
-        config = chooser(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
-    cfg = config
+    chooser = gated_config if gated else choose_config
+    cfg = config or chooser(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
     assert prologue.kind == PLAIN or not use_dot, "prologues run on the one-row FMA path"
     assert prologue.kind != ADD_RMS_NORM or cfg.split_k == 1, "the norm's prologue runs unsplit"
