@@ -7,6 +7,7 @@
     python benchmarks/kernels/tune_skinny_linear.py chain --fp8           # the step with e4m3 projections
     python benchmarks/kernels/tune_skinny_linear.py shapes --split-k 1,2,4  # K split over 1, 2, 4 programs
     python benchmarks/kernels/tune_skinny_linear.py shapes --shapes o,down  # only these projections
+    python benchmarks/kernels/tune_skinny_linear.py shapes --gated        # gate_up, the SiLU in its epilogue
 
 Results go to $OUT/skinny_<phase>.jsonl (or /tmp), one JSON line each, as they are measured.
 
@@ -16,6 +17,9 @@ shapes: per shape (qkv, o, gate_up, down, lm_head) and row count, cuBLAS F.linea
   and the table.
   --fp8: the e4m3 weight-streaming kernel (fp8_skinny_linear.py) over e4m3 weights, its configs with twice
   the BLOCK_K (the same bytes a load as bf16's), against cuBLAS bf16 and torch._scaled_mm.
+  --gated: gate_up as a gated launch (silu(gate) * up in the epilogue), the table's gated config and every
+  config of the sweep (unsplit), against cuBLAS and the projection's own config, each with the SiLU kernel
+  after it; skinny_linear._GATED_TUNED holds the results.
 chain: the 32 layers' projections of one decode step with their norms and SiLU (attention left out) and
   the final norm + lm_head, as one CUDA graph: our norm / SiLU kernels with cuBLAS against the same with
   skinny_linear (configs from --table, a shapes run's jsonl, else choose_config), with and without PDL
@@ -111,7 +115,7 @@ def emit(out, row: dict) -> None:
 
 
 def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False,
-               splits: tuple[int, ...] = (1,)) -> None:
+               splits: tuple[int, ...] = (1,), gated: bool = False) -> None:
     for name, (n, k) in shapes.items():
         nbytes = 1 if fp8 else 2
         copies = max(2, (400 << 20) // (n * k * nbytes))
@@ -121,24 +125,30 @@ def run_shapes(shapes: dict, rows_list: list[int], out, fp8: bool = False,
             quantized = [(w / s[:, None].to(DT)).to(torch.float8_e4m3fn) for w, s in zip(weights, scales)]
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", dtype=DT)
-            row = {"shape": name, "rows": rows, "fp8": fp8,
-                   "cublas_us": graph_us(lambda: [F.linear(x, w) for w in weights], copies)}
+            act = silu_and_mul if gated else (lambda y: y)  # (the SiLU kernel after the unfused projections)
+            row = {"shape": name, "rows": rows, "fp8": fp8, "gated": gated,
+                   "cublas_us": graph_us(lambda: [act(F.linear(x, w)) for w in weights], copies)}
             if fp8:
                 def scaled_mm():
                     q, x_scale = quantize_fp8_per_token(x)
                     return [torch._scaled_mm(q, w.t(), scale_a=x_scale, scale_b=s.view(1, -1), out_dtype=DT)
                             for w, s in zip(quantized, scales)]
                 row["scaled_mm_us"] = graph_us(scaled_mm, copies)
-            if not fp8:  # the table's choice, the sweep's baseline
-                chosen = S.choose_config(rows, n, k)
-                row["chosen_us"] = graph_us(lambda: [S.launch(x, w, config=chosen) for w in weights], copies)
+            if not fp8:  # the table's choice, the sweep's baseline (gated: the pair's too)
+                chosen = S.gated_config(rows, n // 2, k) if gated else S.choose_config(rows, n, k)
+                run = lambda: [S.launch(x, w, config=chosen, gated=gated) for w in weights]  # noqa: E731
+                row["chosen_us"] = graph_us(run, copies)
                 row["chosen_cfg"] = list(chosen)
+                if gated:
+                    pair = S.choose_config(rows, n, k)
+                    run = lambda: [act(S.launch(x, w, config=pair)) for w in weights]  # noqa: E731
+                    row["pair_us"] = graph_us(run, copies)
             timed = []
             for cfg in configs(rows, nbytes, splits):
                 if fp8:
                     run = lambda: [fp8_skinny_linear.launch(x, q, s, config=cfg) for q, s in zip(quantized, scales)]  # noqa: E731
                 else:
-                    run = lambda: [S.launch(x, w, config=cfg) for w in weights]  # noqa: E731
+                    run = lambda: [S.launch(x, w, config=cfg, gated=gated) for w in weights]  # noqa: E731
                 try:
                     timed.append((graph_us(run, copies), cfg))
                 except Exception as e:  # out of shared memory / registers: skip the config
@@ -246,6 +256,8 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="the e4m3 kernel (fp8_skinny_linear.py)")
     parser.add_argument("--split-k", default="1", help="shapes: splits of K to sweep, e.g. 1,2,4 (default 1)")
     parser.add_argument("--shapes", help="shapes: only these projections, e.g. o,down (default: all five)")
+    parser.add_argument("--gated", action="store_true", help="shapes: gate_up as a gated launch (the SiLU in "
+                        "its epilogue)")
     parser.add_argument("--max-stages", type=int, help="chain: at most this many pipeline stages a config (a "
                         "program then leaves the next kernel's room in shared memory to start beside it)")
     args = parser.parse_args()
@@ -257,6 +269,12 @@ def main() -> None:
             table[(r["shape"], r["rows"])] = S.Config(*r["best_cfg"])
     if args.max_stages is not None and args.phase != "chain":
         parser.error("--max-stages caps the chain's configs only")
+    if args.gated and (args.phase != "shapes" or args.fp8 or args.split_k != "1"
+                       or args.shapes not in (None, "gate_up")):
+        parser.error("--gated sweeps gate_up's bf16 shapes, unsplit (phase shapes; no --fp8, --split-k or "
+                     "other --shapes)")
+    if args.gated:
+        args.shapes = "gate_up"
     shapes, num_layers = model_shapes(args.model)
     if args.shapes:
         unknown = set(args.shapes.split(",")) - set(shapes)
@@ -264,10 +282,12 @@ def main() -> None:
             parser.error(f"--shapes: unknown projections {sorted(unknown)}; known: {sorted(shapes)}")
         shapes = {name: shapes[name] for name in args.shapes.split(",")}
     tag = Path(resolve_model_path(args.model)).name.lower()
-    path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}_{tag}{'_fp8' if args.fp8 else ''}.jsonl"
+    variant = "_fp8" if args.fp8 else "_gated" if args.gated else ""
+    path = Path(os.environ.get("OUT", "/tmp")) / f"skinny_{args.phase}_{tag}{variant}.jsonl"
     with open(path, "w") as out:
         if args.phase == "shapes":
-            run_shapes(shapes, rows_list, out, args.fp8, tuple(int(k) for k in args.split_k.split(",")))
+            splits = tuple(int(k) for k in args.split_k.split(","))
+            run_shapes(shapes, rows_list, out, args.fp8, splits, args.gated)
         else:
             run_chain(shapes, num_layers, rows_list, table, out, args.fp8, args.max_stages)
 
