@@ -347,7 +347,7 @@ def adapted(cfg: Config, n_out: int, k_in: int, element_size: int, triggers: boo
 # Gated launches' own configs where the projection's, gated (gated_tiles), lost by 3% or more, and at 33-64
 # rows where they beat cuBLAS and the SiLU kernel: (row bucket, 2N, K) -> the config of the gated launch
 # (BLOCK_N columns of each half). H200, a sweep at Qwen3-0.6B's, Qwen3-8B's and Llama-3.1-8B's gate/up
-# (README, "Kernel choices").
+# (README, "Kernel choices"; tune_skinny_linear.py shapes --gated re-measures them).
 _GATED_TUNED = {
     (1, 28672, 4096): Config(32, 256, 4, 3), (8, 28672, 4096): Config(64, 128, 4, 4, swap_ab=True),
     (32, 6144, 1024): Config(64, 128, 4, 5, swap_ab=True), (64, 6144, 1024): Config(32, 128, 4, 5),
