@@ -420,8 +420,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         assert residual_out.shape == x.shape and residual_out.dtype == x.dtype
         assert residual_out.is_contiguous()
         assert norm_weight.shape == (k_in,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
-    chooser = gated_config if gated else choose_config
-    cfg = config or chooser(num_rows, n_out, k_in, x.element_size(), pdl.triggers(x.device))
+    cfg = config or launch_config(x, weight, gated)
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
     assert prologue.kind == PLAIN or not use_dot, "prologues run on the one-row FMA path"
     assert prologue.kind != ADD_RMS_NORM or cfg.split_k == 1, "the norm's prologue runs unsplit"
@@ -439,6 +438,14 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         **pdl.launch_options(x.device), PROLOGUE=prologue.kind, GATED=gated,
     )
     return out
+
+
+def launch_config(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> Config:
+    """The tables' config for a launch on x [rows, K] and weight ([gate; up] when gated)."""
+    n_out, k_in = weight.shape
+    if gated:
+        return gated_config(x.shape[0], n_out // 2, k_in, x.element_size(), pdl.triggers(x.device))
+    return choose_config(x.shape[0], n_out, k_in, x.element_size(), pdl.triggers(x.device))
 
 
 def launch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -502,8 +509,7 @@ def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Te
     if not _skinny(x, weight, gated):
         return False
     why = None
-    cfg = (gated_config(x.shape[0], weight.shape[0] // 2, weight.shape[1], x.element_size()) if gated
-           else choose_config(x.shape[0], *weight.shape, x.element_size()))
+    cfg = launch_config(x, weight, gated)
     if x.shape[0] > 1:
         why = "batches of more than one row"
     elif weight.numel() * weight.element_size() > SMALL_WEIGHT_BYTES:
