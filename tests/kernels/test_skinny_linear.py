@@ -187,6 +187,14 @@ def test_add_rms_norm_prologue_rounds_as_the_norm_kernel(device, n_out, k_in, cf
     assert rel_err(out, ref) <= 2 ** -12, (cfg, rel_err(out, ref))
 
 
+def unfused_pair(x, w, cfg):
+    """The gated launch's unfused pair: the projection of each half of w = [gate; up] with cfg, then the SiLU
+    kernel."""
+    from fastllm.kernels.silu_and_mul import silu_and_mul
+
+    return silu_and_mul(torch.cat([S.launch(x, half, config=cfg) for half in w.chunk(2)], dim=1))
+
+
 GATED_CONFIGS = [S.Config(16, 64, 4, 2, False), S.Config(16, 32, 4, 2, True),
                  S.Config(64, 32, 4, 2, True, swap_ab=True), None]
 GATED_IDS = ["fma-one-row", "dot", "swapped", "chosen"]
@@ -218,13 +226,10 @@ def test_gated_epilogue_gives_the_unfused_pairs_bits(device, rows, cfg):
     """bf16 (the FMA path's, and the interpreter's dot in float32): the gated launch against the same
     config's projection into [rows, 2N] and the SiLU kernel: the same sums a column, rounded where the pair
     rounds. On the GPU: test_gated_and_fused_prologue_gpu."""
-    from fastllm.kernels.silu_and_mul import silu_and_mul
-
     dtype = torch.bfloat16 if not cfg.use_dot else torch.float32  # (the interpreter's bf16 tl.dot is wrong)
     for n_out, k_in in FUSED_SHAPES:
         x, w, _ = _fused_inputs(device, dtype, rows, 2 * n_out, k_in, k_in)
-        pair = silu_and_mul(torch.cat([S.launch(x, half, config=cfg) for half in w.chunk(2)], dim=1))
-        assert torch.equal(S.launch(x, w, config=cfg, gated=True), pair), (n_out, k_in)
+        assert torch.equal(S.launch(x, w, config=cfg, gated=True), unfused_pair(x, w, cfg)), (n_out, k_in)
 
 
 def test_gated_config_halves_the_projections_tile_width_down_to_its_paths_narrowest(monkeypatch):
@@ -335,13 +340,11 @@ def test_gated_epilogue_gpu(rows, n_out, k_in):
     rounded where the pair rounds), and against float64 math. Where the table has no gated config past 32
     rows (gated_linear hands those to cuBLAS) the bucket's default runs."""
     from fastllm.kernels import reference
-    from fastllm.kernels.silu_and_mul import silu_and_mul
 
     x, w, _ = _fused_inputs("cuda", torch.bfloat16, rows, 2 * n_out, k_in, k_in)
     cfg = S.gated_config(rows, n_out, k_in)
     out = S.launch(x * 3, w, config=cfg, gated=True)
-    pair = silu_and_mul(torch.cat([S.launch(x * 3, half, config=cfg) for half in w.chunk(2)], dim=1))
-    assert torch.equal(out, pair)
+    assert torch.equal(out, unfused_pair(x * 3, w, cfg))
     ref = reference.silu_and_mul(F.linear((x * 3).double(), w.double()))
     assert rel_err(out, ref) <= 2 * TOL[torch.bfloat16] + 2 * 2 ** -9, rel_err(out, ref)
 
@@ -352,7 +355,6 @@ def test_every_gated_tuned_config_gpu(key):
     """Each config of the gated table at the smallest and largest row count of its bucket, against the
     projection's launch with the same config and the SiLU kernel (bit for bit) and float64 math."""
     from fastllm.kernels import reference
-    from fastllm.kernels.silu_and_mul import silu_and_mul
 
     bucket, n_gate_up, k_in = key
     for rows in bucket_edges(bucket):
@@ -360,8 +362,7 @@ def test_every_gated_tuned_config_gpu(key):
         cfg = S.gated_config(rows, n_gate_up // 2, k_in)
         assert cfg == S._GATED_TUNED[key]
         out = S.launch(x * 3, w, gated=True)
-        pair = silu_and_mul(torch.cat([S.launch(x * 3, half, config=cfg) for half in w.chunk(2)], dim=1))
-        assert torch.equal(out, pair), rows
+        assert torch.equal(out, unfused_pair(x * 3, w, cfg)), rows
         ref = reference.silu_and_mul(F.linear((x * 3).double(), w.double()))
         assert rel_err(out, ref) <= 2 * TOL[torch.bfloat16] + 2 * 2 ** -9, (rows, rel_err(out, ref))
 
