@@ -160,5 +160,9 @@ def test_dummy_llama_8b_fp8_compiled_vs_eager_and_its_memory():
         del llm, worker, model
         gc.collect()
         torch.cuda.empty_cache()
-    # bf16's test allows 5% of these logprobs (~ -12): 0.6
-    compare_greedy(results[True], results[False], 0.6, "Llama-3.1-8B FP8 compiled vs eager")
+    # Compiled and eager round differently (Inductor's fusions, a mixed step's CUDA graph): bf16's test
+    # allows 5% of a logprob, ~0.3 at these (-6 to -7), which bounds 90% of them here. An e4m3 activation
+    # flipped by that rounding moves a position by up to MAX_LOGPROB_ERR (the CPU measures it: top of this
+    # file); the prompts of 64 and 128 tokens meet one (H200: 0.66 at a fourth token, p90 0.10).
+    compare_greedy(results[True], results[False], MAX_LOGPROB_ERR, "Llama-3.1-8B FP8 compiled vs eager",
+                   p90_err=0.3)
