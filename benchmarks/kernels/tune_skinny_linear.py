@@ -24,9 +24,10 @@ chain: the 32 layers' projections of one decode step with their norms and SiLU (
   the final norm + lm_head, as one CUDA graph: our norm / SiLU kernels with cuBLAS against the same with
   skinny_linear (configs from --table, a shapes run's jsonl, else choose_config), with and without PDL
   early triggers (FASTLLM_PDL=trigger: all our kernels) and the L2 weight prefetch (CHAIN_VARIANTS).
-  The fused columns: the model's fused ops (add_rms_norm_linear and add_rms_norm_gated_linear: the norm in
-  the loads of the projection after it where they fuse, the SiLU in gate_up's epilogue), plain PDL and
-  triggers.
+  The fused columns: the unfolded model's fused ops (add_rms_norm_linear and add_rms_norm_gated_linear:
+  the norm in the loads of the projection after it where they fuse, the SiLU in gate_up's epilogue), plain
+  PDL and triggers; the folded columns: the model's ops with its norms folded (qkv and gate/up scaled by 1 /
+  rms, o and down adding the residual stream in their epilogues: no norm or add launches).
   --fp8: e4m3 projections (the quantizing norms and SiLU before them, o's input quantized by its own
   launch above one row, as the FP8 model runs them) and the bf16 lm_head; no cuBLAS column.
   --max-stages N caps every config's pipeline stages, to test whether shared memory kept the next
@@ -201,6 +202,16 @@ def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, 
             h = S.linear(act, layer["down"], None)
         S.launch(fused_add_rms_norm(h, res, nw, EPS)[0], lm_head)  # as the model: the lm_head unfused
 
+    def folded_step(layers, hidden):
+        """step() as a model with folded norms runs it: qkv and gate/up scale by 1 / rms (the norm's weight
+        in their columns: a unit one here), o and down add the residual stream in their epilogues."""
+        h = hidden
+        for layer in layers:
+            qkv = S.rms_norm_folded_linear(h, layer["qkv"], None, EPS)
+            h = S.linear_add(qkv[:, :q_size].contiguous(), layer["o"], None, h)
+            h = S.linear_add(S.rms_norm_folded_gated_linear(h, layer["gate_up"], EPS), layer["down"], None, h)
+        S.launch(fused_add_rms_norm(h, h, nw, EPS)[0], lm_head)
+
     for rows in rows_list:
         hidden = rand(rows, hidden_size)
 
@@ -238,6 +249,8 @@ def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, 
             for trigger in (False, True):
                 set_pdl("trigger" if trigger else "1")
                 row[f"fused_trigger{int(trigger)}_ms"] = graph_us(lambda: fused_step(layers, hidden), 1) / 1e3
+                folded_ms = graph_us(lambda: folded_step(layers, hidden), 1) / 1e3
+                row[f"folded_trigger{int(trigger)}_ms"] = folded_ms
         set_pdl("1")
         emit(out, row)
 

@@ -97,6 +97,40 @@ def _(x, residual, norm_weight, eps, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2)), torch.empty_like(x)
 
 
+@torch.library.custom_op("fastllm::rms_norm_folded_linear", mutates_args=())
+def rms_norm_folded_linear(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    """linear(rms_norm(x)) for a weight that carries the norm's weight: one launch at decode rows (each row's
+    1 / rms applied to the sums: kernels/skinny_linear.py)."""
+    return kernels.rms_norm_folded_linear(x, weight, bias, eps)
+
+
+@rms_norm_folded_linear.register_fake
+def _(x, weight, bias, eps):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("fastllm::rms_norm_folded_gated_linear", mutates_args=())
+def rms_norm_folded_gated_linear(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """gated_linear(rms_norm(x)) for a [gate; up] weight that carries the norm's weight."""
+    return kernels.rms_norm_folded_gated_linear(x, weight, eps)
+
+
+@rms_norm_folded_gated_linear.register_fake
+def _(x, weight, eps):
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+@torch.library.custom_op("fastllm::linear_add", mutates_args=())
+def linear_add(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    """linear(x) + residual: a projection onto the residual stream, the add in its epilogue at decode rows."""
+    return kernels.linear_add(x, weight, bias, residual)
+
+
+@linear_add.register_fake
+def _(x, weight, bias, residual):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 @torch.library.custom_op("fastllm::fp8_linear", mutates_args=())
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,
                input_scale: Tensor | None) -> Tensor:

@@ -37,6 +37,9 @@ KERNEL_NAMES = (
     "add_rms_norm_linear",
     "gated_linear",
     "add_rms_norm_gated_linear",
+    "rms_norm_folded_linear",
+    "rms_norm_folded_gated_linear",
+    "linear_add",
     "cascade_prefix_attention",
     "merge_attn_states",
     "cascade_decode_attention",
@@ -61,6 +64,9 @@ _MODULE = {  # op -> fastllm.kernels.<module> holding its Triton launcher
     "add_rms_norm_linear": "skinny_linear",
     "gated_linear": "skinny_linear",
     "add_rms_norm_gated_linear": "skinny_linear",
+    "rms_norm_folded_linear": "skinny_linear",
+    "rms_norm_folded_gated_linear": "skinny_linear",
+    "linear_add": "skinny_linear",
     "cascade_prefix_attention": "cascade_attention",
     "merge_attn_states": "merge_attn_states",
     "cascade_decode_attention": "cascade_attention",
@@ -241,6 +247,18 @@ def gated_linear(x: Tensor, weight: Tensor) -> Tensor:
 def add_rms_norm_gated_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, eps: float, weight: Tensor
                               ) -> tuple[Tensor, Tensor]:
     return _select("add_rms_norm_gated_linear", x.device)(x, residual, norm_weight, eps, weight)
+
+
+def rms_norm_folded_linear(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
+    return _select("rms_norm_folded_linear", x.device)(x, weight, bias, eps)
+
+
+def rms_norm_folded_gated_linear(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return _select("rms_norm_folded_gated_linear", x.device)(x, weight, eps)
+
+
+def linear_add(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:
+    return _select("linear_add", x.device)(x, weight, bias, residual)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, weight_scale: Tensor, bias: Tensor | None,

@@ -135,7 +135,8 @@ def _fp8_skinny_linear_kernel(
     acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
     if last:
         w_scale = tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)
-        store_out(acc * x_scale[:, None] * w_scale[None, :], bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
+        store_out(acc * x_scale[:, None] * w_scale[None, :], bias_ptr, out_ptr, out_ptr, rows, cols, mask,
+                  n_out, HAS_BIAS, False)
 
 
 def swap_ab(out_dtype: torch.dtype) -> bool:

@@ -415,6 +415,30 @@ def add_rms_norm_gated_linear(x: torch.Tensor, residual: torch.Tensor, norm_weig
     return gated_linear(normed, weight), residual
 
 
+def _unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x) with a unit weight, rounded as rms_norm rounds."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm_folded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+                           ) -> torch.Tensor:
+    """linear(rms_norm(x)) for a weight that carries the norm's weight: the norm (unit weight), then the
+    projection (the kernel scales its sums by 1 / rms instead, skinny_linear's RMS_NORM_FOLDED)."""
+    return linear(_unit_rms_norm(x, eps), weight, bias)
+
+
+def rms_norm_folded_gated_linear(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gated_linear(rms_norm(x)) of a [gate; up] weight that carries the norm's weight."""
+    return gated_linear(_unit_rms_norm(x, eps), weight)
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+               ) -> torch.Tensor:
+    """linear(x) + residual: a projection onto the residual stream."""
+    return linear(x, weight, bias) + residual
+
+
 # FP8 e4m3: weights [N, K] with a float32 scale per output row, activations quantized per token.
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value

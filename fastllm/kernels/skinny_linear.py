@@ -14,14 +14,20 @@ where the projection and the SiLU kernel round, so it gives the unfused pair's b
 the [rows, 2N] round trip go. Its config is the [2N, K] projection's with half the tile width (the same
 bytes a program, as many programs), or its own table's where that lost (gated_config).
 
-On the one-row FMA path the input may be computed in the loads rather than read (Prologue): rms_norm(x +
-residual), the first program storing the residual sum. Every program recomputes its tiles from L2: a launch
-saved for a little elementwise work. The tiles round where the norm kernel rounds, so it gives the unfused
-pair's result up to the order of its sum of squares (each program first passes over K for the row's rms,
-which the norm needs before it rounds h / rms; launches with the norm are unsplit, so program 0 alone
-stores the residual sum). The fused ops take it for latency-bound weights (<= SMALL_WEIGHT_BYTES): every
-program's re-reads of x cost more than the launch saved on Qwen3-8B's (tune_skinny_linear.py chain at one
-row: Qwen3-0.6B's projections 0.73 -> 0.67 ms a step, the 8B's 4.06 -> 4.32). Not under tl.dot: a tile from
+A decoder layer with the norms' weights folded into qkv's and gate/up's columns (models/llama.py: a
+speculative draft's) reads the residual stream h whole: those two scale their sums by each row's 1 / rms(h)
+(RMS_NORM_FOLDED; the sums of squares under tl.dot from x @ x^T's diagonal, so the input tile feeds only dots
+and its loads stay pipelined), and o and down add h in their epilogue (ADD_RESIDUAL, rounded as the projection
+then the add). A decode layer then launches no norm and no add (tune_skinny_linear.py chain times it).
+
+Without folding, on the one-row FMA path the input may be computed in the loads rather than read (Prologue):
+rms_norm(x + residual), the first program storing the residual sum. Every program recomputes its tiles from
+L2: a launch saved for a little elementwise work. The tiles round where the norm kernel rounds, so it gives
+the unfused pair's result up to the order of its sum of squares (each program first passes over K for the
+row's rms, which the norm needs before it rounds h / rms; launches with the norm are unsplit, so program 0
+alone stores the residual sum). The fused ops take it for latency-bound weights (<= SMALL_WEIGHT_BYTES): every
+program's re-reads of x cost more than the launch saved on Qwen3-8B's (tune_skinny_linear.py chain at one row:
+Qwen3-0.6B's projections 0.73 -> 0.67 ms a step, the 8B's 4.06 -> 4.32). Not under tl.dot: a tile from
 registers rather than shared memory made the 0.6B's projections 3-4x slower at 2-8 rows.
 
 It beat cuBLAS on every projection of Llama-3.1-8B at 1 to 32 rows (tune_skinny_linear.py shapes:
@@ -42,7 +48,7 @@ import triton
 import triton.language as tl
 
 from fastllm.kernels import pdl
-from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm
+from fastllm.kernels.fused_add_rms_norm import fused_add_rms_norm, rms_norm
 from fastllm.kernels.silu_and_mul import silu_and_mul
 from fastllm.kernels.split_counters import split_counters
 
@@ -121,10 +127,12 @@ def merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_ou
     return acc, last
 
 
-# What the kernel's input is (the PROLOGUE constexpr): x itself, or rms_norm(x + residual) with the norm's
-# weight.
-PLAIN, ADD_RMS_NORM = 0, 1
+# What the kernel's input is (the PROLOGUE constexpr): x itself, rms_norm(x + residual) with the norm's
+# weight, or rms_norm(x) of a weight whose columns carry the norm's weight (fold_norm_weight): the sums scaled
+# by each row's 1 / rms(x) in the epilogue.
+PLAIN, ADD_RMS_NORM, RMS_NORM_FOLDED = 0, 1, 2
 _ADD_RMS_NORM = tl.constexpr(ADD_RMS_NORM)  # as kernels read it
+_RMS_NORM_FOLDED = tl.constexpr(RMS_NORM_FOLDED)
 
 
 @triton.jit
@@ -168,6 +176,28 @@ def input_tile(x_rows, res_rows, norm_w_ptr, inv_rms, ks, mask, k_ok, PROLOGUE: 
 
 
 @triton.jit
+def sum_squares(x, sum_sq, gram, USE_DOT: tl.constexpr):
+    """RMS_NORM_FOLDED's sums of squares of x's rows: under tl.dot as the diagonal of x @ x^T (gram), so that
+    the tile's only uses are dots and its loads stay pipelined (an elementwise use made the 0.6B's
+    projections ~30% slower); on the FMA path from the tile in registers (sum_sq)."""
+    if USE_DOT:
+        gram = tl.dot(x, tl.trans(x), gram, input_precision="ieee")
+    else:
+        xf = x.to(tl.float32)
+        sum_sq += tl.sum(xf * xf, axis=1)
+    return sum_sq, gram
+
+
+@triton.jit
+def inv_rms_of(sum_sq, gram, k_in, eps, USE_DOT: tl.constexpr):
+    """Each row's 1 / rms [BLOCK_M, 1] from sum_squares' sums."""
+    if USE_DOT:
+        rows = tl.arange(0, gram.shape[0])
+        sum_sq = tl.sum(tl.where(rows[:, None] == rows[None, :], gram, 0.0), axis=1)
+    return tl.rsqrt(sum_sq / k_in + eps)[:, None]
+
+
+@triton.jit
 def accumulate(x, w, acc, acc_t, acc_lanes, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
     """One K tile's products into the path's accumulator: acc [BLOCK_M, BLOCK_N] (tl.dot), acc_t [BLOCK_N,
     BLOCK_M] (the swapped dot, out^T = W @ x^T) or acc_lanes [BLOCK_N, BLOCK_K] (one row's per-lane sums)."""
@@ -202,13 +232,14 @@ def silu_times(gate, up, dtype: tl.constexpr):
 @triton.jit(do_not_specialize=["num_rows"])
 def _skinny_linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counters_ptr, num_rows, n_out, k_in, stride_xm,  # W, out contiguous
-    res_ptr, norm_w_ptr, res_out_ptr, stride_rm, eps,  # ADD_RMS_NORM's (res_out contiguous)
+    res_ptr, norm_w_ptr, res_out_ptr, stride_rm, eps,  # ADD_RMS_NORM's (res_out contiguous), ADD_RESIDUAL's
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr, SPLIT_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     PREFETCH_LINES: tl.constexpr, LINE: tl.constexpr,  # PDL: W lines (of LINE elements) per row to prefetch
     PROLOGUE: tl.constexpr,
     GATED: tl.constexpr,  # W is [gate; up] ([2 * n_out, K]) and out silu(gate) * up
+    ADD_RESIDUAL: tl.constexpr,  # out = the projection + res [rows, N], each rounded as the unfused add
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -226,6 +257,8 @@ def _skinny_linear_kernel(
     prefetch_weights(w_rows, k_lo, k_hi, USE_PDL, PREFETCH_LINES, LINE)
     pdl.wait(USE_PDL)  # launched with PDL (pdl.py): nothing before it reads what an earlier kernel wrote
     inv_rms = tl.zeros([BLOCK_M], tl.float32)
+    # RMS_NORM_FOLDED's sums of squares
+    sum_sq, gram = tl.zeros([BLOCK_M], tl.float32), tl.zeros([BLOCK_M, BLOCK_M], tl.float32)
     if PROLOGUE == _ADD_RMS_NORM:  # (its launches are unsplit)
         inv_rms = inv_rms_of_sum(x_rows, res_rows, res_out_rows, row_ok, k_in, eps, pid == 0, BLOCK_K, EVEN_K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -235,24 +268,36 @@ def _skinny_linear_kernel(
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
         x_mask = row_ok[:, None] & k_ok[None, :]
         x = input_tile(x_rows, res_rows, norm_w_ptr, inv_rms, ks, x_mask, k_ok, PROLOGUE)
+        if PROLOGUE == _RMS_NORM_FOLDED:  # (its launches are unsplit)
+            sum_sq, gram = sum_squares(x, sum_sq, gram, USE_DOT)
         acc, acc_t, acc_lanes = accumulate(x, w, acc, acc_t, acc_lanes, USE_DOT, SWAP_AB)
         if GATED:
             w_up = tl.load(w_rows + n_out * k_in + ks[None, :], mask=w_mask, other=0.0)
             up, up_t, up_lanes = accumulate(x, w_up, up, up_t, up_lanes, USE_DOT, SWAP_AB)
     acc = finished(acc, acc_t, acc_lanes, USE_DOT, SWAP_AB)
     if GATED:  # (launches unsplit)
-        acc = silu_times(acc, finished(up, up_t, up_lanes, USE_DOT, SWAP_AB), out_ptr.dtype.element_ty)
+        up = finished(up, up_t, up_lanes, USE_DOT, SWAP_AB)
+    if PROLOGUE == _RMS_NORM_FOLDED:
+        inv_rms = inv_rms_of(sum_sq, gram, k_in, eps, USE_DOT)
+        acc, up = acc * inv_rms, up * inv_rms
+    if GATED:
+        acc = silu_times(acc, up, out_ptr.dtype.element_ty)
     mask = row_ok[:, None] & col_ok[None, :]
     acc, last = merge_k_splits(acc, part_ptr, counters_ptr, rows, cols, mask, num_rows, n_out, SPLIT_K)
     if last:
-        store_out(acc, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS)
+        store_out(acc, bias_ptr, out_ptr, res_rows, rows, cols, mask, n_out, HAS_BIAS, ADD_RESIDUAL)
 
 
 @triton.jit
-def store_out(acc, bias_ptr, out_ptr, rows, cols, mask, n_out, HAS_BIAS: tl.constexpr):
+def store_out(acc, bias_ptr, out_ptr, res_rows, rows, cols, mask, n_out, HAS_BIAS: tl.constexpr,
+              ADD_RESIDUAL: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < n_out, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * n_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if ADD_RESIDUAL:  # rounded as the projection's output, then as the add
+        res = tl.load(res_rows + cols[None, :], mask=mask, other=0.0)
+        out = (out.to(tl.float32) + res.to(tl.float32)).to(out.dtype)
+    tl.store(out_ptr + rows[:, None] * n_out + cols[None, :], out, mask=mask)
 
 
 class Config(NamedTuple):
@@ -388,8 +433,9 @@ def split_k_buffers(split_k: int, num_rows: int, n_out: int, tiles: int, out: to
 
 
 class Prologue(NamedTuple):
-    """How the kernel computes its input from x: PLAIN (x is the input) or ADD_RMS_NORM (rms_norm(x +
-    residual) with norm_weight and eps; the sum goes to residual_out)."""
+    """How the kernel computes its input from x: PLAIN (x is the input), ADD_RMS_NORM (rms_norm(x +
+    residual) with norm_weight and eps; the sum goes to residual_out) or RMS_NORM_FOLDED (rms_norm(x) with
+    eps, the norm's weight folded into W)."""
     kind: int = PLAIN
     residual: torch.Tensor | None = None
     norm_weight: torch.Tensor | None = None
@@ -398,10 +444,11 @@ class Prologue(NamedTuple):
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, config: Config | None = None,
-           out: torch.Tensor | None = None, prologue: Prologue = Prologue(), gated: bool = False
-           ) -> torch.Tensor:
+           out: torch.Tensor | None = None, prologue: Prologue = Prologue(), gated: bool = False,
+           add_residual: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel on 1..MAX_ROWS rows of x [rows, K] (contiguous rows), weight [N, K] contiguous; gated:
-    weight [gate; up] ([2N, K], no bias) and out silu(x @ gate^T) * (x @ up^T) [rows, N]."""
+    weight [gate; up] ([2N, K], no bias) and out silu(x @ gate^T) * (x @ up^T) [rows, N]; add_residual
+    [rows, N] (contiguous rows): out is x @ W^T + add_residual."""
     num_rows = x.shape[0]
     n_out, k_in = weight.shape
     assert x.dim() == 2 and x.shape[1] == k_in and x.stride(1) == 1 and weight.is_contiguous(), \
@@ -413,7 +460,12 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if out is None:
         out = torch.empty(num_rows, n_out, dtype=x.dtype, device=x.device)
     assert out.shape == (num_rows, n_out) and out.is_contiguous() and out.dtype == x.dtype
-    residual, residual_out = x, out  # placeholders the kernel does not read unless ADD_RMS_NORM
+    residual, residual_out = x, out  # placeholders unless ADD_RMS_NORM / ADD_RESIDUAL
+    if add_residual is not None:
+        assert prologue.kind != ADD_RMS_NORM, "one residual a launch: the prologue's or the epilogue's"
+        assert add_residual.shape == out.shape and add_residual.stride(1) == 1
+        assert add_residual.dtype == x.dtype
+        residual = add_residual
     if prologue.kind == ADD_RMS_NORM:
         residual, residual_out, norm_weight = prologue.residual, prologue.residual_out, prologue.norm_weight
         assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype
@@ -422,8 +474,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         assert norm_weight.shape == (k_in,) and norm_weight.is_contiguous() and norm_weight.dtype == x.dtype
     cfg = config or launch_config(x, weight, gated)
     use_dot = cfg.use_dot or num_rows > 1  # the FMA path holds one row
-    assert prologue.kind == PLAIN or not use_dot, "prologues run on the one-row FMA path"
-    assert prologue.kind != ADD_RMS_NORM or cfg.split_k == 1, "the norm's prologue runs unsplit"
+    assert prologue.kind != ADD_RMS_NORM or not use_dot, "the add + norm prologue runs on the FMA path"
+    assert prologue.kind == PLAIN or cfg.split_k == 1, "the norm's prologue runs unsplit"
     assert not gated or cfg.split_k == 1, "gated launches run unsplit"
     tiles = triton.cdiv(n_out, cfg.block_n)
     part, counters = split_k_buffers(cfg.split_k, num_rows, n_out, tiles, out)
@@ -436,6 +488,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         SWAP_AB=use_dot and cfg.swap_ab, SPLIT_K=cfg.split_k,
         **prefetch_args(cfg, x.element_size()), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch_options(x.device), PROLOGUE=prologue.kind, GATED=gated,
+        ADD_RESIDUAL=add_residual is not None,
     )
     return out
 
@@ -545,3 +598,61 @@ def add_rms_norm_gated_linear(x: torch.Tensor, residual: torch.Tensor, norm_weig
         return launch_add_rms_norm(x, residual, norm_weight, eps, weight, gated=True)
     normed, residual = fused_add_rms_norm(x, residual, norm_weight, eps)
     return gated_linear(normed, weight), residual
+
+
+# Projections whose weight carries the norm's (layers/linear.py, fold_norm_weight): the decoder layer's qkv
+# and gate/up read the residual stream h and scale their sums by 1 / rms(h) (RMS_NORM_FOLDED), and o and down
+# add h in their epilogue (ADD_RESIDUAL), so a decode layer launches no norm and no add. Elsewhere (prefill,
+# cuBLAS) the norm runs apart with a unit weight.
+
+_unit_weights: dict = {}
+
+
+def _unit_weight(x: torch.Tensor) -> torch.Tensor:
+    key = (x.shape[-1], x.dtype, x.device)
+    if key not in _unit_weights:
+        _unit_weights[key] = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+    return _unit_weights[key]
+
+
+def _folded_config(op: str, x: torch.Tensor, weight: torch.Tensor, gated: bool) -> Config | None:
+    """The launch config that scales by 1 / rms in the epilogue, or None where the norm runs apart (logged
+    once per reason): cuBLAS's shapes, and configs that swap the dot (x @ x^T beside W @ x^T made
+    Llama-3.1-8B's batch-8 decode step slower, H200)."""
+    if not _skinny(x, weight, gated):
+        return None
+    cfg = launch_config(x, weight, gated)
+    if cfg.swap_ab:
+        why = "configs that swap the dot"
+        if (op, why) not in _logged:
+            _logged.add((op, why))
+            logger.info("%s: the norm apart (a launch of its own) for %s", op, why)
+        return None
+    return cfg._replace(split_k=1, prefetch_k=cfg.prefetch_k * cfg.split_k)  # (the sums of squares: whole K)
+
+
+def rms_norm_folded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
+                           ) -> torch.Tensor:
+    """rms_norm(x) @ weight^T (+ bias) for a weight that carries the norm's weight (fold_norm_weight): one
+    launch where the kernel takes the projection unswapped, else the norm and the projection."""
+    cfg = _folded_config("rms_norm_folded_linear", x, weight, False)
+    if cfg is not None:
+        return launch(x, weight, bias, config=cfg, prologue=Prologue(RMS_NORM_FOLDED, eps=eps))
+    return linear(rms_norm(x, _unit_weight(x), eps), weight, bias)
+
+
+def rms_norm_folded_gated_linear(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gated_linear(rms_norm(x), weight) for a [gate; up] weight that carries the norm's weight."""
+    cfg = _folded_config("rms_norm_folded_gated_linear", x, weight, True)
+    if cfg is not None:
+        return launch(x, weight, config=cfg, prologue=Prologue(RMS_NORM_FOLDED, eps=eps), gated=True)
+    return gated_linear(rms_norm(x, _unit_weight(x), eps), weight)
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
+               ) -> torch.Tensor:
+    """x @ weight^T (+ bias) + residual, rounded as the projection and then the add: the add in the kernel's
+    epilogue where it takes the projection."""
+    if _skinny(x, weight) and residual.stride(1) == 1:
+        return launch(x, weight, bias, add_residual=residual)
+    return linear(x, weight, bias) + residual

@@ -37,6 +37,12 @@ def copy_into(target: torch.Tensor, source: torch.Tensor, name: str) -> None:
         target.copy_(source)
 
 
+def fold_norm_weight(weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    """weight [N, K] *= norm_weight [K] along K, in place (rounded once to weight's dtype): a projection after
+    an RMSNorm then needs only each row's 1 / rms (rms_normed)."""
+    weight.copy_((weight.float() * norm_weight.float()[None, :]).to(weight.dtype))
+
+
 class Linear(nn.Module):
     """The whole weight on every rank; with `fp8`, in e4m3 with a scale per output row."""
 
@@ -135,6 +141,14 @@ class ColumnParallelLinear(Linear):
         return torch.ops.fastllm.add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight,
                                                      self.bias)
 
+    def rms_normed(self, norm, h: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """self(norm(h), gated) for a weight that carries `norm`'s weight (LlamaDecoderLayer.fold_norms): each
+        row's 1 / rms(h) scales the sums, one launch at decode rows."""
+        if gated:
+            assert self.bias is None, "gated: no bias"
+            return torch.ops.fastllm.rms_norm_folded_gated_linear(h, self.weight, norm.eps)
+        return torch.ops.fastllm.rms_norm_folded_linear(h, self.weight, self.bias, norm.eps)
+
     def load_shard(self, param_name: str, shard: int, source) -> None:
         """Copy this rank's slice of output block `shard` from the block's whole checkpoint tensor."""
         for name, tensor in self.stored_forms(param_name, source, self.full_sizes[shard]):
@@ -171,11 +185,17 @@ class RowParallelLinear(Linear):
         super().__init__(input_size // tp_size, output_size, bias, fp8)
         self.tp_rank, self.tp_size = tp_rank, tp_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The projection (+ residual: onto the residual stream, the add in the kernel's epilogue on one rank
+        with 16/32-bit weights, after the all-reduce on several)."""
         if self.tp_size == 1:
-            return self.matmul(x, self.bias)
-        out = torch.ops.fastllm.tp_all_reduce(self.matmul(x, None))
-        return out if self.bias is None else out + self.bias
+            if residual is not None and self.fp8 is None:
+                return torch.ops.fastllm.linear_add(x, self.weight, self.bias, residual)
+            out = self.matmul(x, self.bias)
+        else:
+            out = torch.ops.fastllm.tp_all_reduce(self.matmul(x, None))
+            out = out if self.bias is None else out + self.bias
+        return out if residual is None else out + residual
 
     def copy_whole(self, param_name: str, source) -> None:
         if param_name != "weight":  # the bias and FP8 scales: whole on every rank

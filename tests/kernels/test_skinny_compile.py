@@ -39,8 +39,8 @@ def compile_for(capability: int, fn, signature: dict, constexprs: dict, cfg: S.C
     return kernel.metadata.shared
 
 
-def bf16_kernel(capability: int, cfg: S.Config, rows: int, prologue: int = S.PLAIN, gated: bool = False
-                ) -> int:
+def bf16_kernel(capability: int, cfg: S.Config, rows: int, prologue: int = S.PLAIN, gated: bool = False,
+                add_residual: bool = False) -> int:
     dot = cfg.use_dot or rows > 1
     signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", **_SPLIT_ARGS,
                  **_SHAPE_ARGS, "res_ptr": "*bf16", "norm_w_ptr": "*bf16", "res_out_ptr": "*bf16",
@@ -48,7 +48,7 @@ def bf16_kernel(capability: int, cfg: S.Config, rows: int, prologue: int = S.PLA
     constexprs = dict(HAS_BIAS=True, BLOCK_M=max(16, rows) if dot else 1, BLOCK_N=cfg.block_n,
                       BLOCK_K=cfg.block_k, EVEN_K=True, USE_DOT=dot, SWAP_AB=dot and cfg.swap_ab,
                       SPLIT_K=cfg.split_k, USE_PDL=capability >= 90,
-                      PREFETCH_LINES=0, LINE=64, PROLOGUE=prologue, GATED=gated)
+                      PREFETCH_LINES=0, LINE=64, PROLOGUE=prologue, GATED=gated, ADD_RESIDUAL=add_residual)
     return compile_for(capability, S._skinny_linear_kernel, signature, constexprs, cfg)
 
 
@@ -122,6 +122,14 @@ def check_all() -> None:
                 shared = bf16_kernel(89, config, bucket, S.ADD_RMS_NORM, is_gated)
                 assert shared <= SM89_SHARED_BYTES, (bucket, cfg)
                 bf16_kernel(90, config, bucket, S.ADD_RMS_NORM, is_gated)
+    # a folded model's decode layers (sm_90): qkv and gate/up with the sums of squares (their x @ x^T under
+    # tl.dot; launched unsplit), o and down with the residual in their epilogue
+    for bucket, cfg in table(S):
+        unsplit = cfg._replace(split_k=1)
+        assert bf16_kernel(90, unsplit, bucket, S.RMS_NORM_FOLDED) <= SM90_SHARED_BYTES, (bucket, cfg)
+        bf16_kernel(90, cfg, bucket, add_residual=True)
+    for bucket, gated in gated_table():
+        assert bf16_kernel(90, gated, bucket, S.RMS_NORM_FOLDED, True) <= SM90_SHARED_BYTES, (bucket, gated)
     for bucket, cfg in table(F):  # float32 outputs: the unswapped dot
         fp8_kernel(90, cfg, bucket, swap_ab=False)
     for one_pass in (True, False):
@@ -133,7 +141,7 @@ def check_all() -> None:
         fp8_kernel(capability, F._ONE_ROW_16BIT, 1, prequant=True)
     fused = 4 * sum(bucket == 1 and not cfg.use_dot for bucket, cfg in table(S))
     plain = sum(2 * len(table(m)) + len(SPLIT_VARIANTS) for m in (S, F)) + len(table(F)) + 14
-    plain += 2 * len(gated_table())
+    plain += 2 * len(gated_table()) + 2 * len(table(S)) + len(gated_table())
     print("compiled", plain + fused, "kernels")
 
 
