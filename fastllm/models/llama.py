@@ -32,7 +32,7 @@ from fastllm.layers.attention import Attention
 from fastllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from fastllm.layers import fp8
 from fastllm.layers.fp8 import Fp8Scheme
-from fastllm.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_into
+from fastllm.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_into, fold_norm_weight
 from fastllm.layers.norm import RMSNorm
 from fastllm.layers.rotary import RotaryEmbedding, rope_parameters
 from fastllm.tracing import layer_ranges_enabled, nvtx_range
@@ -58,6 +58,9 @@ class LlamaArgs:
     tie_word_embeddings: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer (config.sliding_windows); () for none
     fp8: Fp8Scheme | None = None  # FP8 linear weights (layers/fp8.py); None: the model's dtype
+    # The RMSNorms' weights folded into qkv's and gate/up's columns after loading (fold_norms): a draft
+    # model's, where its weights are 16/32-bit in one pipeline stage (registry.build_model)
+    fold_norms: bool = False
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "LlamaArgs":
@@ -113,15 +116,16 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, args.head_dim, args.head_dim ** -0.5,
                               stage_index, rotary, window)
 
-    def forward(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv: qkv_proj's output (the decoder layer runs it, its norm fused in) -> o_proj's."""
+    def forward(self, positions: torch.Tensor, qkv: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """qkv: qkv_proj's output (the decoder layer runs it, its norm fused in) -> o_proj's (+ residual)."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.qkv_proj.output_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(positions, q, k, v, self.q_norm, self.k_norm)
-        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.view(num_tokens, self.num_heads * self.head_dim), residual)
 
 
 class LlamaMLP(nn.Module):
@@ -154,14 +158,34 @@ class LlamaDecoderLayer(nn.Module):
         quantize = fp8.quantizes_ahead(args.fp8)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, quantize_output=quantize)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, quantize_output=quantize)
+        self.norms_folded = args.fold_norms
+
+    def fold_norms(self) -> None:
+        """Each norm's weight into the columns of the projection after it (rounded once); the norms keep a
+        unit weight (their prefill path)."""
+        for norm, proj in ((self.input_layernorm, self.self_attn.qkv_proj),
+                           (self.post_attention_layernorm, self.mlp.gate_up_proj)):
+            fold_norm_weight(proj.weight.data, norm.weight.data)
+            norm.weight.data.fill_(1)
 
     def forward(self, positions, hidden, residual):
+        if self.norms_folded:
+            assert residual is None, "folded norms carry the residual stream whole"
+            return self.forward_folded(positions, hidden), None
         # The residual stream is carried separately so each add fuses into the next norm, and the norm into
         # the projection after it.
         qkv, residual = self.self_attn.qkv_proj.normed(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, qkv)
         act, residual = self.mlp.activation(self.post_attention_layernorm, hidden, residual)
         return self.mlp.down_proj(act), residual
+
+    def forward_folded(self, positions, h):
+        """The residual stream h whole: qkv and gate/up scale their sums by 1 / rms(h) (the norms' weights in
+        their columns), o and down add h in their epilogues, so a decode layer launches no norm or add."""
+        qkv = self.self_attn.qkv_proj.rms_normed(self.input_layernorm, h)
+        h = self.self_attn(positions, qkv, residual=h)
+        act = self.mlp.gate_up_proj.rms_normed(self.post_attention_layernorm, h, gated=True)
+        return self.mlp.down_proj(act, residual=h)
 
 
 class LlamaModel(nn.Module):
@@ -200,8 +224,7 @@ class LlamaModel(nn.Module):
                 hidden, residual = layer(positions, hidden, residual)
         if self.norm is None:  # not the last stage: hand on; the returned empty tensor keeps the send alive
             return torch.ops.fastllm.pp_send(hidden, residual, self.parallel.next_stage_rank)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -231,6 +254,13 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T] -> hidden states [T, hidden_size] (an empty tensor on a pipeline
         stage before the last, which hands its output to the next stage instead)."""
         return self.model(input_ids, positions)
+
+    def process_weights_after_loading(self) -> None:
+        """With args.fold_norms, the decoder layers' norms folded into their projections (the loader calls
+        this once, after the weights are in)."""
+        if self.args.fold_norms:
+            for layer in self.model.stage_layers():
+                layer.fold_norms()
 
     @property
     def computes_logits(self) -> bool:

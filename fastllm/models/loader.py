@@ -92,7 +92,8 @@ def init_dummy_weights(model: nn.Module, seed: int, std: float = 0.02,
 
 
 def load_model(model_config: ModelConfig, device: torch.device,
-               parallel: ParallelRank = ParallelRank()) -> nn.Module:
+               parallel: ParallelRank = ParallelRank(), fold_norms: bool = False) -> nn.Module:
+    """The model's weights on `device` (this rank's shard); fold_norms: as registry.build_model's."""
     start = time.perf_counter()
     dtype = resolve_dtype(model_config, device)
     scheme = fp8.scheme_for(model_config.quantization, model_config.hf_config, model_config.quantize_lm_head)
@@ -107,7 +108,7 @@ def load_model(model_config: ModelConfig, device: torch.device,
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = build_model(model_config.hf_config, parallel, scheme)
+            model = build_model(model_config.hf_config, parallel, scheme, fold_norms)
     finally:
         torch.set_default_dtype(default_dtype)
     if load_format == "dummy":
@@ -115,6 +116,7 @@ def load_model(model_config: ModelConfig, device: torch.device,
         init_dummy_weights(model, model_config.seed, std, dtype)
     else:
         model.load_weights(iterate_safetensors(model_config.model))
+    model.process_weights_after_loading()
     if scheme is not None:
         fp8.check_loaded(model)
         logger.info("%s", scheme.describe())

@@ -21,12 +21,16 @@ SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 
 
 def build_model(hf_config: dict, parallel: ParallelRank = ParallelRank(),
-                fp8: Fp8Scheme | None = None) -> nn.Module:
-    """The model, or this rank's shard of it (with FP8 linear weights when fp8 is given)."""
+                fp8: Fp8Scheme | None = None, fold_norms: bool = False) -> nn.Module:
+    """The model, or this rank's shard of it (with FP8 linear weights when fp8 is given; fold_norms: the
+    decoder's norms folded into its projections after loading, where its weights are 16/32-bit in one
+    pipeline stage)."""
     archs = hf_config.get("architectures") or []
     for arch in archs:
         if arch in _MODELS:
-            return _MODELS[arch](dataclasses.replace(LlamaArgs.from_hf_config(hf_config), fp8=fp8), parallel)
+            args = dataclasses.replace(LlamaArgs.from_hf_config(hf_config), fp8=fp8,
+                                       fold_norms=fold_norms and fp8 is None and parallel.pp_size == 1)
+            return _MODELS[arch](args, parallel)
     raise ValueError(
         f"unsupported architecture {archs or '(none given)'}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )

@@ -71,7 +71,12 @@ class DraftModel:
         scheme = fp8.scheme_for(self.model_config.quantization, self.model_config.hf_config)
         if scheme is not None:
             fp8.check_device(device, scheme, "speculative_config.quantization")
-        self.model = load_model(self.model_config, device)
+        # Its norms folded into its projections: a decode layer launches no norm or add (models/llama.py).
+        # That rounds its weights once more, which moves only the proposals: the target's verification
+        # decides.
+        self.model = load_model(self.model_config, device, fold_norms=True)
+        if self.model.args.fold_norms:
+            logger.info("draft model: its RMSNorms folded into the projections after them")
         if config.model.quantization is not None or config.cache.kv_cache_dtype == "fp8":
             # (a draft checkpoint that is FP8 itself loads as one: its weights, not this argument, say so)
             logger.info("draft model: quantization=%r and kv_cache_dtype=%r apply to the target only; the draft's "

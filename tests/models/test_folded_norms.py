@@ -43,7 +43,8 @@ def folded_llm(model: str, **kwargs) -> LLM:
 
 def test_folded_real_model_matches_hf(folded_engines):
     llm = folded_llm(STORIES)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32), use_tqdm=False)
+    params = SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for ids, out in zip(tokenize(PROMPTS), outputs):
         assert out.outputs[0].token_ids == hf_greedy(STORIES, ids, 32), out.prompt
     llm.engine.check_kv_pool_whole()
@@ -73,8 +74,8 @@ def test_folded_kernels_give_hugging_faces_tokens(folded_engines, monkeypatch):
 
 
 def test_only_16_or_32_bit_single_stage_models_fold():
-    """FP8 projections (their norms quantize for them) and pipeline stages (they hand on a residual) keep their
-    norms; a target model never folds."""
+    """FP8 projections (their norms quantize for them) and pipeline stages (they hand on a residual) keep
+    their norms; a target model never folds."""
     hf = EngineConfig.from_kwargs(STORIES, dtype="float32").model.hf_config
     scheme = fp8.scheme_for("fp8", hf)
     assert build_model(hf, fold_norms=True).args.fold_norms
