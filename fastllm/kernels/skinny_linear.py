@@ -421,6 +421,11 @@ def gated_tiles(cfg: Config, num_rows: int) -> Config:
         cfg = cfg._replace(block_n=cfg.block_n // 2)
     else:
         cfg = cfg._replace(block_k=cfg.block_k // 2)
+    return unsplit(cfg)
+
+
+def unsplit(cfg: Config) -> Config:
+    """cfg over the whole of K in one program a column tile (its prefetch the same columns of W)."""
     return cfg._replace(split_k=1, prefetch_k=cfg.prefetch_k * cfg.split_k)
 
 
@@ -628,7 +633,7 @@ def _folded_config(op: str, x: torch.Tensor, weight: torch.Tensor, gated: bool) 
             _logged.add((op, why))
             logger.info("%s: the norm apart (a launch of its own) for %s", op, why)
         return None
-    return cfg._replace(split_k=1, prefetch_k=cfg.prefetch_k * cfg.split_k)  # (the sums of squares: whole K)
+    return unsplit(cfg)  # (the sums of squares over the whole of K)
 
 
 def rms_norm_folded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
