@@ -207,9 +207,10 @@ def run_chain(shapes: dict, num_layers: int, rows_list: list[int], table: dict, 
         in their columns: a unit one here), o and down add the residual stream in their epilogues."""
         h = hidden
         for layer in layers:
-            qkv = S.rms_norm_folded_linear(h, layer["qkv"], None, EPS)
+            qkv = S.rms_norm_folded_linear(h, nw, EPS, layer["qkv"], None)
             h = S.linear_add(qkv[:, :q_size].contiguous(), layer["o"], None, h)
-            h = S.linear_add(S.rms_norm_folded_gated_linear(h, layer["gate_up"], EPS), layer["down"], None, h)
+            act = S.rms_norm_folded_gated_linear(h, nw, EPS, layer["gate_up"])
+            h = S.linear_add(act, layer["down"], None, h)
         S.launch(fused_add_rms_norm(h, h, nw, EPS)[0], lm_head)
 
     for rows in rows_list:

@@ -98,25 +98,26 @@ def _(x, residual, norm_weight, eps, weight):
 
 
 @torch.library.custom_op("fastllm::rms_norm_folded_linear", mutates_args=())
-def rms_norm_folded_linear(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
-    """linear(rms_norm(x)) for a weight that carries the norm's weight: one launch at decode rows (each row's
-    1 / rms applied to the sums: kernels/skinny_linear.py)."""
-    return kernels.rms_norm_folded_linear(x, weight, bias, eps)
+def rms_norm_folded_linear(x: Tensor, unit_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None
+                           ) -> Tensor:
+    """linear(rms_norm(x)) for a weight that carries the norm's weight (the norm left with unit_weight, ones):
+    one launch at decode rows (each row's 1 / rms applied to the sums: kernels/skinny_linear.py)."""
+    return kernels.rms_norm_folded_linear(x, unit_weight, eps, weight, bias)
 
 
 @rms_norm_folded_linear.register_fake
-def _(x, weight, bias, eps):
+def _(x, unit_weight, eps, weight, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @torch.library.custom_op("fastllm::rms_norm_folded_gated_linear", mutates_args=())
-def rms_norm_folded_gated_linear(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm_folded_gated_linear(x: Tensor, unit_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
     """gated_linear(rms_norm(x)) for a [gate; up] weight that carries the norm's weight."""
-    return kernels.rms_norm_folded_gated_linear(x, weight, eps)
+    return kernels.rms_norm_folded_gated_linear(x, unit_weight, eps, weight)
 
 
 @rms_norm_folded_gated_linear.register_fake
-def _(x, weight, eps):
+def _(x, unit_weight, eps, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 

@@ -249,12 +249,13 @@ def add_rms_norm_gated_linear(x: Tensor, residual: Tensor, norm_weight: Tensor, 
     return _select("add_rms_norm_gated_linear", x.device)(x, residual, norm_weight, eps, weight)
 
 
-def rms_norm_folded_linear(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Tensor:
-    return _select("rms_norm_folded_linear", x.device)(x, weight, bias, eps)
+def rms_norm_folded_linear(x: Tensor, unit_weight: Tensor, eps: float, weight: Tensor, bias: Tensor | None
+                           ) -> Tensor:
+    return _select("rms_norm_folded_linear", x.device)(x, unit_weight, eps, weight, bias)
 
 
-def rms_norm_folded_gated_linear(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return _select("rms_norm_folded_gated_linear", x.device)(x, weight, eps)
+def rms_norm_folded_gated_linear(x: Tensor, unit_weight: Tensor, eps: float, weight: Tensor) -> Tensor:
+    return _select("rms_norm_folded_gated_linear", x.device)(x, unit_weight, eps, weight)
 
 
 def linear_add(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor) -> Tensor:

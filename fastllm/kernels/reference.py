@@ -415,22 +415,18 @@ def add_rms_norm_gated_linear(x: torch.Tensor, residual: torch.Tensor, norm_weig
     return gated_linear(normed, weight), residual
 
 
-def _unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """rms_norm(x) with a unit weight, rounded as rms_norm rounds."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+def rms_norm_folded_linear(x: torch.Tensor, unit_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    """linear(rms_norm(x)) for a weight that carries the norm's weight, the norm left with unit_weight (ones):
+    the norm, then the projection (the kernel scales its sums by 1 / rms instead, skinny_linear's
+    RMS_NORM_FOLDED)."""
+    return linear(rms_norm(x, unit_weight, eps), weight, bias)
 
 
-def rms_norm_folded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
-                           ) -> torch.Tensor:
-    """linear(rms_norm(x)) for a weight that carries the norm's weight: the norm (unit weight), then the
-    projection (the kernel scales its sums by 1 / rms instead, skinny_linear's RMS_NORM_FOLDED)."""
-    return linear(_unit_rms_norm(x, eps), weight, bias)
-
-
-def rms_norm_folded_gated_linear(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_folded_gated_linear(x: torch.Tensor, unit_weight: torch.Tensor, eps: float, weight: torch.Tensor
+                                 ) -> torch.Tensor:
     """gated_linear(rms_norm(x)) of a [gate; up] weight that carries the norm's weight."""
-    return gated_linear(_unit_rms_norm(x, eps), weight)
+    return gated_linear(rms_norm(x, unit_weight, eps), weight)
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor

@@ -608,16 +608,7 @@ def add_rms_norm_gated_linear(x: torch.Tensor, residual: torch.Tensor, norm_weig
 # Projections whose weight carries the norm's (layers/linear.py, fold_norm_weight): the decoder layer's qkv
 # and gate/up read the residual stream h and scale their sums by 1 / rms(h) (RMS_NORM_FOLDED), and o and down
 # add h in their epilogue (ADD_RESIDUAL), so a decode layer launches no norm and no add. Elsewhere (prefill,
-# cuBLAS) the norm runs apart with a unit weight.
-
-_unit_weights: dict = {}
-
-
-def _unit_weight(x: torch.Tensor) -> torch.Tensor:
-    key = (x.shape[-1], x.dtype, x.device)
-    if key not in _unit_weights:
-        _unit_weights[key] = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-    return _unit_weights[key]
+# cuBLAS, swapped configs) the norm runs apart with the weight the folding left it: ones.
 
 
 def _folded_config(op: str, x: torch.Tensor, weight: torch.Tensor, gated: bool) -> Config | None:
@@ -636,22 +627,24 @@ def _folded_config(op: str, x: torch.Tensor, weight: torch.Tensor, gated: bool) 
     return unsplit(cfg)  # (the sums of squares over the whole of K)
 
 
-def rms_norm_folded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float
-                           ) -> torch.Tensor:
-    """rms_norm(x) @ weight^T (+ bias) for a weight that carries the norm's weight (fold_norm_weight): one
-    launch where the kernel takes the projection unswapped, else the norm and the projection."""
+def rms_norm_folded_linear(x: torch.Tensor, unit_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+    """rms_norm(x) @ weight^T (+ bias) for a weight that carries the norm's weight (fold_norm_weight), the
+    norm left with unit_weight (ones): one launch where the kernel takes the projection unswapped (it never
+    reads unit_weight), else the norm and the projection."""
     cfg = _folded_config("rms_norm_folded_linear", x, weight, False)
     if cfg is not None:
         return launch(x, weight, bias, config=cfg, prologue=Prologue(RMS_NORM_FOLDED, eps=eps))
-    return linear(rms_norm(x, _unit_weight(x), eps), weight, bias)
+    return linear(rms_norm(x, unit_weight, eps), weight, bias)
 
 
-def rms_norm_folded_gated_linear(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_folded_gated_linear(x: torch.Tensor, unit_weight: torch.Tensor, eps: float, weight: torch.Tensor
+                                 ) -> torch.Tensor:
     """gated_linear(rms_norm(x), weight) for a [gate; up] weight that carries the norm's weight."""
     cfg = _folded_config("rms_norm_folded_gated_linear", x, weight, True)
     if cfg is not None:
         return launch(x, weight, config=cfg, prologue=Prologue(RMS_NORM_FOLDED, eps=eps), gated=True)
-    return gated_linear(rms_norm(x, _unit_weight(x), eps), weight)
+    return gated_linear(rms_norm(x, unit_weight, eps), weight)
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor

@@ -142,12 +142,12 @@ class ColumnParallelLinear(Linear):
                                                      self.bias)
 
     def rms_normed(self, norm, h: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """self(norm(h), gated) for a weight that carries `norm`'s weight (LlamaDecoderLayer.fold_norms): each
-        row's 1 / rms(h) scales the sums, one launch at decode rows."""
+        """self(norm(h), gated) for a weight that carries `norm`'s weight (LlamaDecoderLayer.fold_norms; the
+        norm's own is ones since): each row's 1 / rms(h) scales the sums, one launch at decode rows."""
         if gated:
             assert self.bias is None, "gated: no bias"
-            return torch.ops.fastllm.rms_norm_folded_gated_linear(h, self.weight, norm.eps)
-        return torch.ops.fastllm.rms_norm_folded_linear(h, self.weight, self.bias, norm.eps)
+            return torch.ops.fastllm.rms_norm_folded_gated_linear(h, norm.weight, norm.eps, self.weight)
+        return torch.ops.fastllm.rms_norm_folded_linear(h, norm.weight, norm.eps, self.weight, self.bias)
 
     def load_shard(self, param_name: str, shard: int, source) -> None:
         """Copy this rank's slice of output block `shard` from the block's whole checkpoint tensor."""

@@ -40,6 +40,11 @@ def float64_ref(h, w, norm_w, bias=None, gated=False):
     return reference.silu_and_mul(y) if gated else y
 
 
+def unit(h):
+    """The weight the folding leaves the norm: ones."""
+    return torch.ones(h.shape[-1], dtype=h.dtype, device=h.device)
+
+
 def folded(w, norm_w):
     w = w.clone()
     fold_norm_weight(w, norm_w)
@@ -84,8 +89,8 @@ def test_the_ops_take_one_launch_at_decode_rows_and_the_norm_apart_above(device,
         h, w, norm_w, b = inputs(device, torch.float32, rows, 64, 96)
         wf, w2f = folded(w, norm_w), folded(torch.cat([w, w.flip(0)]), norm_w)
         launches.clear()
-        y = S.rms_norm_folded_linear(h, wf, b, EPS)
-        act = S.rms_norm_folded_gated_linear(h, w2f, EPS)
+        y = S.rms_norm_folded_linear(h, unit(h), EPS, wf, b)
+        act = S.rms_norm_folded_gated_linear(h, unit(h), EPS, w2f)
         z = S.linear_add(h, w, b, y)
         folded_kind = (S.RMS_NORM_FOLDED, False), (S.RMS_NORM_FOLDED, True), (S.PLAIN, False)
         assert launches == (list(folded_kind) if rows <= S.MAX_ROWS else []), launches
@@ -100,9 +105,10 @@ def test_reference_ops_are_the_norm_then_the_projection(device):
     """The CPU path's references against float64 math (float32: their norm's rounding is float32's)."""
     h, w, norm_w, b = inputs(device, torch.float32, 5, 64, 96)
     wf = folded(w, norm_w)
-    assert rel_err(reference.rms_norm_folded_linear(h, wf, b, EPS), float64_ref(h, w, norm_w, b)) <= 1e-6
+    y = reference.rms_norm_folded_linear(h, unit(h), EPS, wf, b)
+    assert rel_err(y, float64_ref(h, w, norm_w, b)) <= 1e-6
     w2 = torch.cat([w, w.flip(0)])
-    assert rel_err(reference.rms_norm_folded_gated_linear(h, folded(w2, norm_w), EPS),
+    assert rel_err(reference.rms_norm_folded_gated_linear(h, unit(h), EPS, folded(w2, norm_w)),
                    float64_ref(h, w2, norm_w, gated=True)) <= 1e-6
     r = torch.randn(5, 64)
     assert torch.equal(reference.linear_add(h, w, b, r), F.linear(h, w, b) + r)
@@ -115,7 +121,7 @@ def test_swapped_configs_take_the_norm_apart(device, monkeypatch):
     swapped = S.Config(64, 32, 4, 2, True, swap_ab=True)
     monkeypatch.setattr(S, "launch_config", lambda x, w, gated=False: swapped)
     h, w, norm_w, b = inputs(device, torch.float32, 3, 64, 96)
-    y = S.rms_norm_folded_linear(h, folded(w, norm_w), b, EPS)
+    y = S.rms_norm_folded_linear(h, unit(h), EPS, folded(w, norm_w), b)
     assert launches == [(S.PLAIN, False)]
     assert rel_err(y, float64_ref(h, w, norm_w, b)) <= 2 * tolerance(torch.float32, 96)
 
@@ -136,10 +142,10 @@ def test_folded_norm_gpu(rows, n_out, k_in, gated):
     h, w, norm_w, b = inputs("cuda", torch.bfloat16, rows, n_out, k_in)
     wf = folded(w, norm_w)
     if gated:
-        out, ref = S.rms_norm_folded_gated_linear(h, wf, EPS), float64_ref(h, w, norm_w, gated=True)
+        out, ref = S.rms_norm_folded_gated_linear(h, unit(h), EPS, wf), float64_ref(h, w, norm_w, gated=True)
         bound = 2 * (TOL[torch.bfloat16] + 2 ** -9) + 2 * 2 ** -9
     else:
-        out, ref = S.rms_norm_folded_linear(h, wf, b, EPS), float64_ref(h, w, norm_w, b)
+        out, ref = S.rms_norm_folded_linear(h, unit(h), EPS, wf, b), float64_ref(h, w, norm_w, b)
         bound = TOL[torch.bfloat16] + 2 ** -9
     assert rel_err(out, ref) <= bound, rel_err(out, ref)
 
