@@ -520,6 +520,13 @@ def launch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, norm_weight: to
 _logged: set = set()  # reasons a path was not taken, logged once
 
 
+def _log_once(key, message: str, *args) -> None:
+    """logger.info(message, *args) the first time `key` (a path not taken, and why) comes up."""
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(message, *args)
+
+
 def _skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether this projection (gated: as a gated launch) takes the kernel here, else cuBLAS (logged once per
     reason)."""
@@ -537,9 +544,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
                "(no measured config there)")
     if why is None:
         return True
-    if why not in _logged:
-        _logged.add(why)
-        logger.info("linear: cuBLAS for %s", why)
+    _log_once(why, "linear: cuBLAS for %s", why)
     return False
 
 
@@ -580,9 +585,7 @@ def _fuses(op: str, x: torch.Tensor, weight: torch.Tensor, *same_dtype: torch.Te
         why = "projections whose config splits K (the norm's prologue runs unsplit)"
     if why is None:
         return True
-    if (op, why) not in _logged:
-        _logged.add((op, why))
-        logger.info("%s: two launches for %s", op, why)
+    _log_once((op, why), "%s: two launches for %s", op, why)
     return False
 
 
@@ -620,9 +623,7 @@ def _folded_config(op: str, x: torch.Tensor, weight: torch.Tensor, gated: bool) 
     cfg = launch_config(x, weight, gated)
     if cfg.swap_ab:
         why = "configs that swap the dot"
-        if (op, why) not in _logged:
-            _logged.add((op, why))
-            logger.info("%s: the norm apart (a launch of its own) for %s", op, why)
+        _log_once((op, why), "%s: the norm apart (a launch of its own) for %s", op, why)
         return None
     return unsplit(cfg)  # (the sums of squares over the whole of K)
 
