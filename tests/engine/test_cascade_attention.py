@@ -8,7 +8,7 @@ import pytest
 
 from fastllm import SamplingParams
 from fastllm.worker import cascade
-from tests.conftest import DRAFT, STORIES, cached_llm, hf_greedy, tokenize
+from tests.conftest import DRAFT, STORIES, assert_same_or_near_tie, cached_llm, hf_greedy, tokenize
 
 MAX_TOKENS = 24
 PREFIX_A = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park with "
@@ -171,7 +171,7 @@ def test_decode_steps_through_the_graph_inputs():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_cascade_graphs(dtype):
     # compiled + CUDA graphs on the GPU: decode steps with groups replay cascade graphs (Triton kernels);
-    # fp32 gives Hugging Face's tokens, bf16 the cascade-off engine's where their margins are clear
+    # fp32 gives Hugging Face's tokens, bf16 the cascade-off engine's until a near-tie of its top two
     from fastllm import LLM
 
     kw = dict(device="cuda", dtype=dtype, num_gpu_blocks=400, **BASE)
@@ -184,7 +184,7 @@ def test_gpu_cascade_graphs(dtype):
     if dtype == "float32":
         assert on == [[t] for t in expected()]
     else:
-        off, _ = run(LLM(STORIES, cascade_attention=False, **kw))
-        agree = [next((i for i, (a, b) in enumerate(zip(x[0], y[0])) if a != b), MAX_TOKENS) for x, y in zip(on, off)]
+        off = LLM(STORIES, cascade_attention=False, **kw).generate(PROMPTS, greedy(logprobs=2), use_tqdm=False)
+        agree = assert_same_or_near_tie([ids for ids, in on], off)
         print(f"\nbf16 stories260K, cascade on vs off: leading tokens agreeing {agree}")
-        assert sum(a == MAX_TOKENS for a in agree) >= 6, agree
+        assert sum(agree) >= len(PROMPTS) * MAX_TOKENS // 2, f"too few tokens compared: {agree}"

@@ -8,7 +8,7 @@ import torch
 
 import fastllm.kernels.dispatch as dispatch
 from fastllm import LLM, SamplingParams
-from tests.conftest import PROMPTS, STORIES
+from tests.conftest import BF16_MARGIN, PROMPTS, STORIES
 from tests.models.test_llama_vs_hf import make_tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -107,9 +107,6 @@ def bf16_partings_at_near_ties(model, monkeypatch) -> list[tuple[int, int, float
             k += n + 1
     llm.engine.check_kv_pool_whole()
     return partings
-
-
-BF16_MARGIN = 0.1  # nats: bf16 attention/matmul rounding moves these logits by up to a few hundredths
 
 
 def test_tiny_llama31_long_prompts_bf16(tmp_path_factory, monkeypatch):
