@@ -33,7 +33,7 @@ chain: the 32 layers' projections of one decode step with their norms and SiLU (
   --max-stages N caps every config's pipeline stages, to test whether shared memory kept the next
   projection's programs (early under PDL triggers, to prefetch) from starting beside the current one (an
   Llama-3.1-8B e4m3 program at 32 rows takes 96-120 KB of an SM's 228 KB with 4-5 stages): at 4 and 3
-  stages every variant was slower and prefetching still lost (README, "FP8 weights").
+  stages every variant was slower and prefetching still lost (docs/fp8.md).
 """
 
 from __future__ import annotations

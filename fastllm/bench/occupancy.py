@@ -3,7 +3,7 @@ compiled for a GPU target (sm_90 by default) by Triton's own ptxas, then its cub
 spilled bytes and shared memory (cuobjdump, which Triton's wheel ships). A kernel variant that needs a few
 registers more than its neighbours can lose a program a SM, and with it a wave: APPEND held the new token's
 k/v across decode attention's key loop, 136 registers against 102 (Triton 3.6), and took 1.76x the time at
-B64 x 3840 over an FP8 cache (README, "FP8 weights").
+B64 x 3840 over an FP8 cache (docs/fp8.md).
 
 Run with TRITON_INTERPRET unset: the interpreter's kernels do not compile.
 

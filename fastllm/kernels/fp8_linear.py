@@ -34,7 +34,7 @@ logger = logging.getLogger("fastllm.kernels")
 
 # Batches up to this many rows take the weight-streaming kernel (at most its MAX_ROWS): with its e4m3 configs
 # it beat torch._scaled_mm on every Llama-3.1-8B projection at 1 and 32 rows (tune_skinny_linear.py shapes
-# --fp8, README's FP8 table), and its fp32-accumulated tl.dot is closer to the exact sum than cuBLASLt's.
+# --fp8, docs/fp8.md), and its fp32-accumulated tl.dot is closer to the exact sum than cuBLASLt's.
 SKINNY_MAX_ROWS = 32
 _logged: set[str] = set()
 

@@ -89,8 +89,8 @@ TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2), (32, 1, 2)]
 # a 16-bit cache, and one warp's softmax, layout changes and block barriers wait on no other warp. From 1.5
 # programs a SM under a bound of _FP8_LONG_BOUND it takes them too, split in two (four under 2 programs a
 # SM) so that ~8 one-warp programs a SM hide the loads' latency: 2-27% faster than the 64-key tile from
-# 384 keys, up to 18% slower on requests of 128 keys, so a short bound keeps the 16-bit table (README,
-# "FP8 weights", on decode attention over an FP8 cache).
+# 384 keys, up to 18% slower on requests of 128 keys, so a short bound keeps the 16-bit table
+# (docs/fp8.md, on decode attention over an FP8 cache).
 _FP8_MANY_PROGRAMS_PER_SM = 5
 _FP8_LONG_BOUND = 2048
 _FP8_MIN_SPLIT_LEN = 128

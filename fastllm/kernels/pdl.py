@@ -12,7 +12,7 @@ On a decode step every one of our kernels follows a cuBLAS GEMM or another of ou
 attention and the argmax are ~130 launch-bound kernels a step for an 8B model.
 `FASTLLM_PDL=0` turns it off (the launches and results are otherwise the same). `FASTLLM_PDL=trigger` also
 has each kernel let the next one launch as soon as it starts (see `wait`); end to end it was within noise
-(README, "FP8 weights"), so it is off by default.
+(docs/fp8.md), so it is off by default.
 """
 
 from __future__ import annotations

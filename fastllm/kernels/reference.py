@@ -462,7 +462,7 @@ def quantize_fp8_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = N
     else:
         scale = input_scale.float().expand(*x.shape[:-1], 1).contiguous()
     # x times the scale's IEEE reciprocal, as the kernels do: a multiply an element, not a division (the
-    # quantizing kernels' main cost; README's FP8 section), as vLLM's dynamic quantization does
+    # quantizing kernels' main cost; docs/fp8.md), as vLLM's dynamic quantization does
     inverse = torch.ones_like(scale) / scale
     return (x.float() * inverse).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 

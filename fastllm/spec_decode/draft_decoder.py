@@ -5,7 +5,7 @@ stacks the draft's layer weights (its parameters become views of the stacks: no 
 round's decoder layers in one persistent kernel; the lm_head and sampling stay the model's.
 
 Off unless FASTLLM_PERSISTENT_DRAFT=1: on an H200 its one-row round of Qwen3-0.6B is not yet faster than
-the draft's graphed forward (README, "Speculative decoding"), so the rounds run that forward by default.
+the draft's graphed forward (docs/speculative_decoding.md), so the rounds run that forward by default.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from torch import nn
 from fastllm.kernels import persistent_decoder as kernel
 from fastllm.worker.attn_metadata import AttentionMetadata
 
-# Rows a round (batch size); larger batches run the model's forward (its tl.dot rows lost: README)
+# Rows a round (batch size); larger batches run the model's forward (its tl.dot rows lost:
+# docs/speculative_decoding.md)
 MAX_ROWS = 1
 _MAX_K = 4096  # the kernel holds a whole K of x and of each W tile in registers
 _MAX_PROJECTION_BYTES = 16 << 20  # a draft's projections: latency-bound, which is what the kernel is for
