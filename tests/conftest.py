@@ -92,6 +92,19 @@ def kv_pool_whole_after_test():
 
 
 @pytest.fixture(autouse=True)
+def whole_gpu_tests_run_alone(request):
+    """Under `pytest -n` on one GPU, a `whole_gpu` test runs with no other GPU test beside it (beside one, an
+    8B engine sized to most of the card left kernel tests out of memory); the others share the card."""
+    if "gpu" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    from tests.gpu_lock import gpu_lock
+
+    with gpu_lock(exclusive="whole_gpu" in request.keywords):
+        yield
+
+
+@pytest.fixture(autouse=True)
 def gpu_memory_returned_after_test(request):
     """A GPU test's freed tensors go back to the device, not to this process's caching allocator: workers
     of `pytest -n` share the GPU, and ones holding earlier tests' 8 GiB caches left another none."""

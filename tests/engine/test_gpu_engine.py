@@ -128,6 +128,7 @@ def test_one_token_prefill_chunks_in_graph_steps(cpu_reference):
     assert tokens(llm, many_prompts(13)) == cpu_reference[13]
 
 
+@pytest.mark.whole_gpu
 def test_dummy_llama_8b_profiled_kv_and_compiled_vs_eager():
     release_cached_engines()
     results = {}

@@ -128,6 +128,7 @@ def test_fp8_bfloat16_writes_the_same_story(cpu_reference, eager):
     assert sum(agree) / len(agree) >= 8
 
 
+@pytest.mark.whole_gpu
 def test_dummy_llama_8b_fp8_compiled_vs_eager_and_its_memory():
     release_cached_engines()
     prompts = [{"prompt_token_ids": torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(n))
