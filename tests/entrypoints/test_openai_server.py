@@ -328,13 +328,14 @@ def first_step_fails(engine):
 
 def test_failed_step_is_500_for_its_request_only(server):
     """A step that raises fails its request (a 500, or an error event once the stream has begun); the
-    server stays healthy and serves the next request."""
+    server stays healthy and serves the next request, on the same kept-alive connection too."""
     url, engine = server
     wait_idle(engine)
-    with first_step_fails(engine) as fired:
-        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4})
-    assert fired and r.status_code == 500 and "planted launch failure" in r.json()["error"]["message"]
-    assert httpx.get(url + "/health").status_code == 200
+    with httpx.Client(base_url=url) as keep_alive:
+        with first_step_fails(engine) as fired:
+            r = keep_alive.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4})
+        assert fired and r.status_code == 500 and "planted launch failure" in r.json()["error"]["message"]
+        assert keep_alive.get("/health").status_code == 200
     with first_step_fails(engine):
         with httpx.stream("POST", url + "/v1/completions",
                           json={"model": MODEL, "prompt": "Once", "max_tokens": 4, "stream": True}) as r:
@@ -345,6 +346,25 @@ def test_failed_step_is_500_for_its_request_only(server):
     assert events[-1] == "data: [DONE]"
     out = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4})
     assert out.status_code == 200 and out.json()["choices"][0]["finish_reason"] == "length"
+    wait_idle(engine)
+
+
+def test_an_unexpected_error_is_a_500_and_the_connection_goes_on(server, monkeypatch):
+    """An exception no handler expects (a bug of ours) is a 500 for its request alone: the connection stays
+    open for the client's next request (Starlette's own handler re-raised, and uvicorn closed it)."""
+    from fastllm.entrypoints.openai import server as server_module
+
+    url, engine = server
+
+    async def planted_bug(self, body, request):
+        raise RuntimeError("planted bug")
+    with httpx.Client(base_url=url) as keep_alive:
+        with monkeypatch.context() as patch:
+            patch.setattr(server_module._Server, "complete", planted_bug)
+            r = keep_alive.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4})
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error: planted bug"
+        out = keep_alive.post("/v1/completions", json={"model": MODEL, "prompt": "Once", "max_tokens": 4})
+        assert out.status_code == 200 and out.json()["choices"][0]["finish_reason"] == "length"
     wait_idle(engine)
 
 

@@ -141,6 +141,19 @@ def test_extreme_sampling_values_over_http(server):
     wait_idle(engine)
 
 
+def test_a_body_nested_too_deeply_is_a_400_and_the_connection_goes_on(server):
+    """JSON nested past the decoder's recursion limit is the client's error, not an internal one (which
+    also closed the connection, failing the keep-alive client's next request)."""
+    url, engine = server
+    with httpx.Client(base_url=url) as keep_alive:
+        nested = b'{"prompt":' + b"[" * 5000 + b"]" * 5000 + b"}"
+        r = keep_alive.post("/v1/completions", content=nested, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "too deeply" in r.json()["error"]["message"], r.text
+        r = keep_alive.post("/v1/completions", json={"prompt": "Once", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    wait_idle(engine)
+
+
 # --- the API key and the limits
 
 

@@ -338,6 +338,8 @@ def decode_body(body: bytes, kind: type):
     except msgspec.ValidationError as e:
         message = str(e)
         raise APIError(400, message, param=param_of(message)) from None
+    except RecursionError:  # (msgspec's decoder recurses into each array and object)
+        raise APIError(400, "the body nests arrays or objects too deeply to parse") from None
     except msgspec.DecodeError as e:
         message, position = str(e), None
         surrogate = _LONE_SURROGATE.search(body)

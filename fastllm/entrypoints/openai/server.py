@@ -97,11 +97,6 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
         logger.debug("a client left before its request body was read")
         return Response(status_code=499)  # (nginx's "client closed request"; nobody reads it)
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, e: Exception):  # a failed engine step, or a bug of ours
-        logger.error("request failed: %r", e)
-        return JSONResponse(error_body(500, f"internal error: {e}", "InternalServerError"), status_code=500)
-
     @app.get("/health")
     async def health():
         if engine.errored is not None:
@@ -148,8 +143,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
 
 
 class _Guard:
-    """ASGI middleware: the API key on /v1/* (Bearer, compared in constant time), and a body size limit
-    read from Content-Length before anything else (read_body enforces it on the body itself)."""
+    """ASGI middleware: the API key on /v1/* (Bearer, compared in constant time), a body size limit read
+    from Content-Length before anything else (read_body enforces it on the body itself), and any other
+    error (a failed engine step, or a bug of ours) as a 500 for its request alone. (Starlette's handler
+    for Exception re-raises after replying, and uvicorn then closes the connection, failing a keep-alive
+    client's next request too.)"""
 
     def __init__(self, app, api_key: str | None, max_request_bytes: int):
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
@@ -167,7 +165,14 @@ class _Guard:
         if length is not None and (not length.isdigit() or int(length) > self.max_request_bytes):
             return await _reply(send, 413, f"the request body is larger than {self.max_request_bytes} bytes "
                                 "(--max-request-bytes)", "RequestTooLargeError")
-        return await self.app(scope, receive, send)
+        try:
+            await self.app(scope, receive, send)
+        except Exception as e:
+            logger.error("request failed: %r", e)
+            try:
+                await _reply(send, 500, f"internal error: {e}", "InternalServerError")
+            except Exception:  # its response had begun: nothing more can be said on it
+                raise e from None
 
 
 async def _reply(send, status: int, message: str, kind: str) -> None:
