@@ -35,6 +35,10 @@ class LLM:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or \
+                not all(isinstance(p, SamplingParams) for p in sampling_params):
+            raise ValueError("sampling_params must be a SamplingParams or a list of them (one a prompt), got "
+                             f"{sampling_params!r:.80}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
         # Offline generation only needs each request's final output (no per-step copies).

@@ -60,6 +60,14 @@ def test_bad_requests_leave_the_engine_serving():
     engine.check_kv_pool_whole()
 
 
+@pytest.mark.parametrize("params", ["greedy", [None], 5, [SamplingParams(), "greedy"]])
+def test_sampling_params_that_are_not_any_are_refused_by_name(params):
+    llm = cached_llm()
+    with pytest.raises(ValueError, match="^sampling_params must be a SamplingParams"):
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_generate_with_one_bad_prompt_queues_nothing():
     llm = cached_llm(max_model_len=128)
     with pytest.raises(ValueError, match="max_model_len"):
