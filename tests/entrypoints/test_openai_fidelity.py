@@ -62,6 +62,9 @@ def test_chat_logprobs_bytes_and_content_parts(client):
     with pytest.raises(openai.BadRequestError, match="image_url.*not supported"):
         client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}])
+    with pytest.raises(openai.BadRequestError, match="messages.1.: a content part of type 'text' needs its"):
+        client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+            {"role": "system", "content": "x"}, {"role": "user", "content": [{"type": "text"}]}])
 
 
 def test_chat_template_that_writes_the_bos_gets_no_second_one():

@@ -246,13 +246,14 @@ class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return self.content or ""
         texts = []
         for part in self.content:
-            if part.type == "text" and part.text is not None:
-                texts.append(part.text)
-            elif part.type == "refusal" and part.refusal is not None:
-                texts.append(part.refusal)
-            else:
+            if part.type not in ("text", "refusal"):
                 raise APIError(400, f"{where}: content parts of type {part.type!r} are not supported "
                                "(text only)", param="messages")
+            text = part.text if part.type == "text" else part.refusal
+            if text is None:
+                raise APIError(400, f"{where}: a content part of type {part.type!r} needs its `{part.type}` "
+                               "field", param="messages")
+            texts.append(text)
         return "\n".join(texts)
 
 
