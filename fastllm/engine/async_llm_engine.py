@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastllm.config import EngineConfig
 from fastllm.engine.core_client import EngineCoreClient, EngineDeadError
-from fastllm.engine.input_processor import InputProcessor, PromptType
+from fastllm.engine.input_processor import InputProcessor, PromptType, check_request_id
 from fastllm.engine.messages import (
     Abort,
     BeamSearchRequest,
@@ -110,6 +110,7 @@ class AsyncLLMEngine:
                           params: SamplingParams) -> "RequestStream":
         """Validate, tokenize and send the request; return the stream of its outputs (until the last,
         finished=True). Raises the request's ValueError (nothing sent) or EngineDeadError."""
+        check_request_id(request_id)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = await self._tokenize(prompt)
@@ -126,6 +127,7 @@ class AsyncLLMEngine:
         """Validate, tokenize and send a beam search; its stream gives one output, when the search ends:
         its num_beams best beams (all beam_width by default), best first, one CompletionOutput each.
         Raises the request's ValueError (nothing sent) or EngineDeadError."""
+        check_request_id(request_id)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         if num_beams is not None and not (type(num_beams) is int and 1 <= num_beams <= params.beam_width):

@@ -96,6 +96,18 @@ class InputProcessor:
         return self.check_request(token_ids, params.sampling_params())
 
 
+def check_request_id(request_id) -> None:
+    """A request id is a string of valid Unicode: it crosses to the engine core's process as UTF-8 (whose
+    loop cannot decode another type, and would stop)."""
+    if not isinstance(request_id, str):
+        raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+    try:
+        request_id.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"request_id is not valid Unicode (it holds a lone surrogate): {request_id!r:.60}") \
+            from None
+
+
 def _token_list(ids) -> list[int]:
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"prompt token ids must be a list of integers, got {type(ids).__name__}")

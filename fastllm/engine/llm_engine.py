@@ -12,7 +12,7 @@ from fastllm.core.beam_run_ahead import run_ahead_off_reason
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
 from fastllm.engine.core import EngineCore
-from fastllm.engine.input_processor import InputProcessor, PromptType
+from fastllm.engine.input_processor import InputProcessor, PromptType, check_request_id
 from fastllm.engine.messages import sample_ids
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import RequestStatus
@@ -135,8 +135,7 @@ class LLMEngine:
         self.output_processor.add_beam_search(request_id, text, token_ids)
 
     def _check_request_ids(self, request_id: str, samples: list[str]) -> None:
-        if not isinstance(request_id, str):
-            raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        check_request_id(request_id)
         processor = self.output_processor
         for i in {request_id, *samples}:
             if i in processor.groups or i in processor.group_of or i in self.scheduler.beam_searches:

@@ -177,6 +177,27 @@ def test_slow_reader_gets_merged_deltas(engine):
     wait_idle(engine)
 
 
+def test_request_ids_the_core_could_not_read_are_refused_by_name():
+    """A request id crosses to the core's process as a UTF-8 string: an int there stopped the core (its loop
+    could not decode the message), so ids of another type or with a lone surrogate are refused here."""
+    from fastllm import BeamSearchParams
+
+    eng = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=64)
+
+    async def main():
+        for request_id in (5, None, b"id", "\ud800"):
+            with pytest.raises(ValueError, match="^request_id "):
+                await eng.add_request(request_id, PROMPTS[0], greedy())
+            with pytest.raises(ValueError, match="^request_id "):
+                await eng.add_beam_search(request_id, PROMPTS[0], BeamSearchParams(2, max_tokens=2))
+        return await collect(eng, PROMPTS[0], greedy(max_tokens=4), "")  # (any string will do)
+    try:
+        outs = asyncio.run(main())
+        assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    finally:
+        eng.shutdown()
+
+
 def test_dead_core_process_fails_every_stream_and_new_request():
     """The core in its own process, killed mid-stream: the open stream raises EngineDeadError, the
     death callback runs, and add_request raises it too; nothing hangs."""
