@@ -144,8 +144,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
 
 class _Guard:
     """ASGI middleware: the API key on /v1/* (Bearer, compared in constant time), a body size limit read
-    from Content-Length before anything else (read_body enforces it on the body itself), and any other
-    error (a failed engine step, or a bug of ours) as a 500 for its request alone. (Starlette's handler
+    from Content-Length before anything else (read_body enforces it on the body itself), and an error no
+    handler expects (a bug of ours; a failed engine step is an APIError of its own) as a 500 for its request
+    alone. (Starlette's handler
     for Exception re-raises after replying, and uvicorn then closes the connection, failing a keep-alive
     client's next request too.)"""
 
