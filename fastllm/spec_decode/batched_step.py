@@ -20,8 +20,12 @@ and the proposals follow on their own (PendingDrafts). So the engine schedules a
 while the draft model still runs, and the next step reads the proposals where they are: a request whose
 prev_row is its row in the step before takes its drafts t_1 .. t_k from that step's out, on the device.
 
-A write at a position outside the slots the request holds (kv_limit: the draft's rounds near its
-max_tokens, padding rows) is dropped (slot -1), so no other request's KV can be touched.
+Where each row's K/V goes depends only on what the host knows (each request's start, block table and the
+slots it holds), except for the draft's rows, which start after the a drafts the step accepts: so the host
+stages the slots, positions and lengths of every position a step can write, start .. start + 2k, and the
+device only picks the draft's by a (a few gathers, not a few dozen small launches). A write at a position
+outside the slots the request holds (the draft's rounds near its max_tokens, padding rows) is dropped
+(slot -1), so no other request's KV can be touched.
 """
 
 from __future__ import annotations
@@ -65,19 +69,36 @@ class SpecDecodeStep:
         self.max_model_len, self.block_size, self.vocab_size = max_model_len, block_size, vocab_size
         self.device = device
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
-        # Inputs, packed as one staging copy lays them out: int64 [tokens (n, k + 1) | start | num_drafts
-        # | kv_limit | prob_slot | prev_row], then int32 [sampling params (SAMPLING_ROWS, n), float32 bits
-        # | the step's block tables at its own width], spread into block_tables before each replay.
-        self.int64_rows = k + 6
+        # Inputs, packed as one staging copy lays them out: int64 [tokens (n, k + 1) | num_drafts | prob_slot
+        # | prev_row | the verify rows' slots and positions (n, k + 1) each | the slots and positions of
+        # start .. start + 2k (2, n, 2k + 1)], then int32 [the verify rows' lengths (n, k + 1) | the lengths
+        # of start .. start + 2k (n, 2k + 1) | sampling params (SAMPLING_ROWS, n), float32 bits | the step's
+        # block tables at its own width], spread into block_tables before each replay. (A position's slot
+        # is -1 past what its request holds, its position clamped to max_model_len - 1, its length the
+        # position + 1: the keys its row attends to.)
+        span = self.span = 2 * k + 1
+        self.int64_rows = 3 * (k + 1) + 3 + 2 * span
         self.int32_start = self.int64_rows * n * 8
-        self.static = torch.zeros(self.int32_start + 4 * (SAMPLING_ROWS * n + n * max_blocks_per_seq),
-                                  dtype=torch.uint8, device=device)
+        self.int32_fixed = (k + 1 + span) * n
+        int32_size = self.int32_fixed + SAMPLING_ROWS * n + n * max_blocks_per_seq
+        self.static = torch.zeros(self.int32_start + 4 * int32_size, dtype=torch.uint8, device=device)
         i64 = self.static[:self.int32_start].view(torch.int64)
-        self.tokens = i64[:n * (k + 1)].view(n, k + 1)
-        self.start, self.num_drafts, self.kv_limit, self.prob_slot, self.prev_row = i64[n * (k + 1):].view(5, n)
+        self.tokens, i64 = i64[:n * (k + 1)].view(n, k + 1), i64[n * (k + 1):]
+        (self.num_drafts, self.prob_slot, self.prev_row), i64 = i64[:3 * n].view(3, n), i64[3 * n:]
+        self.verify_slots, self.verify_positions = i64[:2 * n * (k + 1)].view(2, n, k + 1)
+        self.span_slots_positions = i64[2 * n * (k + 1):].view(2, n, span)  # [slots; positions]
         i32 = self.static[self.int32_start:].view(torch.int32)
-        self.sampling_params = i32[:SAMPLING_ROWS * n].view(torch.float32).view(SAMPLING_ROWS, n)
-        self._staged_i32 = i32  # [sampling params |] block tables, as staged
+        self.verify_lens = i32[:n * (k + 1)].view(n, k + 1)
+        self.span_lens = i32[n * (k + 1):self.int32_fixed].view(n, span)
+        self._staged_i32 = i32[self.int32_fixed:]  # [sampling params |] block tables, as staged
+        self.sampling_params = self._staged_i32[:SAMPLING_ROWS * n].view(torch.float32).view(SAMPLING_ROWS, n)
+        # The draft's rows in the span arrays: request b's row a + column, a its accepted drafts; the pair's
+        # columns 0 and 1, the one-token rounds' 2 .. k (a round's rows contiguous)
+        self._row_starts = torch.arange(n, device=device) * span
+        self._pair_columns = torch.arange(2, device=device)
+        self._round_columns = 2 + torch.arange(k - 1, device=device).unsqueeze(1)  # [k - 1, 1]
+        self._query_starts = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
+                              for q in (1, 2, k + 1)}
         # A row's keys end at start + q_len, past max_model_len near a request's end (the draft's last round:
         # max_model_len + 2k): the attention reads that far through the table, so it has the columns.
         self.max_seq_len = max_model_len + 2 * k
@@ -119,21 +140,40 @@ class SpecDecodeStep:
         whose prev_row is >= 0 takes its drafts from that row of the step before (its tokens[1:] are
         ignored)."""
         n, num_reqs, width = self.max_bs, len(start), self.k + 1
-        i64 = np.zeros(self.int64_rows * n, dtype=np.int64)
-        i64[:n * width].reshape(n, width)[:num_reqs] = tokens
-        start_, drafts_, limit_, slot_, prev_ = i64[n * width:].reshape(5, n)
-        start_[:num_reqs], drafts_[:num_reqs], limit_[:num_reqs] = start, num_drafts, kv_limit
+        head = np.zeros((width + 3) * n, dtype=np.int64)
+        head[:n * width].reshape(n, width)[:num_reqs] = tokens
+        drafts_, slot_, prev_ = head[n * width:].reshape(3, n)
+        drafts_[:num_reqs] = num_drafts
         slot_[:] = self.scratch_slot
         slot_[:num_reqs] = prob_slot
         prev_[:] = -1
         prev_[:num_reqs] = prev_row
-        int32_arrays = [block_tables]
+        slots, positions, lens = self.span_rows(start, kv_limit, block_tables)
+        int32_arrays = [lens[:, :width], lens, block_tables]
         if sampling_params is not None:
-            int32_arrays.insert(0, sampling_params.view(np.int32))
-        stager.send_into([i64], int32_arrays, self.static, self.int32_start)
+            int32_arrays.insert(2, sampling_params.view(np.int32))
+        stager.send_into([head, slots[:, :width], positions[:, :width], slots, positions], int32_arrays,
+                         self.static, self.int32_start)
         rows, width = block_tables.shape
         start32 = self.sampling_params.numel() if sampling_params is not None else 0
         self.block_tables[:rows, :width].copy_(self._staged_i32[start32:start32 + rows * width].view(rows, width))
+
+    def span_rows(self, start: np.ndarray, kv_limit: np.ndarray, block_tables: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The positions start .. start + 2k of each request (rows past them: 0 .., writing nothing) as
+        slots [n, 2k + 1] int64 (-1 from kv_limit on), positions (clamped to max_model_len - 1) and lengths
+        (position + 1, int32)."""
+        n, num_reqs = self.max_bs, len(start)
+        position = np.tile(np.arange(self.span, dtype=np.int64), (n, 1))
+        position[:num_reqs] += start[:, None]
+        slots = np.full((n, self.span), -1, dtype=np.int64)
+        if num_reqs:
+            mine = position[:num_reqs]
+            columns = np.minimum(mine // self.block_size, block_tables.shape[1] - 1)
+            blocks = np.take_along_axis(block_tables[:num_reqs], columns, axis=1).astype(np.int64)
+            in_cache = blocks * self.block_size + mine % self.block_size
+            slots[:num_reqs] = np.where(mine < kv_limit[:, None], in_cache, -1)
+        return slots, np.minimum(position, self.max_model_len - 1), (position + 1).astype(np.int32)
 
     def execute(self, num_reqs: int, sampling: bool) -> tuple[np.ndarray, PendingDrafts | None]:
         """Run the staged step (replay its graphs where there are some). Returns out[:num_reqs, :k + 2]
@@ -199,13 +239,12 @@ class SpecDecodeStep:
     def verify(self, bs: int, sampling: bool) -> None:
         """The target over the verify rows, and accept_drafts: out[:, :k + 2]."""
         k = self.k
-        start, num_drafts = self.start[:bs], self.num_drafts[:bs]
-        tokens = self.tokens[:bs]
-        prev_row = self.prev_row[:bs]
+        num_drafts, tokens, prev_row = self.num_drafts[:bs], self.tokens[:bs], self.prev_row[:bs]
         # the drafts that the step before proposed, still in its out (this part writes out[:, :k + 2] only)
         chained = self.out.index_select(0, prev_row.clamp(min=0))[:, k + 2:]
         tokens[:, 1:] = torch.where((prev_row >= 0).unsqueeze(1), chained, tokens[:, 1:])
-        logits = self._forward(self.target, tokens, start, k + 1, bs)
+        logits = self._forward(self.target, tokens, self.verify_slots[:bs].view(-1),
+                               self.verify_positions[:bs].view(-1), self.verify_lens[:bs].view(-1))
         target_tokens = kernels.argmax(logits).view(bs, k + 1)
         logits = logits.view(bs, k + 1, -1)
         drafts = tokens[:, 1:]
@@ -230,10 +269,15 @@ class SpecDecodeStep:
         k = self.k
         metadata = graph_sampling_metadata(self.sampling_params[:, :bs]) if sampling else None
         last = self.out[:bs, k + 1:k + 2] - 1  # [bs, 1]: the accepted drafts' count
-        position = self.start[:bs] + last.squeeze(1)
         pair = torch.cat([self.tokens[:bs].gather(1, last), self.out[:bs].gather(1, last)], dim=1)
-        logits = self._forward(self.draft, pair, position, 2, bs).view(bs, 2, -1)[:, 1]
-        rounds = self._one_token_rounds(position + 2, k - 1, bs)
+        # the draft's rows in the span arrays (flattened): request b's row a + column
+        first = self._row_starts[:bs] + last.squeeze(1)
+        pair_rows = (first.unsqueeze(1) + self._pair_columns).view(-1)  # [bs * 2]
+        slots_positions, lens = self.span_slots_positions.view(2, -1), self.span_lens.view(-1)
+        pair_slots, pair_positions = slots_positions[:, pair_rows]
+        logits = self._forward(self.draft, pair, pair_slots, pair_positions, lens[pair_rows])
+        logits = logits.view(bs, 2, -1)[:, 1]
+        rounds = self._one_token_rounds(first.unsqueeze(0) + self._round_columns, bs)
         proposals, probs = [], []
         for round_index in range(k):
             if round_index:
@@ -255,44 +299,28 @@ class SpecDecodeStep:
         drawn = (q / exponential_noise(q, {})).argmax(dim=-1)
         return torch.where(metadata.greedy, greedy, drawn), q
 
-    def _forward(self, model: ModelFns, input_ids: torch.Tensor, start: torch.Tensor, q_len: int,
-                 bs: int) -> torch.Tensor:
-        """model's logits [bs * q_len, V] for input_ids [bs, q_len] at positions start + 0 .. q_len - 1
-        of each request, whose earlier positions are in the cache."""
-        positions = start.unsqueeze(1) + torch.arange(q_len, device=start.device)
+    def _forward(self, model: ModelFns, input_ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                 lens: torch.Tensor) -> torch.Tensor:
+        """model's logits [bs * q_len, V] for input_ids [bs, q_len], each request's next q_len positions
+        (slots, positions and lens [bs * q_len] from the span arrays) after those in the cache."""
+        bs, q_len = input_ids.shape
         tables = self.block_tables[:bs]
-        token_rows = None
-        if q_len > 1:
-            token_rows = TokenRows(tables.repeat_interleave(q_len, dim=0), (positions + 1).view(-1).to(torch.int32))
         metadata = AttentionMetadata(
-            slot_mapping=self._slots(positions, bs).view(-1), block_tables=tables,
-            seq_lens=(start + q_len).to(torch.int32),
-            query_start_loc=torch.arange(0, (bs + 1) * q_len, q_len, dtype=torch.int32, device=start.device),
-            max_query_len=q_len, max_seq_len=self.max_seq_len, token_rows=token_rows)
-        clamped = positions.clamp(max=self.max_model_len - 1).view(-1)
-        return self._logits(model, input_ids.reshape(-1), clamped, metadata)
+            slot_mapping=slots, block_tables=tables, seq_lens=lens.view(bs, q_len)[:, -1],
+            query_start_loc=self._query_starts[q_len][:bs + 1], max_query_len=q_len,
+            max_seq_len=self.max_seq_len, token_rows=TokenRows(tables.repeat_interleave(q_len, dim=0), lens))
+        return self._logits(model, input_ids.reshape(-1), positions, metadata)
 
-    def _one_token_rounds(self, first: torch.Tensor, rounds: int, bs: int
-                          ) -> list[tuple[torch.Tensor, AttentionMetadata]]:
-        """(positions [bs], metadata) of `rounds` rounds of one token a request at first + 0, 1, ..., all
-        computed in one go: a handful of launches, not a dozen small ones a round."""
-        positions = first.unsqueeze(1) + torch.arange(rounds, device=first.device)  # [bs, rounds]
-        slots = self._slots(positions, bs).t().contiguous()  # [rounds, bs]: a round's row is contiguous
-        seq_lens = (positions + 1).to(torch.int32).t().contiguous()
-        clamped = positions.clamp(max=self.max_model_len - 1).t().contiguous()
-        query_start_loc = torch.arange(bs + 1, dtype=torch.int32, device=first.device)
-        return [(clamped[r], AttentionMetadata(
-            slot_mapping=slots[r], block_tables=self.block_tables[:bs], seq_lens=seq_lens[r],
+    def _one_token_rounds(self, rows: torch.Tensor, bs: int) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+        """(positions [bs], metadata) of the one-token rounds at rows [rounds, bs] of the flattened span
+        arrays, all gathered in one go: a handful of launches, not a dozen small ones a round."""
+        slots, positions = self.span_slots_positions.view(2, -1)[:, rows]
+        lens = self.span_lens.view(-1)[rows]
+        query_start_loc = self._query_starts[1][:bs + 1]
+        return [(positions[r], AttentionMetadata(
+            slot_mapping=slots[r], block_tables=self.block_tables[:bs], seq_lens=lens[r],
             query_start_loc=query_start_loc, max_query_len=1, max_seq_len=self.max_seq_len))
-            for r in range(rounds)]
-
-    def _slots(self, positions: torch.Tensor, bs: int) -> torch.Tensor:
-        """The KV-cache slots of positions [bs, n] of each request; -1 (a dropped write) from its kv_limit
-        on."""
-        tables = self.block_tables[:bs]
-        blocks = tables.gather(1, (positions // self.block_size).clamp(max=tables.shape[1] - 1))
-        slots = blocks.to(torch.int64) * self.block_size + positions % self.block_size
-        return torch.where(positions < self.kv_limit[:bs].unsqueeze(1), slots, -1)
+            for r in range(rows.shape[0])]
 
     def _round_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                       bs: int) -> torch.Tensor:
@@ -316,13 +344,23 @@ class SpecDecodeStep:
     def capture(self) -> None:
         """Capture the greedy step of every size and time each replay (the cost model's step times)."""
         start = time.perf_counter()
-        self.kv_limit.zero_()  # no request: the warm-up and timing runs write no KV
+        self._stage_no_requests()  # the warm-up and timing runs write no KV
         for bs in reversed(self.sizes):
             self._capture(bs, sampling=False)
         self.capture_seconds = time.perf_counter() - start
         self.step_ms = {bs: sum(time_graph(g) for g in self.graphs[(bs, False)]) for bs in self.sizes}
         logger.info("speculative decoding: captured %d CUDA graphs of k=%d (batch sizes %d..%d) in %.1f s",
                     len(self.sizes), self.k, self.sizes[0], self.max_bs, self.capture_seconds)
+
+    def _stage_no_requests(self) -> None:
+        slots, positions, lens = (torch.from_numpy(a).to(self.device) for a in self.span_rows(
+            np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 1), np.int32)))
+        width = self.k + 1
+        self.verify_slots.copy_(slots[:, :width])
+        self.verify_positions.copy_(positions[:, :width])
+        self.verify_lens.copy_(lens[:, :width])
+        self.span_slots_positions.copy_(torch.stack([slots, positions]))
+        self.span_lens.copy_(lens)
 
     def reset(self) -> None:
         """Destroy every graph of this step (it replays none after)."""
