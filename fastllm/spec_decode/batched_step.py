@@ -99,6 +99,7 @@ class SpecDecodeStep:
         self._round_columns = 2 + torch.arange(k - 1, device=device).unsqueeze(1)  # [k - 1, 1]
         self._query_starts = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
                               for q in (1, 2, k + 1)}
+        self._token_requests = {q: torch.arange(n, device=device).repeat_interleave(q) for q in (2, k + 1)}
         # A row's keys end at start + q_len, past max_model_len near a request's end (the draft's last round:
         # max_model_len + 2k): the attention reads that far through the table, so it has the columns.
         self.max_seq_len = max_model_len + 2 * k
@@ -308,7 +309,8 @@ class SpecDecodeStep:
         metadata = AttentionMetadata(
             slot_mapping=slots, block_tables=tables, seq_lens=lens.view(bs, q_len)[:, -1],
             query_start_loc=self._query_starts[q_len][:bs + 1], max_query_len=q_len,
-            max_seq_len=self.max_seq_len, token_rows=TokenRows(tables.repeat_interleave(q_len, dim=0), lens))
+            max_seq_len=self.max_seq_len,
+            token_rows=TokenRows(tables.index_select(0, self._token_requests[q_len][:bs * q_len]), lens))
         return self._logits(model, input_ids.reshape(-1), positions, metadata)
 
     def _one_token_rounds(self, rows: torch.Tensor, bs: int) -> list[tuple[torch.Tensor, AttentionMetadata]]:
