@@ -44,6 +44,26 @@ bandwidth and tensor-core columns are n/a."""
 # mode -> (input_len, output_len, shared_prefix_len)
 DEFAULTS = {"latency": (128, 256, 0), "throughput": (512, 256, 0), "prefix": (128, 128, 1024), "startup": (0, 0, 0),
             "serving": (128, 128, 0)}
+# The flags that only some modes read, and those modes: given to another they would do nothing, so they are an
+# error there. (Their parser default is None or False, the value they take when not given.)
+_RUNS = ("latency", "throughput", "prefix")  # the modes that run the engine here
+FLAG_MODES = {
+    "batch_sizes": ("latency",), "matmul_floor": ("latency",), "plot": ("latency",),
+    "input_len": (*_RUNS, "serving"), "output_len": (*_RUNS, "serving"), "progress": (*_RUNS, "serving"),
+    "num_prompts": ("throughput", "prefix", "serving"), "dataset": ("throughput",),
+    "shared_prefix_len": ("throughput", "prefix"), "unshared_prompts": ("throughput", "prefix"),
+    "request_rates": ("serving",), "max_concurrency": ("serving",), "url": ("serving",),
+    "served_model_name": ("serving",), "api_key": ("serving",), "client_processes": ("serving",),
+    "no_offline": ("serving",),
+    "profile": _RUNS, "profile_batch_size": _RUNS, "profile_steps": _RUNS,
+    "ceilings_from": (*_RUNS, "startup"), "ceilings_out": (*_RUNS, "startup"),
+    "no_ceilings": (*_RUNS, "startup"),
+    "nvtx": (*_RUNS, "startup"), "nvtx_layers": (*_RUNS, "startup"),  # (a served engine's process has none)
+}
+# Their defaults where a mode reads them (the help says so too); input_len, output_len and shared_prefix_len
+# take the mode's (DEFAULTS).
+FLAG_DEFAULTS = {"batch_sizes": "1,8,32,128,256", "num_prompts": 256, "unshared_prompts": 0,
+                 "request_rates": "inf", "client_processes": 4, "profile_steps": 5}
 
 
 def add_bench_parser(subparsers) -> None:
@@ -54,26 +74,30 @@ def add_bench_parser(subparsers) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", nargs="?", default="latency", choices=list(MODES), help="what to measure (default: latency)")
     w = p.add_argument_group("workload")
-    w.add_argument("--batch-sizes", default="1,8,32,128,256", help="latency: comma-separated batch sizes (default: 1,8,32,128,256)")
+    w.add_argument("--batch-sizes", default=None,
+                   help="latency: comma-separated batch sizes (default: 1,8,32,128,256)")
     w.add_argument("--input-len", type=int, default=None,
                    help="prompt tokens (default: latency 128, throughput 512, prefix 128 after the shared prefix)")
     w.add_argument("--output-len", type=int, default=None, help="generated tokens per request, EOS ignored "
                    "(default: latency 256, throughput 256, prefix 128)")
-    w.add_argument("--num-prompts", type=int, default=256, help="throughput/prefix: requests, all submitted at once (default: 256)")
+    w.add_argument("--num-prompts", type=int, default=None,
+                   help="throughput/prefix: requests, all submitted at once; serving: requests a rate "
+                   "(default: 256)")
     w.add_argument("--dataset", default=None, help='throughput: JSONL of {"prompt": ...} or {"prompt_token_ids": [...]}')
     w.add_argument("--shared-prefix-len", type=int, default=None,
                    help="throughput/prefix: tokens every prompt shares before its own input-len (prefix: 1024)")
-    w.add_argument("--unshared-prompts", type=int, default=0,
+    w.add_argument("--unshared-prompts", type=int, default=None,
                    help="throughput/prefix: of the --num-prompts, how many have a prefix of their own (same "
                    "length) instead of the shared one: requests beside the group (default: 0)")
-    w.add_argument("--request-rates", default="inf", help="serving: comma-separated requests/s (Poisson arrivals); "
-                   "inf sends all at once (default: inf)")
+    w.add_argument("--request-rates", default=None,
+                   help="serving: comma-separated requests/s, Poisson arrivals; inf: all at once "
+                   "(default: inf)")
     w.add_argument("--max-concurrency", type=int, default=None, help="serving: most requests in flight")
     w.add_argument("--url", default=None, help="serving: a running `fastllm serve` (default: start one with the "
                    "engine arguments below)")
     w.add_argument("--served-model-name", default=None, help="serving: the model name that server answers to")
     w.add_argument("--api-key", default=None, help="serving: the Bearer key of a --url server that wants one")
-    w.add_argument("--client-processes", type=int, default=4,
+    w.add_argument("--client-processes", type=int, default=None,
                    help="serving: processes sending the requests (each its own event loop)")
     w.add_argument("--no-offline", action="store_true", help="serving: skip the offline engine's run on the "
                    "same workload (skipped anyway with --url)")
@@ -94,7 +118,7 @@ def add_bench_parser(subparsers) -> None:
                    help="after the run, write a torch-profiler Chrome trace of a few decode steps to DIR")
     t.add_argument("--profile-batch-size", type=int, default=None,
                    help="batch of the profiled steps (default: the largest batch size)")
-    t.add_argument("--profile-steps", type=int, default=5, help="decode steps in the trace (default: 5)")
+    t.add_argument("--profile-steps", type=int, default=None, help="decode steps in the trace (default: 5)")
     t.add_argument("--nvtx", action="store_true", help="NVTX ranges on (engine phases) for Nsight Systems")
     t.add_argument("--nvtx-layers", action="store_true", help="NVTX ranges per decoder layer too (implies --nvtx)")
     add_engine_args(p, dict.fromkeys(SERVING_DEFAULTS))  # (None: the mode's, fill_engine_defaults)
@@ -138,13 +162,26 @@ def fill_engine_defaults(args: argparse.Namespace) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Fill the mode's defaults and reject bad values (ValueError: one line, exit code 2)."""
+    """Reject flags the mode would not read, fill the mode's defaults and reject bad values (ValueError: one
+    line, exit code 2)."""
+    for name, modes in FLAG_MODES.items():
+        if getattr(args, name) not in (None, False) and args.mode not in modes:
+            raise ValueError(f"--{name.replace('_', '-')} is for `fastllm bench {' / '.join(modes)}`, "
+                             f"not {args.mode}")
+    for name in ("profile_batch_size", "profile_steps"):
+        if getattr(args, name) is not None and not args.profile:
+            raise ValueError(f"--{name.replace('_', '-')} sets what --profile traces: give --profile DIR too")
+    if args.no_ceilings and (args.ceilings_from or args.ceilings_out):
+        raise ValueError("--no-ceilings and --ceilings-from / --ceilings-out do not combine")
+    for name, default in FLAG_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     fill_engine_defaults(args)
     input_len, output_len, prefix_len = DEFAULTS[args.mode]
     args.input_len = input_len if args.input_len is None else args.input_len
     args.output_len = output_len if args.output_len is None else args.output_len
     args.shared_prefix_len = prefix_len if args.shared_prefix_len is None else args.shared_prefix_len
-    args.batch_sizes = parse_batch_sizes(args.batch_sizes)
+    args.batch_sizes = parse_batch_sizes(args.batch_sizes)  # (read in latency only)
     if args.mode == "startup":
         return
     for name in ("input_len", "output_len", "num_prompts", "profile_steps"):
@@ -154,15 +191,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
     if args.profile_batch_size is not None and args.profile_batch_size < 1:
         raise ValueError(f"--profile-batch-size must be >= 1, got {args.profile_batch_size}")
-    if args.dataset and args.mode != "throughput":
-        raise ValueError("--dataset is for `fastllm bench throughput`")
     if args.client_processes < 1:
         raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
     if args.dataset and args.shared_prefix_len:
         raise ValueError("--dataset and --shared-prefix-len do not combine")
-    if args.unshared_prompts and not (args.mode in ("throughput", "prefix") and args.shared_prefix_len):
-        raise ValueError("--unshared-prompts needs `fastllm bench throughput` or `prefix` and a "
-                         "--shared-prefix-len")
+    if args.unshared_prompts and not args.shared_prefix_len:
+        raise ValueError("--unshared-prompts needs a --shared-prefix-len (a prefix to be beside)")
     if not 0 <= args.unshared_prompts <= args.num_prompts:
         raise ValueError(f"--unshared-prompts must be in [0, --num-prompts], got {args.unshared_prompts}")
 
@@ -310,11 +344,8 @@ def finish(args: argparse.Namespace, engine, result: dict, profile_at: dict) -> 
 
     print(report.table(result), flush=True)
     save(args, result)
-    if args.plot:
-        if args.mode == "latency":
-            report.plot_latency(result, args.plot)
-        else:
-            logger.warning("--plot draws the latency sweep only; nothing plotted for %s", args.mode)
+    if args.plot:  # (latency's only: check_args)
+        report.plot_latency(result, args.plot)
     if args.profile and args.mode != "startup":
         from fastllm.bench.profile import print_profile, profile_decode
 

@@ -176,6 +176,27 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     assert len(err.splitlines()) == 1 and err.startswith("fastllm bench: error:"), err
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["--url", "http://localhost:1"], "--url"),  # latency, the default mode
+    (["latency", "--num-prompts", "3"], "--num-prompts"),
+    (["latency", "--shared-prefix-len", "8"], "--shared-prefix-len"),
+    (["throughput", "--batch-sizes", "4"], "--batch-sizes"),
+    (["prefix", "--dataset", "d.jsonl"], "--dataset"),
+    (["serving", "--plot", "p.png"], "--plot"),
+    (["serving", "--profile", "trace"], "--profile"),
+    (["serving", "--nvtx"], "--nvtx"),
+    (["startup", "--input-len", "3"], "--input-len"),
+    (["throughput", "--profile-steps", "3"], "--profile-steps"),  # without --profile
+    (["--no-ceilings", "--ceilings-out", "c.json"], "--no-ceilings"),
+])
+def test_a_flag_the_mode_would_not_read_is_an_error(argv, flag, capsys):
+    """A flag that does nothing in the mode given (another mode's, or a --profile setting without
+    --profile) is refused by name before anything loads, not ignored."""
+    code = main(["bench", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and flag in err, err
+
+
 def test_serving_against_a_started_server(tmp_path, capsys):
     """`fastllm bench serving` starts `fastllm serve` in a child process (its engine core in another),
     warms it up and streams requests to it from two client processes at two rates: every request
