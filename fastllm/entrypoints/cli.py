@@ -110,13 +110,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {**kwargs, **{name: getattr(args, name) for name in SPECULATIVE_FLAGS}}
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+def sampling_defaults() -> dict:
+    """Each sampling flag's default: SAMPLING_FLAGS' where it sets one, else SamplingParams'."""
     from fastllm.sampling_params import SamplingParams
 
+    library = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    return {name: library[name] if default is None else default
+            for name, (_, default) in SAMPLING_FLAGS.items()}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-    for name, (help_text, default) in SAMPLING_FLAGS.items():
-        default = defaults[name] if default is None else default
+    for name, default in sampling_defaults().items():
+        help_text = SAMPLING_FLAGS[name][0]
         flag = "--" + name.replace("_", "-")
         if isinstance(default, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
@@ -126,7 +132,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sampling-seed", type=int, default=None, help=_help("seed of the random draws", None))
     group.add_argument("--beam-width", type=int, default=None,
                        help="beam search with this many beams instead of sampling (prints the best beam)")
-    group.add_argument("--length-penalty", type=float, default=1.0,
+    group.add_argument("--length-penalty", type=float, default=None,
                        help=_help("beam search: scores are logprob sums / length ** length_penalty", 1.0))
 
 
@@ -134,16 +140,41 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
     return {**{name: getattr(args, name) for name in SAMPLING_FLAGS}, "seed": args.sampling_seed}
 
 
+BEAM_SEARCH_FLAGS = ("max_tokens", "ignore_eos", "temperature")  # the sampling flags BeamSearchParams has
+DRAWS = ("top_p", "top_k", "min_p")  # what shapes sampling's draws: nothing under greedy decoding
+
+
+def check_generate_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags that would change nothing, before the model loads: sampling's under beam search,
+    --length-penalty without it, and the draws' settings (and their seed) under greedy decoding."""
+    changed = [name for name, default in sampling_defaults().items() if getattr(args, name) != default]
+    changed += ["sampling_seed"] if args.sampling_seed is not None else []
+    flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
+    if args.beam_width is not None:
+        for name in changed:
+            if name not in BEAM_SEARCH_FLAGS:
+                raise ValueError(f"{flag(name)} does not apply to beam search: --beam-width takes "
+                                 f"--max-tokens, --ignore-eos and --length-penalty")
+        return
+    if args.length_penalty is not None:
+        raise ValueError("--length-penalty scores beam search's beams: give --beam-width too")
+    if args.temperature == 0:
+        for name in changed:
+            if name in (*DRAWS, "sampling_seed"):
+                raise ValueError(f"{flag(name)} does nothing with --temperature 0 (greedy decoding)")
+
+
 def cli_language(message: str, names: typing.Iterable[str]) -> str:
     """A library error in the command line's words: load_format="dummy" -> --load-format dummy,
-    max_model_len -> --max-model-len, SamplingParams.top_p -> --top-p. A one-word name (model, dtype)
-    is only a flag where it starts the message or is given a value, not in prose."""
+    max_model_len -> --max-model-len, SamplingParams.top_p -> --top-p (BeamSearchParams' too). A one-word
+    name (model, dtype) is only a flag where it starts the message or is given a value, not in prose."""
     alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
-    pattern = re.compile(rf"(^|\bSamplingParams\.|\b)({alternatives})\b(=(['\"]?)([^'\"\s,;)]*)\4)?")
+    pattern = re.compile(rf"(^|\b(?:SamplingParams|BeamSearchParams)\.|\b)({alternatives})\b"
+                         rf"(=(['\"]?)([^'\"\s,;)]*)\4)?")
 
     def flag(m: re.Match) -> str:
         lead, name, assigned, value = m.group(1), m.group(2), m.group(3), m.group(5)
-        if "_" not in name and not assigned and m.start() > 0 and lead != "SamplingParams.":
+        if "_" not in name and not assigned and m.start() > 0 and not lead.endswith("Params."):
             return m.group(0)
         text = "--" + name.replace("_", "-")
         return text + (f" {value}" if assigned else "")
@@ -174,6 +205,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from fastllm import LLM, BeamSearchParams, SamplingParams
     from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
+    if args.beam_width is not None:  # (each checks its values before the model loads)
+        params = BeamSearchParams(args.beam_width, args.max_tokens, ignore_eos=args.ignore_eos,
+                                  temperature=args.temperature,
+                                  length_penalty=1.0 if args.length_penalty is None else args.length_penalty)
+    else:
+        params = SamplingParams(**sampling_kwargs(args))
+    check_generate_flags(args)
     llm = LLM(args.model, **engine_kwargs(args))
     prepare_gc_for_serving()
     tokenizer = llm.get_tokenizer()
@@ -185,14 +223,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: prompt it with --prompt-token-ids 1,2,3")
         prompts = ["Once upon a time"]
-    if args.beam_width:
-        params = BeamSearchParams(args.beam_width, args.max_tokens, ignore_eos=args.ignore_eos,
-                                  length_penalty=args.length_penalty)
+    if isinstance(params, BeamSearchParams):
         for out in llm.beam_search(prompts, params):
             best = out.sequences[0]
             print(best.text if best.text is not None else best.tokens, end="\n\n")
         return 0
-    for out in llm.generate(prompts, SamplingParams(**sampling_kwargs(args)), use_tqdm=False):
+    for out in llm.generate(prompts, params, use_tqdm=False):
         if tokenizer is None:
             print(out.prompt_token_ids + out.outputs[0].token_ids, end="\n\n")
         else:

@@ -136,6 +136,34 @@ def test_errors_speak_the_callers_language(capsys, tmp_path):
     assert "--top-p must be" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["--length-penalty", "2"], "--length-penalty"),  # without --beam-width
+    (["--beam-width", "2", "--top-k", "5"], "--top-k"),
+    (["--beam-width", "2", "--repetition-penalty", "1.2"], "--repetition-penalty"),
+    (["--beam-width", "2", "--sampling-seed", "3"], "--sampling-seed"),
+    (["--beam-width", "2", "--temperature", "0.5"], "--temperature"),  # (BeamSearchParams': beams are greedy)
+    (["--beam-width", "0"], "--beam-width"),  # (was taken for no beam search)
+    (["--top-p", "0.5"], "--top-p"),  # greedy, the default temperature
+    (["--temperature", "0", "--min-p", "0.2"], "--min-p"),
+    (["--sampling-seed", "7"], "--sampling-seed"),
+])
+def test_generate_refuses_flags_that_would_change_nothing(argv, flag, capsys):
+    """Sampling's flags under beam search, --length-penalty without it and the draws' settings under greedy
+    decoding are refused by name before the model loads (each was ignored)."""
+    assert main(["generate", "Once", "--max-tokens", "2", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and flag in err and "Params." not in err, err
+
+
+def test_generate_takes_the_flags_its_mode_reads(capsys):
+    for argv in (["--beam-width", "2", "--length-penalty", "0.5", "--ignore-eos"],
+                 ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--sampling-seed", "1"],
+                 ["--repetition-penalty", "1.3", "--min-tokens", "1"]):  # (greedy with penalties: they apply)
+        assert main(["generate", "Once", "--max-tokens", "2", "--device", "cpu", "--num-gpu-blocks", "64",
+                     *argv]) == 0, argv
+        assert capsys.readouterr().out.startswith("Once")
+
+
 def test_a_model_without_a_tokenizer_takes_token_ids(capsys, tmp_path):
     model = tmp_path / "tiny"
     model.mkdir()
