@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     methods = ([] if args.draft == "none" else [("draft_model", args.draft)]) + ([("ngram", None)] if args.ngram else [])
     if args.draft_quantization and args.draft == "none":
         p.error("--draft-quantization needs a draft model (--draft)")
+    if not methods:
+        p.error("--draft none without --ngram leaves no speculative rows to measure")
 
     meta = {"model": args.model or "stories260K", "dtype": args.dtype, "seed": args.seed}
 

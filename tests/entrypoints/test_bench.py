@@ -360,6 +360,14 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
     assert "spec_mean_accepted_len" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv", [["--draft", "none"], ["--draft", "none", "--draft-quantization", "fp8"]])
+def test_spec_decode_benchmark_refuses_a_run_with_nothing_to_compare(argv, capsys):
+    """No draft and no n-gram rows would time plain decode alone, every speculative flag unused."""
+    with pytest.raises(SystemExit) as e:
+        _spec_decode_script().main([*argv, "--device", "cpu"])
+    assert e.value.code == 2 and "--draft" in capsys.readouterr().err
+
+
 def test_a_speculative_profile_traces_speculative_steps(tmp_path):
     """profile_decode sizes its requests for a speculative engine's k + 1 tokens a step, so every warm-up
     and profiled step verifies drafts; sized at a token a step, the stories pair (~3.75 tokens a verify)
