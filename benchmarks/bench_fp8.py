@@ -97,9 +97,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="one more engine: FP8 weights with lm_head in FP8 too (quantize_lm_head)")
     p.add_argument("--profile", metavar="DIR", help="after each engine's runs, a torch-profiler trace of a few "
                    "decode steps to DIR/<engine> and its top kernels (fastllm bench --profile's)")
-    p.add_argument("--profile-batch-size", type=int, default=32, help="batch of the profiled steps (default 32)")
+    p.add_argument("--profile-batch-size", type=int, default=None,
+                   help="batch of the profiled steps (default 32)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
+    if args.profile_batch_size is not None and not args.profile:
+        p.error("--profile-batch-size sets what --profile traces: give --profile DIR too")
+    args.profile_batch_size = 32 if args.profile_batch_size is None else args.profile_batch_size
     engines = [("bf16", None, "auto", False), ("fp8", "fp8", "auto", False)]
     engines += [] if args.no_fp8_kv else [("fp8+kv", "fp8", "fp8", False)]
     engines += [("fp8+lm_head", "fp8", "auto", True)] if args.fp8_lm_head else []

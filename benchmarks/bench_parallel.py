@@ -117,15 +117,22 @@ def run_throughput_comparison(args) -> pd.DataFrame:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["latency", "throughput"])
-    p.add_argument("--batch-sizes", default="1,64", help="latency: comma-separated batch sizes")
+    p.add_argument("--batch-sizes", default=None, help="latency: comma-separated batch sizes (default: 1,64)")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=None, help="default: latency 256, throughput 128")
-    p.add_argument("--num-prompts", type=int, default=3000, help="throughput: requests, submitted at once")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="throughput: requests, submitted at once (default: 3000)")
     p.add_argument("--no-baseline", action="store_true", help="skip the one-GPU engine")
     p.add_argument("--output-csv", default=None)
     add_engine_args(p)
     p.set_defaults(load_format="dummy", dtype="bfloat16", max_model_len=4096)
     args = p.parse_args(argv)
+    for flag, value, mode in (("--batch-sizes", args.batch_sizes, "latency"),
+                              ("--num-prompts", args.num_prompts, "throughput")):
+        if value is not None and args.mode != mode:
+            p.error(f"{flag} is for {mode} (this run is {args.mode})")
+    args.batch_sizes = "1,64" if args.batch_sizes is None else args.batch_sizes
+    args.num_prompts = 3000 if args.num_prompts is None else args.num_prompts
     args.output_len = args.output_len or (256 if args.mode == "latency" else 128)
     if args.tensor_parallel_size * args.pipeline_parallel_size == 1:
         p.error("give --tensor-parallel-size or --pipeline-parallel-size above 1")

@@ -327,14 +327,29 @@ def test_throughput_with_a_draft_model_reports_acceptance(tmp_path, capsys):
     assert row["output_tok_s"] == pytest.approx(36 / row["total_s"])
 
 
-def _spec_decode_script():
+def _benchmark_script(name: str):
     import importlib.util
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_spec_decode.py"
-    spec = importlib.util.spec_from_file_location("bench_spec_decode", path)
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _spec_decode_script():
+    return _benchmark_script("bench_spec_decode")
+
+
+@pytest.mark.parametrize("script, argv, flag", [
+    ("bench_parallel", ["throughput", "--batch-sizes", "4", "--tensor-parallel-size", "2"], "--batch-sizes"),
+    ("bench_parallel", ["latency", "--num-prompts", "4", "--tensor-parallel-size", "2"], "--num-prompts"),
+    ("bench_fp8", ["--profile-batch-size", "4"], "--profile-batch-size"),  # without --profile
+])
+def test_benchmark_scripts_refuse_flags_their_run_would_not_read(script, argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        _benchmark_script(script).main(argv)
+    assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_spec_decode_benchmark_script(tmp_path, capsys):
