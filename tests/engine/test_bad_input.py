@@ -123,7 +123,12 @@ def test_unknown_engine_argument():
                                           (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
                                           (dict(max_model_len=100000), "max_model_len"),
                                           (dict(preemption_mode="drop"), "preemption_mode"),
-                                          (dict(enforce_eager=True, cuda_graph_sizes=(1, 2)), "cuda_graph_sizes")])
+                                          (dict(enforce_eager=True, cuda_graph_sizes=(1, 2)), "cuda_graph_sizes"),
+                                          # arguments that would change nothing
+                                          (dict(enforce_eager=True, mixed_cuda_graph_max_tokens=0),
+                                           "mixed_cuda_graph_max_tokens"),
+                                          (dict(enforce_eager=True, compile_on_cpu=True), "compile_on_cpu"),
+                                          (dict(distributed_timeout_s=30.0), "distributed_timeout_s")])
 def test_invalid_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLMEngine.from_kwargs(None, **kwargs)
