@@ -58,11 +58,6 @@ def _is(value: Any, kind: Any) -> bool:
     return isinstance(value, kind)
 
 
-def _default(config: type, name: str) -> Any:
-    """A config field's default: an argument left there may be one that would change nothing."""
-    return next(f.default for f in dataclasses.fields(config) if f.name == name)
-
-
 def _check_types(config: Any) -> None:
     """Each engine argument (an arg() field) against its annotation, before the ranges each class checks."""
     hints = typing.get_type_hints(type(config))
@@ -292,8 +287,9 @@ class ParallelConfig:
         _check(self.distributed_timeout_s > 0, "distributed_timeout_s",
                f"must be > 0, got {self.distributed_timeout_s}")
         _check(not self.reuse_workers or self.world_size > 1, "reuse_workers", "needs more than one rank")
-        _check(self.distributed_timeout_s == _default(ParallelConfig, "distributed_timeout_s")
-               or self.world_size > 1, "distributed_timeout_s",
+        # (a dataclass's class attribute holds the field's default)
+        _check(self.distributed_timeout_s == ParallelConfig.distributed_timeout_s or self.world_size > 1,
+               "distributed_timeout_s",
                "bounds the wait for other ranks' workers and collectives: one rank has none")
 
     @property
@@ -337,7 +333,7 @@ class CompileConfig:
         tokens = self.mixed_cuda_graph_max_tokens
         _check(tokens == 0 or tokens >= 16, "mixed_cuda_graph_max_tokens",
                f"must be 0 (off) or at least 16, got {tokens!r}")
-        _check(tokens == _default(CompileConfig, "mixed_cuda_graph_max_tokens") or not self.enforce_eager,
+        _check(tokens == CompileConfig.mixed_cuda_graph_max_tokens or not self.enforce_eager,
                "mixed_cuda_graph_max_tokens", "sizes CUDA graphs, which enforce_eager=True turns off")
         _check(not (self.compile_on_cpu and self.enforce_eager), "compile_on_cpu",
                "turns torch.compile on for the CPU, which enforce_eager=True turns off")
