@@ -212,6 +212,11 @@ class CacheConfig:
                f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(not self.calculate_kv_scales or self.kv_cache_dtype == "fp8", "calculate_kv_scales",
                f"scales an FP8 KV cache: it does nothing with kv_cache_dtype={self.kv_cache_dtype!r}")
+        for name in ("gpu_memory_utilization", "cpu_kv_cache_gib"):  # (the class attribute: the default)
+            _check(self.num_gpu_blocks is None or getattr(self, name) == getattr(CacheConfig, name), name,
+                   f"sizes the KV pool, which num_gpu_blocks={self.num_gpu_blocks} sets")
+        _check(self.num_cpu_blocks is None or self.swap_space_gib is None, "swap_space_gib",
+               f"sizes the CPU swap pool, which num_cpu_blocks={self.num_cpu_blocks} sets")
 
 
 # Requests per step when max_num_seqs is not given. vLLM runs larger batches by default on GPUs of

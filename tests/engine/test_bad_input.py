@@ -128,7 +128,12 @@ def test_unknown_engine_argument():
                                           (dict(enforce_eager=True, mixed_cuda_graph_max_tokens=0),
                                            "mixed_cuda_graph_max_tokens"),
                                           (dict(enforce_eager=True, compile_on_cpu=True), "compile_on_cpu"),
-                                          (dict(distributed_timeout_s=30.0), "distributed_timeout_s")])
+                                          (dict(distributed_timeout_s=30.0), "distributed_timeout_s"),
+                                          (dict(num_gpu_blocks=64, cpu_kv_cache_gib=0.1), "cpu_kv_cache_gib"),
+                                          (dict(num_gpu_blocks=64, gpu_memory_utilization=0.5),
+                                           "gpu_memory_utilization"),
+                                          (dict(preemption_mode="swap", num_cpu_blocks=8, swap_space_gib=1.0),
+                                           "swap_space_gib")])
 def test_invalid_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLMEngine.from_kwargs(None, **kwargs)
