@@ -72,6 +72,11 @@ def _check_types(config: Any) -> None:
             raise ValueError(f"{f.name} must be {' or '.join(names)}, got {value!r}")
 
 
+def has_tokenizer(path: str) -> bool:
+    """Whether a directory holds a tokenizer (any one of TOKENIZER_FILES)."""
+    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES)
+
+
 def resolve_model_path(model: str | None) -> str:
     """A directory path, or the name of an embedded model or config (e.g. 'llama2xs-279K',
     'llama-3.1-8b', any case)."""
@@ -118,7 +123,7 @@ class ModelConfig:
         _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
                f"must be None or one of {QUANTIZATIONS}, got {self.quantization!r}")
         _check(-2**63 <= self.seed < 2**64, "seed", f"must be in [-2**63, 2**64) (torch's seeds), got {self.seed}")
-        _check(self.tokenizer is None or any((Path(self.tokenizer) / f).is_file() for f in TOKENIZER_FILES),
+        _check(self.tokenizer is None or has_tokenizer(self.tokenizer),
                "tokenizer", f"must be a directory holding a tokenizer (one of {TOKENIZER_FILES}), got {self.tokenizer!r}")
         config_file = Path(self.model) / "config.json"
         if not config_file.is_file():

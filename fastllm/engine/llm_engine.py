@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from pathlib import Path
 
-from fastllm.config import TOKENIZER_FILES, EngineConfig
+from fastllm.config import EngineConfig, has_tokenizer
 from fastllm.core.beam_run_ahead import run_ahead_off_reason
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
@@ -30,8 +29,7 @@ __all__ = ["LLMEngine", "PromptType", "load_tokenizer"]
 
 def load_tokenizer(path: str):
     """The HF tokenizer of a model directory, or None when it ships none (dummy-weight configs)."""
-    root = Path(path)
-    if not any((root / f).is_file() for f in TOKENIZER_FILES):
+    if not has_tokenizer(path):
         logger.info("no tokenizer in %s: prompts must be token ids and outputs carry no text", path)
         return None
     from transformers import AutoTokenizer

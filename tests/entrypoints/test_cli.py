@@ -164,6 +164,17 @@ def test_generate_takes_the_flags_its_mode_reads(capsys):
         assert capsys.readouterr().out.startswith("Once")
 
 
+def test_serve_refuses_a_chat_template_for_a_model_without_a_tokenizer(capsys, tmp_path):
+    """It would format messages for a tokenizer that is not there: refused before the engine starts."""
+    model = tmp_path / "tiny"
+    model.mkdir()
+    shutil.copy(f"{STORIES}/config.json", model)
+    assert main(["serve", "--model", str(model), "--load-format", "dummy", "--device", "cpu",
+                 "--chat-template", "{{ messages }}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--chat-template formats chat messages" in err, err
+
+
 def test_a_model_without_a_tokenizer_takes_token_ids(capsys, tmp_path):
     model = tmp_path / "tiny"
     model.mkdir()

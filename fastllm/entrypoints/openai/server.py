@@ -704,7 +704,7 @@ def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, ser
     """Serve until stopped; returns the exit code (1 when the engine process died)."""
     import uvicorn
 
-    from fastllm.config import EngineConfig
+    from fastllm.config import EngineConfig, has_tokenizer
     from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
     if chat_template and Path(chat_template).is_file():
@@ -714,6 +714,9 @@ def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, ser
         logger.warning("serving on %s without an API key: anyone who can reach it can use it "
                        "(--api-key or %s)", host, API_KEY_ENV)
     config = EngineConfig.from_kwargs(model, **engine_kwargs)  # a bad argument fails before the engine starts
+    if chat_template and not has_tokenizer(config.model.tokenizer or config.model.model):
+        raise ValueError("chat_template formats chat messages for the model's tokenizer, and this model has "
+                         "none (its chat endpoint answers 400 either way)")
     engine = AsyncLLMEngine.from_config(config)
     prepare_gc_for_serving()  # the server process's settings, not the library's (process_setup.py)
     app = build_app(engine, served_model_name or served_name(model), chat_template, limits, api_key,
