@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import math
 import multiprocessing
+import os
 import random
 import re
 import subprocess
@@ -263,14 +264,20 @@ def engine_columns(before: dict[str, float], after: dict[str, float]) -> dict:
 
 
 class ServerProcess:
-    """`fastllm serve` in a child process, ready once /health answers."""
+    """`fastllm serve` in a child process, ready once /health answers; with api_key, the key it wants (given
+    by the environment, so that it stays out of the command line and the results)."""
 
-    def __init__(self, serve_args: list[str], port: int, startup_timeout: float = 900.0):
+    def __init__(self, serve_args: list[str], port: int, api_key: str | None = None,
+                 startup_timeout: float = 900.0):
         import httpx
 
+        from fastllm.entrypoints.openai.limits import API_KEY_ENV
+
         self.url = f"http://127.0.0.1:{port}"
+        env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+        env |= {API_KEY_ENV: api_key} if api_key else {}
         self.proc = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", str(port),
-                                      *serve_args])
+                                      *serve_args], env=env)
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -95,8 +95,11 @@ def add_bench_parser(subparsers) -> None:
     w.add_argument("--max-concurrency", type=int, default=None, help="serving: most requests in flight")
     w.add_argument("--url", default=None, help="serving: a running `fastllm serve` (default: start one with the "
                    "engine arguments below)")
-    w.add_argument("--served-model-name", default=None, help="serving: the model name that server answers to")
-    w.add_argument("--api-key", default=None, help="serving: the Bearer key of a --url server that wants one")
+    w.add_argument("--served-model-name", default=None,
+                   help="serving: the model name the server answers to (a server started here is given it)")
+    w.add_argument("--api-key", default=None,
+                   help="serving: the Bearer key the requests send (default: $FASTLLM_API_KEY); a server "
+                   "started here is given it")
     w.add_argument("--client-processes", type=int, default=None,
                    help="serving: processes sending the requests (each its own event loop)")
     w.add_argument("--no-offline", action="store_true", help="serving: skip the offline engine's run on the "
@@ -381,6 +384,8 @@ def serve_args(args: argparse.Namespace) -> list[str]:
     for name in SPECULATIVE_FLAGS:
         if getattr(args, name) is not None:
             out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.served_model_name:  # (the API key goes by the environment: not into the results' engine_args)
+        out += ["--served-model-name", args.served_model_name]
     return out + ["--disable-log-requests", "--uvicorn-log-level", "warning"]
 
 
@@ -394,12 +399,13 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
     from fastllm.bench import ceilings as ceil
     from fastllm.bench import report, serving
     from fastllm.bench.runner import random_prompts
-    from fastllm.entrypoints.openai.server import served_name
+    from fastllm.entrypoints.openai.server import resolve_api_key, served_name
     from fastllm.worker.worker import select_device
 
     rates = parse_rates(args.request_rates)
     offline = not args.no_offline and not args.url  # a server of someone else's holds the GPU
     model_name = args.served_model_name or served_name(args.model)
+    api_key = resolve_api_key(args.api_key)  # what the requests send, and a server started here wants
     vocab = config.model.hf_config["vocab_size"]
     meta = {**ceil.environment(select_device(config, 0)), "model": model_name,
             "model_path": config.model.model,
@@ -420,11 +426,11 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
     def run(url: str) -> None:
         print(report.header(result), flush=True)
         warm = random_prompts(np.random.default_rng(12345), min(args.num_prompts, 64), args.input_len, vocab)
-        serving.warm_up(url, model_name, warm, args.client_processes, args.api_key)
+        serving.warm_up(url, model_name, warm, args.client_processes, api_key)
         for i, rate in enumerate(rates):
             row = serving.serving_row(url, model_name, prompts[i], args.output_len, rate,
                                       config.model.seed + i, args.max_concurrency, args.client_processes,
-                                      args.api_key)
+                                      api_key)
             result["rows"].append(row)
             print(report.row_line("serving", row), flush=True)
             save()
@@ -435,7 +441,7 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        with serving.ServerProcess(serve_args(args), port) as server:
+        with serving.ServerProcess(serve_args(args), port, api_key) as server:
             run(server.url)
     if offline:
         batches = [round(r["engine_mean_batch"]) for r in result["rows"]

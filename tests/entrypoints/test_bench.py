@@ -197,15 +197,21 @@ def test_a_flag_the_mode_would_not_read_is_an_error(argv, flag, capsys):
     assert code == 2 and len(err.splitlines()) == 1 and flag in err, err
 
 
-def test_serving_against_a_started_server(tmp_path, capsys):
+def test_serving_against_a_started_server(tmp_path, capsys, monkeypatch):
     """`fastllm bench serving` starts `fastllm serve` in a child process (its engine core in another),
     warms it up and streams requests to it from two client processes at two rates: every request
     completes, with its tokens counted and its latencies measured; the engine's mean batch and step time
-    come from /metrics; then the offline engine runs the same workload and each row is compared with it."""
+    come from /metrics; then the offline engine runs the same workload and each row is compared with it.
+    The server answers to --served-model-name and wants --api-key (not the environment's key: the
+    requests would fail either way)."""
+    from fastllm.entrypoints.openai.limits import API_KEY_ENV
+
+    monkeypatch.setenv(API_KEY_ENV, "another-key")
     out = tmp_path / "serving.json"
     argv = ["bench", "serving", "--num-prompts", "6", "--request-rates", "40,inf", "--input-len", "8",
             "--output-len", "6", "--device", "cpu", "--client-processes", "2", "--output-json", str(out),
-            "--output-csv", str(tmp_path / "s.csv"), *SMALL]
+            "--output-csv", str(tmp_path / "s.csv"), *SMALL,
+            "--served-model-name", "tiny-served", "--api-key", "bench-key"]  # both reach the started server
     assert main(argv) == 0
     result = json.loads(out.read_text())
     assert [row["request_rate"] for row in result["rows"]] == [40.0, "inf"]
@@ -224,6 +230,7 @@ def test_serving_against_a_started_server(tmp_path, capsys):
     finite = result["rows"][0]
     assert finite["offline_step_ms"] == offline["step_ms_at_batch"][str(round(finite["engine_mean_batch"]))]
     assert len(pd.read_csv(tmp_path / "s.csv")) == 2
+    assert "bench-key" not in out.read_text()  # (the key went by the environment)
     stdout = capsys.readouterr().out
     assert "fastllm bench serving" in stdout and "offline engine, same workload" in stdout
 
