@@ -180,6 +180,11 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) is None:
             setattr(args, name, default)
     fill_engine_defaults(args)
+    if args.url:  # (serving: the server is running already, configured by whoever started it)
+        for name in engine_args_set(args):
+            if name not in URL_WORKLOAD_ARGS:
+                raise ValueError(f"--{name.replace('_', '-')} configures the server `fastllm bench serving` "
+                                 f"starts; with --url it is running already")
     input_len, output_len, prefix_len = DEFAULTS[args.mode]
     args.input_len = input_len if args.input_len is None else args.input_len
     args.output_len = output_len if args.output_len is None else args.output_len
@@ -369,21 +374,28 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def engine_args_set(args: argparse.Namespace) -> list[str]:
+    """The engine arguments (speculative flags too) this run sets away from `fastllm serve`'s defaults."""
+    names = [f.name for f in engine_fields()
+             if getattr(args, f.name) != SERVING_DEFAULTS.get(f.name, f.default)]
+    return names + [name for name in SPECULATIVE_FLAGS if getattr(args, name) is not None]
+
+
+# The engine arguments a serving run against --url still reads: the workload's (the model's vocabulary and
+# name, the prompts' seed) and its length check.
+URL_WORKLOAD_ARGS = ("model", "tokenizer", "seed", "max_model_len")
+
+
 def serve_args(args: argparse.Namespace) -> list[str]:
     """The `fastllm serve` flags that give the server this run's engine arguments (those not at serve's
     default), and no access log."""
     out = []
-    for field in engine_fields():
-        value, flag = getattr(args, field.name), "--" + field.name.replace("_", "-")
-        if value == SERVING_DEFAULTS.get(field.name, field.default):
-            continue
+    for name in engine_args_set(args):
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
         else:
             out += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
-    for name in SPECULATIVE_FLAGS:
-        if getattr(args, name) is not None:
-            out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.served_model_name:  # (the API key goes by the environment: not into the results' engine_args)
         out += ["--served-model-name", args.served_model_name]
     return out + ["--disable-log-requests", "--uvicorn-log-level", "warning"]
