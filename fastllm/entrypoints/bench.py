@@ -382,8 +382,8 @@ def engine_args_set(args: argparse.Namespace) -> list[str]:
 
 
 # The engine arguments a serving run against --url still reads: the workload's (the model's vocabulary and
-# name, the prompts' seed) and its length check.
-URL_WORKLOAD_ARGS = ("model", "tokenizer", "seed", "max_model_len")
+# name, the prompts' seed: they are token ids, no tokenizer) and its length check.
+URL_WORKLOAD_ARGS = ("model", "seed", "max_model_len")
 
 
 def serve_args(args: argparse.Namespace) -> list[str]:
