@@ -144,13 +144,14 @@ BEAM_SEARCH_FLAGS = ("max_tokens", "ignore_eos", "temperature")  # the sampling 
 DRAWS = ("top_p", "top_k", "min_p")  # what shapes sampling's draws: nothing under greedy decoding
 
 
-def check_generate_flags(args: argparse.Namespace) -> None:
+def check_generate_flags(args: argparse.Namespace, params) -> None:
     """Refuse the flags that would change nothing, before the model loads: sampling's under beam search,
-    --length-penalty without it, and the draws' settings (and their seed) under greedy decoding."""
+    --length-penalty without it, and the draws' settings (and their seed) under greedy decoding (params: the
+    SamplingParams or BeamSearchParams the flags made)."""
     changed = [name for name, default in sampling_defaults().items() if getattr(args, name) != default]
     changed += ["sampling_seed"] if args.sampling_seed is not None else []
     flag = lambda name: "--" + name.replace("_", "-")  # noqa: E731
-    if args.beam_width is not None:
+    if args.beam_width is not None:  # (BeamSearchParams)
         for name in changed:
             if name not in BEAM_SEARCH_FLAGS:
                 raise ValueError(f"{flag(name)} does not apply to beam search: --beam-width takes "
@@ -158,10 +159,11 @@ def check_generate_flags(args: argparse.Namespace) -> None:
         return
     if args.length_penalty is not None:
         raise ValueError("--length-penalty scores beam search's beams: give --beam-width too")
-    if args.temperature == 0:
+    if params.greedy:
         for name in changed:
             if name in (*DRAWS, "sampling_seed"):
-                raise ValueError(f"{flag(name)} does nothing with --temperature 0 (greedy decoding)")
+                raise ValueError(f"{flag(name)} does nothing under greedy decoding (--temperature "
+                                 f"{args.temperature:g})")
 
 
 def cli_language(message: str, names: typing.Iterable[str]) -> str:
@@ -211,7 +213,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                   length_penalty=1.0 if args.length_penalty is None else args.length_penalty)
     else:
         params = SamplingParams(**sampling_kwargs(args))
-    check_generate_flags(args)
+    check_generate_flags(args, params)
     llm = LLM(args.model, **engine_kwargs(args))
     prepare_gc_for_serving()
     tokenizer = llm.get_tokenizer()
