@@ -69,13 +69,9 @@ class _CoreProcess:
     def stop(self, timeout: float) -> None:
         try:
             self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        except subprocess.TimeoutExpired:  # (it ignores SIGTERM: core_proc.py)
+            self.proc.kill()
+            self.proc.wait()
         _close_once(self)
 
 

@@ -99,7 +99,10 @@ def main(argv: list[str]) -> None:
     keep_bytecode()  # before torch is imported (see fastllm/compile_cache.py)
     input_address, output_address, parent_pid, log_level = argv
     logging.basicConfig(level=int(log_level), format="%(levelname)s %(name)s (engine core): %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the server, which shuts this down
+    # Ctrl-C, and a SIGTERM to the whole process group (systemd's stop, `timeout`), reach the server too,
+    # which drains its requests and then shuts this down; alone, this leaves once its parent is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = pickle.loads(sys.stdin.buffer.read())
     from fastllm.engine.llm_engine import LLMEngine
     from fastllm.entrypoints.process_setup import prepare_gc_for_serving, set_cpu_threads

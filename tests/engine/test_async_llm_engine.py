@@ -198,6 +198,33 @@ def test_request_ids_the_core_could_not_read_are_refused_by_name():
         eng.shutdown()
 
 
+def test_core_process_serves_through_a_sigterm_to_its_group():
+    """A SIGTERM to the whole process group (systemd's stop, `timeout`) reaches the server, which drains its
+    requests and then shuts the core down: the core itself keeps serving (it died at once, failing every
+    request in flight with "exited with code -15")."""
+    import os
+    import signal
+
+    eng = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=64)
+
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        stream = await eng.add_request("in-flight", PROMPTS[0], params)
+        os.kill(eng.client._core.proc.pid, signal.SIGTERM)
+        [out] = [o async for o in stream]
+        after = await collect(eng, PROMPTS[1], greedy(RequestOutputKind.FINAL_ONLY, 4), "after")
+        return out, after
+
+    try:
+        out, after = asyncio.run(asyncio.wait_for(main(), timeout=60))
+        assert out.finished and len(out.outputs[0].token_ids) == 24 and after[-1].finished
+        assert eng.client.dead is None
+    finally:
+        eng.shutdown()
+    assert eng.client._core.proc.returncode == 0  # Shutdown ended it, as before
+
+
 def test_dead_core_process_fails_every_stream_and_new_request():
     """The core in its own process, killed mid-stream: the open stream raises EngineDeadError, the
     death callback runs, and add_request raises it too; nothing hangs."""
