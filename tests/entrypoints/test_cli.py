@@ -164,6 +164,12 @@ def test_generate_takes_the_flags_its_mode_reads(capsys):
         assert capsys.readouterr().out.startswith("Once")
 
 
+@pytest.mark.parametrize("port", ["-1", "65536", "70000"])
+def test_serve_refuses_a_port_out_of_range(port, capsys):
+    assert main(["serve", "--port", port, "--device", "cpu"]) == 2
+    assert f"--port must be in [0, 65535] (0: any free port), got {port}" in capsys.readouterr().err
+
+
 def test_serve_refuses_a_chat_template_for_a_model_without_a_tokenizer(capsys, tmp_path):
     """It would format messages for a tokenizer that is not there: refused before the engine starts."""
     model = tmp_path / "tiny"
