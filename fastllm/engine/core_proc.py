@@ -100,7 +100,8 @@ def main(argv: list[str]) -> None:
     input_address, output_address, parent_pid, log_level = argv
     logging.basicConfig(level=int(log_level), format="%(levelname)s %(name)s (engine core): %(message)s")
     # Ctrl-C, and a SIGTERM to the whole process group (systemd's stop, `timeout`), reach the server too,
-    # which drains its requests and then shuts this down; alone, this leaves once its parent is gone.
+    # which lets its requests in flight finish and then shuts this down; alone, this leaves once its parent
+    # is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     config = pickle.loads(sys.stdin.buffer.read())
