@@ -199,9 +199,9 @@ def test_request_ids_the_core_could_not_read_are_refused_by_name():
 
 
 def test_core_process_serves_through_a_sigterm_to_its_group():
-    """A SIGTERM to the whole process group (systemd's stop, `timeout`) reaches the server, which drains its
-    requests and then shuts the core down: the core itself keeps serving (it died at once, failing every
-    request in flight with "exited with code -15")."""
+    """A SIGTERM to the whole process group (systemd's stop, `timeout`) reaches the server, which lets its
+    requests in flight finish and then shuts the core down: the core itself keeps serving (it died at once,
+    failing every request in flight with "exited with code -15")."""
     import os
     import signal
 
