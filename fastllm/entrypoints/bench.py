@@ -8,6 +8,7 @@ import logging
 import sys
 import textwrap
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from fastllm.config import SERVING_DEFAULTS
 from fastllm.entrypoints.cli import SPECULATIVE_FLAGS, add_engine_args, engine_fields, engine_kwargs
@@ -201,6 +202,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--profile-batch-size must be >= 1, got {args.profile_batch_size}")
     if args.client_processes < 1:
         raise ValueError(f"--client-processes must be >= 1, got {args.client_processes}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1 (leave it out for no limit), "
+                         f"got {args.max_concurrency}")
+    if args.url and not (urlsplit(args.url).scheme == "http" and urlsplit(args.url).hostname):
+        raise ValueError(f"--url must be an http:// address (the requests go over plain HTTP), "
+                         f"got {args.url!r}")
     if args.dataset and args.shared_prefix_len:
         raise ValueError("--dataset and --shared-prefix-len do not combine")
     if args.unshared_prompts and not args.shared_prefix_len:

@@ -165,6 +165,10 @@ def test_dataset(tmp_path, capsys):
     ["prefix", "--unshared-prompts", "-1"],
     ["throughput", "--unshared-prompts", "1"],  # no shared prefix to be beside
     ["latency", "--shared-prefix-len", "8", "--unshared-prompts", "1"],
+    ["serving", "--max-concurrency", "0"],  # (0 was no limit)
+    ["serving", "--max-concurrency", "-1"],
+    ["serving", "--url", "https://localhost:8000"],  # (the requests are plain HTTP)
+    ["serving", "--url", "localhost:8000"],
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     try:
