@@ -130,10 +130,7 @@ class _Workers:
                 pass
         for proc in self.procs.values():
             proc.join(timeout=0 if failed else 10)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-            if proc.is_alive():
+            if proc.is_alive():  # SIGKILL: under `fastllm serve` it ignores SIGTERM, as the core it came from
                 proc.kill()
                 proc.join()
             if proc.is_alive():  # reaped outside multiprocessing, whose poll then never sees the exit
