@@ -192,6 +192,7 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     (["startup", "--input-len", "3"], "--input-len"),
     (["throughput", "--profile-steps", "3"], "--profile-steps"),  # without --profile
     (["--no-ceilings", "--ceilings-out", "c.json"], "--no-ceilings"),
+    (["startup", "--no-ceilings"], "--no-ceilings"),  # (startup measures no ceilings)
     (["serving", "--url", "http://localhost:1", "--max-num-seqs", "8"], "--max-num-seqs"),  # someone's server
 ])
 def test_a_flag_the_mode_would_not_read_is_an_error(argv, flag, capsys):
