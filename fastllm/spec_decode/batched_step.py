@@ -75,7 +75,8 @@ class SpecDecodeStep:
         # of start .. start + 2k (n, 2k + 1) | sampling params (SAMPLING_ROWS, n), float32 bits | the step's
         # block tables at its own width], spread into block_tables before each replay. (A position's slot
         # is -1 past what its request holds, its position clamped to max_model_len - 1, its length the
-        # position + 1: the keys its row attends to.)
+        # position + 1: the keys its row attends to. The verify rows' are the span's first k + 1 columns,
+        # staged again as arrays of their own so that the verify reads them contiguous, with no gather.)
         span = self.span = 2 * k + 1
         self.int64_rows = 3 * (k + 1) + 3 + 2 * span
         self.int32_start = self.int64_rows * n * 8
