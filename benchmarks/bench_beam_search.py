@@ -108,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the timings, record a few beam steps with the torch profiler into DIR")
     args = p.parse_args(argv)
     width = args.beam_width
+    graphs = {"cuda_graph_sizes": [1, 2, 4, 8, 16]} if torch.cuda.is_available() else {}  # (GPUs' only)
     engine = LLMEngine.from_kwargs(args.model, load_format=args.load_format, dtype=args.dtype,
-                                   max_model_len=args.max_model_len, cuda_graph_sizes=[1, 2, 4, 8, 16],
-                                   beam_run_ahead=args.beam_run_ahead)
+                                   max_model_len=args.max_model_len, beam_run_ahead=args.beam_run_ahead,
+                                   **graphs)
     prepare_gc_for_serving()  # the garbage collector as `fastllm bench` and the server set it
     vocab = engine.vocab_size
     prompt = random_prompts(np.random.default_rng(0), 1, args.input_len, vocab)[0]

@@ -40,9 +40,13 @@ from fastllm.entrypoints.cli import add_engine_args, engine_kwargs
 from fastllm.entrypoints.process_setup import prepare_gc_for_serving
 
 
+def on_gpu(args: argparse.Namespace) -> bool:
+    return torch.cuda.is_available() and args.device != "cpu"
+
+
 def build(args: argparse.Namespace, tp: int, pp: int) -> LLMEngine:
     kwargs = engine_kwargs(args) | {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}
-    if args.batch_sizes and args.mode == "latency" and not kwargs.get("enforce_eager"):
+    if args.batch_sizes and args.mode == "latency" and not kwargs.get("enforce_eager") and on_gpu(args):
         kwargs["cuda_graph_sizes"] = parse_batch_sizes(args.batch_sizes)
     engine = LLMEngine(EngineConfig.from_kwargs(args.model, **kwargs))
     prepare_gc_for_serving()  # the garbage collector as `fastllm bench` and the server set it
@@ -136,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     args.output_len = args.output_len or (256 if args.mode == "latency" else 128)
     if args.tensor_parallel_size * args.pipeline_parallel_size == 1:
         p.error("give --tensor-parallel-size or --pipeline-parallel-size above 1")
-    on_gpu = torch.cuda.is_available() and args.device != "cpu"
-    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
-    ceil = ceilings.measure_ceilings(device) if on_gpu else None  # the CPU: a dry run, no floor
+    device = torch.device("cuda", 0) if on_gpu(args) else torch.device("cpu")
+    on_cuda = device.type == "cuda"
+    ceil = ceilings.measure_ceilings(device) if on_cuda else None  # the CPU: a dry run, no floor
     shape = ModelShape.from_model(args.model, args.dtype)
     if args.mode == "latency":
         frame = run_latency_comparison(args, shape, ceil)

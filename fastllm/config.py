@@ -489,11 +489,31 @@ class EngineConfig:
             )
 
     def for_device(self, device) -> "EngineConfig":
-        """This config with the defaults that depend on the device filled in (max_num_seqs)."""
+        """This config on the device it runs on (a torch.device): the arguments that do nothing there are
+        errors, and the defaults that depend on it are filled in (max_num_seqs)."""
+        self.check_device_args(device.type)
         if self.scheduler.max_num_seqs is not None:
             return self
         scheduler = dataclasses.replace(self.scheduler, max_num_seqs=default_max_num_seqs(device))
         return dataclasses.replace(self, scheduler=scheduler)
+
+    def check_device_args(self, device_type: str) -> None:
+        """A GPU's arguments on the CPU and the CPU's on a GPU are errors (the default value is not given)."""
+        cache, compile = self.cache, self.compile
+        if device_type == "cuda":
+            _check(cache.cpu_kv_cache_gib == CacheConfig.cpu_kv_cache_gib, "cpu_kv_cache_gib",
+                   "sizes the KV pool on the CPU; on a GPU gpu_memory_utilization or num_gpu_blocks does")
+            _check(not compile.compile_on_cpu, "compile_on_cpu",
+                   "turns torch.compile on for the CPU; on a GPU it is on unless enforce_eager=True")
+            return
+        _check(cache.gpu_memory_utilization == CacheConfig.gpu_memory_utilization, "gpu_memory_utilization",
+               f"sizes the KV pool on a GPU; on the {device_type} cpu_kv_cache_gib or num_gpu_blocks does")
+        _check(compile.cuda_graph_sizes is None, "cuda_graph_sizes",
+               f"are the batch sizes of CUDA graphs, which run on GPUs only (the engine runs on the "
+               f"{device_type})")
+        _check(compile.mixed_cuda_graph_max_tokens == CompileConfig.mixed_cuda_graph_max_tokens,
+               "mixed_cuda_graph_max_tokens",
+               f"sizes CUDA graphs, which run on GPUs only (the engine runs on the {device_type})")
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> "EngineConfig":

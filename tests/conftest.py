@@ -26,6 +26,8 @@ from fastllm import LLM  # noqa: E402
 ASSETS = Path(__file__).resolve().parents[1] / "fastllm" / "assets"
 STORIES = str(ASSETS / "stories260K")
 DRAFT = str(ASSETS / "llama2xs-279K")
+# FASTLLM_TEST_DEVICE=cuda reruns the engine tests on a GPU, with the Triton kernels on.
+TEST_DEVICE = os.environ.get("FASTLLM_TEST_DEVICE", "cpu")
 
 PROMPTS = [
     "Once upon a time",
@@ -119,8 +121,7 @@ _cache: dict = {}
 def cached_llm(model: str = STORIES, **kwargs) -> LLM:
     """One LLM per distinct configuration for the whole session (building one costs ~1 s)."""
     kwargs.setdefault("dtype", "float32")
-    # FASTLLM_TEST_DEVICE=cuda reruns the engine tests on a GPU, with the Triton kernels on.
-    kwargs.setdefault("device", os.environ.get("FASTLLM_TEST_DEVICE", "cpu"))
+    kwargs.setdefault("device", TEST_DEVICE)
     # The session keeps every cached engine: a small KV pool each (thousands of blocks for the tiny
     # models) keeps the whole suite's memory well under CI's (the default 0.25 GiB each did not), and on a
     # GPU leaves room for the next engine (a profiling run would size each to 90% of what is free).

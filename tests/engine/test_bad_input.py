@@ -11,6 +11,7 @@ import typing
 import pytest
 
 from fastllm import LLM, SamplingParams
+from fastllm.config import EngineConfig
 from fastllm.engine.llm_engine import LLMEngine
 from tests.conftest import DRAFT, PROMPTS, STORIES, cached_llm
 
@@ -137,6 +138,28 @@ def test_unknown_engine_argument():
 def test_invalid_engine_config(kwargs, field):
     with pytest.raises(ValueError, match=field):
         LLMEngine.from_kwargs(None, **kwargs)
+
+
+DEVICE_ARGUMENTS = {"cuda": [dict(cpu_kv_cache_gib=0.1), dict(compile_on_cpu=True)],
+                    "cpu": [dict(gpu_memory_utilization=0.5), dict(cuda_graph_sizes=(1, 2)),
+                            dict(mixed_cuda_graph_max_tokens=64)]}
+
+
+@pytest.mark.parametrize("device,kwargs", [(d, kw) for d, kws in DEVICE_ARGUMENTS.items() for kw in kws])
+def test_an_argument_of_the_other_device_is_an_error(device, kwargs):
+    """The CPU's KV size or compile switch on a GPU, a GPU's memory share or CUDA graphs on the CPU: each
+    would change nothing there. Each passes on its own device."""
+    other = "cpu" if device == "cuda" else "cuda"
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=f"^{name} .*GPU"):
+        EngineConfig.from_kwargs(None, **kwargs).check_device_args(device)
+    EngineConfig.from_kwargs(None, **kwargs).check_device_args(other)
+    EngineConfig.from_kwargs(None).check_device_args(device)
+
+
+def test_the_engine_checks_its_device_arguments():
+    with pytest.raises(ValueError, match="gpu_memory_utilization .*on the cpu"):
+        LLM(STORIES, device="cpu", gpu_memory_utilization=0.5)
 
 
 _WRONG_TYPES = {bool: [1, "yes", None], int: [True, 1.5, "8", float("nan")],

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 
 def test_slow_steps_and_compiles_are_counted_and_logged(monkeypatch, caplog):
-    llm = LLM(STORIES, enforce_eager=True, cpu_kv_cache_gib=0.01)
+    llm = LLM(STORIES, device="cpu", enforce_eager=True, cpu_kv_cache_gib=0.01)
     core = llm.engine.core
     params = SamplingParams(temperature=0, max_tokens=4)
     llm.generate(["Once upon a time"], params, use_tqdm=False)  # warmed up: nothing new to compile
@@ -52,8 +52,8 @@ def test_slow_steps_and_compiles_are_counted_and_logged(monkeypatch, caplog):
 
 def test_engines_share_one_compile_hook():
     """Every engine reads the process's one watch: building engines does not chain hooks."""
-    LLM(STORIES, enforce_eager=True, cpu_kv_cache_gib=0.01)
+    LLM(STORIES, device="cpu", enforce_eager=True, cpu_kv_cache_gib=0.01)
     hook = triton.knobs.runtime.jit_post_compile_hook
-    second = LLM(STORIES, enforce_eager=True, cpu_kv_cache_gib=0.01)
+    second = LLM(STORIES, device="cpu", enforce_eager=True, cpu_kv_cache_gib=0.01)
     assert triton.knobs.runtime.jit_post_compile_hook is hook
     assert second.engine.core._kernel_compiles is core_module.process_watch()

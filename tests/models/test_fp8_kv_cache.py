@@ -120,7 +120,7 @@ def test_fp8_blocks_are_half_the_bytes():
 
 def test_engine_sizes_twice_the_blocks(allow_fp8_kv_cache_on_cpu):
     """The same KV memory (cpu_kv_cache_gib) holds twice the blocks with an FP8 cache (bf16 model)."""
-    kw = dict(dtype="bfloat16", cpu_kv_cache_gib=0.01, enforce_eager=True)
+    kw = dict(device="cpu", dtype="bfloat16", cpu_kv_cache_gib=0.01, enforce_eager=True)
     auto = LLM(STORIES, **kw).engine.worker
     fp8 = LLM(STORIES, kv_cache_dtype="fp8", **kw).engine.worker
     assert fp8.runner.kv_bytes_per_block() * 2 == auto.runner.kv_bytes_per_block()
