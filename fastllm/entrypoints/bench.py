@@ -405,7 +405,7 @@ def serve_args(args: argparse.Namespace) -> list[str]:
             out += [flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
     if args.served_model_name:  # (the API key goes by the environment: not into the results' engine_args)
         out += ["--served-model-name", args.served_model_name]
-    return out + ["--disable-log-requests", "--uvicorn-log-level", "warning"]
+    return out + ["--uvicorn-log-level", "warning"]  # (no access-log line per request either)
 
 
 def cmd_serving(args: argparse.Namespace, config) -> int:

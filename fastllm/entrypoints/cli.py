@@ -247,6 +247,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(**{f.name: getattr(args, f.name) for f in fields(ServerLimits)})
     if not 0 <= args.port <= 65535:  # (uvicorn took 70000 and said it ran there, where no socket binds)
         raise ValueError(f"--port must be in [0, 65535] (0: any free port), got {args.port}")
+    if args.disable_log_requests and args.uvicorn_log_level not in ("info", "debug"):  # (access lines: info)
+        raise ValueError(f"--disable-log-requests: --uvicorn-log-level {args.uvicorn_log_level} shows no "
+                         "access-log lines already")
     return run_server(engine_kwargs(args), args.model, args.host, args.port, args.served_model_name,
                       args.chat_template, args.api_key, limits, log_requests=not args.disable_log_requests,
                       uvicorn_log_level=args.uvicorn_log_level)

@@ -170,6 +170,14 @@ def test_serve_refuses_a_port_out_of_range(port, capsys):
     assert f"--port must be in [0, 65535] (0: any free port), got {port}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("level", ["warning", "error", "critical"])
+def test_serve_refuses_disable_log_requests_where_no_access_line_shows(level, capsys):
+    """uvicorn logs its access lines at info: below that level the flag would change nothing."""
+    assert main(["serve", "--disable-log-requests", "--uvicorn-log-level", level, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"--disable-log-requests: --uvicorn-log-level {level} shows no access-log lines" in err
+
+
 def test_serve_refuses_a_chat_template_for_a_model_without_a_tokenizer(capsys, tmp_path):
     """It would format messages for a tokenizer that is not there: refused before the engine starts."""
     model = tmp_path / "tiny"
