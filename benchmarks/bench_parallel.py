@@ -141,8 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tensor_parallel_size * args.pipeline_parallel_size == 1:
         p.error("give --tensor-parallel-size or --pipeline-parallel-size above 1")
     device = torch.device("cuda", 0) if on_gpu(args) else torch.device("cpu")
-    on_cuda = device.type == "cuda"
-    ceil = ceilings.measure_ceilings(device) if on_cuda else None  # the CPU: a dry run, no floor
+    ceil = ceilings.measure_ceilings(device) if on_gpu(args) else None  # the CPU: a dry run, no floor
     shape = ModelShape.from_model(args.model, args.dtype)
     if args.mode == "latency":
         frame = run_latency_comparison(args, shape, ceil)

@@ -40,6 +40,11 @@ def _check(cond: bool, name: str, message: str) -> None:
         raise ValueError(f"{name} {message}")
 
 
+def _at_default(config, name: str) -> bool:
+    """Whether a field holds its default (a dataclass's class attribute), i.e. was not given."""
+    return getattr(config, name) == getattr(type(config), name)
+
+
 _TYPE_NAMES = {bool: "True or False", int: "an integer", float: "a finite number", str: "a string"}
 
 
@@ -217,8 +222,8 @@ class CacheConfig:
                f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(not self.calculate_kv_scales or self.kv_cache_dtype == "fp8", "calculate_kv_scales",
                f"scales an FP8 KV cache: it does nothing with kv_cache_dtype={self.kv_cache_dtype!r}")
-        for name in ("gpu_memory_utilization", "cpu_kv_cache_gib"):  # (the class attribute: the default)
-            _check(self.num_gpu_blocks is None or getattr(self, name) == getattr(CacheConfig, name), name,
+        for name in ("gpu_memory_utilization", "cpu_kv_cache_gib"):
+            _check(self.num_gpu_blocks is None or _at_default(self, name), name,
                    f"sizes the KV pool, which num_gpu_blocks={self.num_gpu_blocks} sets")
         _check(self.num_cpu_blocks is None or self.swap_space_gib is None, "swap_space_gib",
                f"sizes the CPU swap pool, which num_cpu_blocks={self.num_cpu_blocks} sets")
@@ -297,8 +302,7 @@ class ParallelConfig:
         _check(self.distributed_timeout_s > 0, "distributed_timeout_s",
                f"must be > 0, got {self.distributed_timeout_s}")
         _check(not self.reuse_workers or self.world_size > 1, "reuse_workers", "needs more than one rank")
-        # (a dataclass's class attribute holds the field's default)
-        _check(self.distributed_timeout_s == ParallelConfig.distributed_timeout_s or self.world_size > 1,
+        _check(_at_default(self, "distributed_timeout_s") or self.world_size > 1,
                "distributed_timeout_s",
                "bounds the wait for other ranks' workers and collectives: one rank has none")
 
@@ -343,7 +347,7 @@ class CompileConfig:
         tokens = self.mixed_cuda_graph_max_tokens
         _check(tokens == 0 or tokens >= 16, "mixed_cuda_graph_max_tokens",
                f"must be 0 (off) or at least 16, got {tokens!r}")
-        _check(tokens == CompileConfig.mixed_cuda_graph_max_tokens or not self.enforce_eager,
+        _check(_at_default(self, "mixed_cuda_graph_max_tokens") or not self.enforce_eager,
                "mixed_cuda_graph_max_tokens", "sizes CUDA graphs, which enforce_eager=True turns off")
         _check(not (self.compile_on_cpu and self.enforce_eager), "compile_on_cpu",
                "turns torch.compile on for the CPU, which enforce_eager=True turns off")
@@ -498,21 +502,21 @@ class EngineConfig:
         return dataclasses.replace(self, scheduler=scheduler)
 
     def check_device_args(self, device_type: str) -> None:
-        """A GPU's arguments on the CPU and the CPU's on a GPU are errors (the default value is not given)."""
+        """A GPU's arguments on the CPU and the CPU's on a GPU are errors (an argument at its default was not
+        given)."""
         cache, compile = self.cache, self.compile
         if device_type == "cuda":
-            _check(cache.cpu_kv_cache_gib == CacheConfig.cpu_kv_cache_gib, "cpu_kv_cache_gib",
+            _check(_at_default(cache, "cpu_kv_cache_gib"), "cpu_kv_cache_gib",
                    "sizes the KV pool on the CPU; on a GPU gpu_memory_utilization or num_gpu_blocks does")
             _check(not compile.compile_on_cpu, "compile_on_cpu",
                    "turns torch.compile on for the CPU; on a GPU it is on unless enforce_eager=True")
             return
-        _check(cache.gpu_memory_utilization == CacheConfig.gpu_memory_utilization, "gpu_memory_utilization",
+        _check(_at_default(cache, "gpu_memory_utilization"), "gpu_memory_utilization",
                f"sizes the KV pool on a GPU; on the {device_type} cpu_kv_cache_gib or num_gpu_blocks does")
         _check(compile.cuda_graph_sizes is None, "cuda_graph_sizes",
                f"are the batch sizes of CUDA graphs, which run on GPUs only (the engine runs on the "
                f"{device_type})")
-        _check(compile.mixed_cuda_graph_max_tokens == CompileConfig.mixed_cuda_graph_max_tokens,
-               "mixed_cuda_graph_max_tokens",
+        _check(_at_default(compile, "mixed_cuda_graph_max_tokens"), "mixed_cuda_graph_max_tokens",
                f"sizes CUDA graphs, which run on GPUs only (the engine runs on the {device_type})")
 
     @classmethod
