@@ -83,15 +83,14 @@ _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM: the fastest split counts at 
 # faster at small batches too but flipped a greedy token at a 0.12-nat margin in the tiny bf16 Llama-3.1
 # engine test (bound 256); below _LONG_CONTEXT it stays out until its rounding is compared with the 64-key
 # tile's.
-TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2), (32, 1, 2), (32, 1, 3)]
+TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2), (32, 1, 2)]
 # An FP8 cache under 16-bit queries with B x Hkv >= _FP8_MANY_PROGRAMS_PER_SM a SM takes one-warp programs of
 # 32-key tiles (TILE_CONFIGS[4]), not the 16-bit table's tiles: a program converts twice the keys a byte of
 # a 16-bit cache, and one warp's softmax, layout changes and block barriers wait on no other warp. From 1.5
 # programs a SM under a bound of _FP8_LONG_BOUND it takes them too, split in two (four under 2 programs a
 # SM) so that ~8 one-warp programs a SM hide the loads' latency: 2-27% faster than the 64-key tile from
 # 384 keys, up to 18% slower on requests of 128 keys, so a short bound keeps the 16-bit table
-# (docs/fp8.md, on decode attention over an FP8 cache). Those split programs load three tiles ahead
-# (TILE_CONFIGS[5]), not two: 2-5% faster from 1,024 keys, where from 5 programs a SM it gained nothing.
+# (docs/fp8.md, on decode attention over an FP8 cache).
 _FP8_MANY_PROGRAMS_PER_SM = 5
 _FP8_LONG_BOUND = 2048
 _FP8_MIN_SPLIT_LEN = 128
@@ -528,7 +527,7 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     elif fp8_one_warp and programs >= _FP8_MANY_PROGRAMS_PER_SM * num_sms:
         tile = TILE_CONFIGS[4]
     elif fp8_one_warp and 2 * programs >= 3 * num_sms and max_seq_len >= _FP8_LONG_BOUND:
-        return DecodeConfig(4 if programs < 2 * num_sms else 2, *TILE_CONFIGS[5], _FP8_MIN_SPLIT_LEN)
+        return DecodeConfig(4 if programs < 2 * num_sms else 2, *TILE_CONFIGS[4], _FP8_MIN_SPLIT_LEN)
     elif programs >= many * num_sms and element_size <= 2:
         tile = TILE_CONFIGS[3]
     elif max_seq_len >= _LONG_CONTEXT and programs < num_sms and element_size <= 2:

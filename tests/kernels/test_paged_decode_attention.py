@@ -246,10 +246,10 @@ def test_decode_table_tiles():
 
 
 def test_decode_table_fp8_cache():
-    """An FP8 cache under 16-bit queries: one-warp 32-key programs from 5 programs a SM (B x Hkv, the 16-bit
-    table's split count), and from 1.5 under a bound of 2048 or more, there in 2 splits (4 under 2 programs a
-    SM) of >= 128 keys, three tiles in flight; everything else as the 16-bit cache's table (fewer programs,
-    shorter bounds, fp32 queries, head_dim 256, a cascade's suffix)."""
+    """An FP8 cache under 16-bit queries: one-warp 32-key programs from 5 programs a SM (B x Hkv, the
+    16-bit table's split count), and from 1.5 under a bound of 2048 or more, there in 2 splits (4 under 2
+    programs a SM) of >= 128 keys; everything else as the 16-bit cache's table (fewer programs, shorter
+    bounds, fp32 queries, head_dim 256, a cascade's suffix)."""
     from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
 
     def table(bound, batch, head_dim=128, **kw):
@@ -262,8 +262,8 @@ def test_decode_table_fp8_cache():
         assert (fp8.num_splits, fp8.min_split_len) == (plain.num_splits, plain.min_split_len)
     for bound, batch, splits in ((2048, 25, 4), (4096, 32, 4), (4096, 33, 2), (4096, 64, 2), (32768, 82, 2)):
         plain, fp8 = table(bound, batch)
-        assert plain[1:4] != TILE_CONFIGS[5], (bound, batch)
-        assert fp8 == (splits, *TILE_CONFIGS[5], 128), (bound, batch)
+        assert plain[1:4] != TILE_CONFIGS[4], (bound, batch)
+        assert fp8 == (splits, *TILE_CONFIGS[4], 128), (bound, batch)
     for bound, batch, kw in ((2047, 64, {}), (4096, 24, {}), (384, 32, {}), (384, 82, {}), (8192, 1, {}),
                              (4096, 64, {"element_size": 4}), (4096, 64, {"head_dim": 256}),
                              (4096, 64, {"beside_prefix": True}), (4096, 256, {"element_size": 4}),
