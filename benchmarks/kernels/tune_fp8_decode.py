@@ -52,15 +52,15 @@ def new_tokens(query, block_tables, seq_lens, bound: int) -> NewTokens:
     return NewTokens(positions, key, value, cos_sin, True, slots)
 
 
-def reference_out(s, bound: int, scale: float, append: NewTokens | None) -> torch.Tensor:
-    if append is None:
+def reference_out(s, bound: int, scale: float, new: NewTokens | None) -> torch.Tensor:
+    """The reference's output for the inputs s (with APPEND's new tokens, its caches left as they were)."""
+    if new is None:
         return reference.paged_decode_attention(*s, bound, scale, k_scale=K_SCALE, v_scale=V_SCALE).float()
     query, key_cache, value_cache, block_tables, seq_lens = s
-    a = append
-    return reference.rotary_decode_attention(a.positions, query, a.key, a.value, a.cos_sin_cache, a.is_neox,
-                                             key_cache.clone(), value_cache.clone(), a.slot_mapping,
-                                             block_tables, seq_lens, bound, scale, k_scale=K_SCALE,
-                                             v_scale=V_SCALE).float()
+    return reference.rotary_decode_attention(new.positions, query, new.key, new.value, new.cos_sin_cache,
+                                             new.is_neox, key_cache.clone(), value_cache.clone(),
+                                             new.slot_mapping, block_tables, seq_lens, bound, scale,
+                                             k_scale=K_SCALE, v_scale=V_SCALE).float()
 
 
 def time_configs(batch: int, context: int, ragged: bool, bound: int, copy_gbs: float, append: bool) -> str:
