@@ -5,7 +5,6 @@ rounding, large at the few positions they touch, and nothing elsewhere."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from fastllm.kernels import dispatch, reference

@@ -52,7 +52,6 @@ class SharedPrefixKV:
         its table row holds the shared blocks) and the prefix lengths, the groups' query rows (group by
         group) and where each group's rows start. reverse: the groups, and each group's requests, listed
         last to first (a plan's row i is then not query row i)."""
-        kv, bs = self.kv, self.kv.block_size
         kv_start = torch.zeros(len(self.q_lens), dtype=torch.int32)
         qsl = [0, *itertools.accumulate(self.q_lens)]
         rows, row_start = [], [0]
