@@ -146,9 +146,8 @@ class _Guard:
     """ASGI middleware: the API key on /v1/* (Bearer, compared in constant time), a body size limit read
     from Content-Length before anything else (read_body enforces it on the body itself), and an error no
     handler expects (a bug of ours; a failed engine step is an APIError of its own) as a 500 for its request
-    alone. (Starlette's handler
-    for Exception re-raises after replying, and uvicorn then closes the connection, failing a keep-alive
-    client's next request too.)"""
+    alone. (Starlette's handler for Exception re-raises after replying, and uvicorn then closes the
+    connection, failing a keep-alive client's next request too.)"""
 
     def __init__(self, app, api_key: str | None, max_request_bytes: int):
         self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
