@@ -113,8 +113,11 @@ def persistent_decoder(rows: int, num_sms: int = 132) -> Resources:
     shape = pd.Shape(num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                      intermediate=3072, eps=1e-6)
     splits = pd.num_splits(rows, shape.num_kv_heads, num_sms)
-    constexprs = pd.constexprs(shape, rows, num_sms, splits, has_bias=False, is_neox=True, has_qk_norm=True,
-                               sync=True, trace=False)
+    flags = dict(has_bias=False, is_neox=True, has_qk_norm=True, sync=True, trace=False)
+    if rows == 1:
+        kernel, constexprs = pd._row_decoder_kernel, pd.row_constexprs(shape, num_sms, splits, **flags)
+    else:
+        kernel, constexprs = pd._decoder_kernel, pd.constexprs(shape, rows, num_sms, splits, **flags)
     num_warps = constexprs.pop("num_warps")
     types = {name: "*i64" for name in ("ids_ptr", "pos_ptr", "slot_ptr", "trace")}
     types.update({name: "*i32" for name in ("table_ptr", "seq_len_ptr", "counters", "barrier")})
@@ -123,7 +126,7 @@ def persistent_decoder(rows: int, num_sms: int = 132) -> Resources:
             "final_norm", "kv_cache", "h", "qkv", "attn", "act", "out")
     types.update({name: "*bf16" for name in bf16})
     types.update(eps="fp32", scale="fp32")
-    return compile_for(pd._decoder_kernel, constexprs, types, num_warps, 1,
+    return compile_for(kernel, constexprs, types, num_warps, 1,
                        frozenset({"num_rows", "num_layers", "block_size", "stride_table", "stride_cs"}))
 
 

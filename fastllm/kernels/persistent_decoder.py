@@ -12,12 +12,21 @@ and meet at a grid barrier (a global counter) between phases:
   O        h += attn @ W_o^T
   GATE_UP  rms_norm(h) @ W_gate_up^T -> act = silu(gate) * up
   DOWN     h += act @ W_down^T
-and after the last layer FINAL: out = rms_norm(h). Every program strides over its phase's work (column
-tiles of W, attention splits). Weights depend on no phase, so each program loads its first tile of the
-next phase (and its attention item's cached keys) before it waits at the barrier: the wait hides their
-latency. On the one-row path a tile is one load over the whole K, and the input is loaded (and normed) once
-a phase. Each value is rounded where the model's own kernels round it (skinny_linear.py's prologues,
-rotary.py's norm, the fused add-norm), so the result is theirs up to the order of sums.
+and after the last layer FINAL: out = rms_norm(h). Programs stride over the attention splits. Weights
+depend on no phase, so each program loads the next phase's weights (and its attention item's cached keys)
+before it waits at the barrier, and the wait hides their latency:
+
+  one row (a batch-1 round, _row_decoder_kernel): each program owns a contiguous share of every
+           projection's output columns and loads the whole share, in registers, right after it arrives
+           at the barrier before the phase, so the share streams in while the slowest programs finish
+           (loading before arriving held every program's arrival back by the stream's time). W is read as
+           [K / 8, columns, 8] (the vectors of K outermost): a warp's threads lie across the columns, the
+           products sum within threads, and x is loaded in W's layout, so no shuffles move it.
+  more rows (_decoder_kernel): column tiles under tl.dot, strided over the programs; a program's first
+           tile of the next phase is loaded before the barrier.
+
+Each value is rounded where the model's own kernels round it (skinny_linear.py's prologues, rotary.py's
+norm, the fused add-norm), so the result is theirs up to the order of sums.
 
 Weights are stacked per layer ([L, N, K]); DraftDecoder makes the model's parameters views of the stacks,
 so they cost no memory twice. The KV cache is the CacheEngine's one tensor [L, 2, blocks, block, Hkv, D].
@@ -115,18 +124,14 @@ def _whole_input(x_rows, row_ok, k_in, norm_w, eps, NORM: tl.constexpr, BLOCK_K:
 
 
 @triton.jit
-def _product(x, w, USE_DOT: tl.constexpr):
-    """x [BLOCK_M, K] @ w [BLOCK_N, K]^T in fp32: tl.dot, or one row's FMAs."""
-    if USE_DOT:
-        product = tl.dot(x, tl.trans(w), input_precision="ieee")
-    else:  # BLOCK_M == 1
-        product = tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
-    return product
+def _product(x, w):
+    """x [BLOCK_M, K] @ w [BLOCK_N, K]^T in fp32."""
+    return tl.dot(x, tl.trans(w), input_precision="ieee")
 
 
 @triton.jit
 def _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM: tl.constexpr,
-          WHOLE: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+          WHOLE: tl.constexpr, BLOCK_K: tl.constexpr):
     """x @ w_tile^T [BLOCK_M, BLOCK_N] in fp32 over the whole K (w_rows [BLOCK_N, 1]; w_first: its first chunk
     when `first`). WHOLE: K is one chunk and x holds it; else the input is read a chunk at a time."""
     if WHOLE:
@@ -136,7 +141,7 @@ def _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, fir
             ks = tl.arange(0, BLOCK_K)
             w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_in)[None, :], other=0.0,
                         eviction_policy="evict_first")
-        acc = _product(x, w, USE_DOT)
+        acc = _product(x, w)
     else:
         acc = tl.zeros([x_rows.shape[0], w_rows.shape[0]], tl.float32)
         for k0 in range(0, k_in, BLOCK_K):
@@ -147,14 +152,14 @@ def _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, fir
             else:
                 w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
                             eviction_policy="evict_first")
-            acc += _product(_input_chunk(x_rows, row_ok, ks, k_ok, inv_rms, norm_w, NORM), w, USE_DOT)
+            acc += _product(_input_chunk(x_rows, row_ok, ks, k_ok, inv_rms, norm_w, NORM), w)
     return acc
 
 
 @triton.jit
 def _projection(x_rows, row_ok, norm_w, eps, w, bias, out, rows, k_in, n_out, pid, nprog, w_first, up_first,
                 NORM: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """For this program's column tiles of out [rows, n_out]: x @ w[tile]^T (+ bias), rounded to out's dtype,
     x the rows at x_rows or (NORM) their rms_norm with weight norm_w. RESIDUAL: out[:, tile] += that (rounded
     again: the residual stream's add). GATED: w = [gate | up] rows (2 n_out of them) and out = silu(gate) *
@@ -178,13 +183,13 @@ def _projection(x_rows, row_ok, norm_w, eps, w, bias, out, rows, k_in, n_out, pi
             residual = tl.load(dst, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         w_rows = w + cols.to(tl.int64)[:, None] * k_in
         y = _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM, WHOLE,
-                  BLOCK_K, USE_DOT)
+                  BLOCK_K)
         if HAS_BIAS:
             y += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
             gate = y.to(dtype).to(tl.float32)
             up = _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows + n_out * k_in, col_ok, k_in, up_first,
-                       first, NORM, WHOLE, BLOCK_K, USE_DOT).to(dtype).to(tl.float32)
+                       first, NORM, WHOLE, BLOCK_K).to(dtype).to(tl.float32)
             y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
         if RESIDUAL:
             y = y.to(dtype).to(tl.float32) + residual
@@ -347,18 +352,33 @@ def _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H: tl.constexpr, BLO
 
 
 @triton.jit
-def _barrier(counter, epoch, nprog, trace, t_layer, SYNC: tl.constexpr, TRACE: tl.constexpr):
-    """The grid barrier that ends a phase (none in the interpreter, whose one program runs the phases in
-    order). Returns the next epoch. TRACE: this program's ns since its layer began, at its arrival and when
-    it passes, into trace[layer, phase, program, 0/1] (the epoch counts the phases)."""
+def _arrive_phase(counter, epoch, nprog, trace, t_layer, SYNC: tl.constexpr, TRACE: tl.constexpr):
+    """The first half of the grid barrier that ends a phase (none in the interpreter, whose one program runs
+    the phases in order): this program is done (its stores released to the others). What it issues before
+    _await_phase (the next phase's weights) streams in while the others finish. TRACE: this program's ns
+    since its layer began, at its arrival and when it passes, into trace[layer, phase, program, 0/1] (the
+    epoch counts the phases)."""
     if TRACE:
         tl.store(trace + ((epoch - 1) * nprog + tl.program_id(0)) * 2, _now() - t_layer)
     if SYNC:
         _arrive(counter)
+
+
+@triton.jit
+def _await_phase(counter, epoch, nprog, trace, t_layer, SYNC: tl.constexpr, TRACE: tl.constexpr):
+    """The second half: until every program has arrived. Returns the next epoch."""
+    if SYNC:
         _wait(counter, epoch * nprog)
     if TRACE:
         tl.store(trace + ((epoch - 1) * nprog + tl.program_id(0)) * 2 + 1, _now() - t_layer)
     return epoch + 1
+
+
+@triton.jit
+def _barrier(counter, epoch, nprog, trace, t_layer, SYNC: tl.constexpr, TRACE: tl.constexpr):
+    """The whole grid barrier. Returns the next epoch."""
+    _arrive_phase(counter, epoch, nprog, trace, t_layer, SYNC, TRACE)
+    return _await_phase(counter, epoch, nprog, trace, t_layer, SYNC, TRACE)
 
 
 @triton.jit
@@ -372,9 +392,10 @@ def _decoder_kernel(
     BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BK_H: tl.constexpr, BK_QD: tl.constexpr, BK_I: tl.constexpr,
     BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
-    USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     SYNC: tl.constexpr, TRACE: tl.constexpr,
 ):
+    """Rows 2 .. BLOCK_M: column tiles under tl.dot."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
@@ -399,8 +420,7 @@ def _decoder_kernel(
                 embedded = tl.load(x_rows + hs[None, :], mask=mask)
                 tl.store(h + rows[:, None] * H + hs[None, :], embedded, mask=mask)
         _projection(x_rows, row_ok, norm1 + layer * H, eps, w_qkv + l64 * NQKV * H, b_qkv + layer * NQKV, qkv,
-                    rows, H, NQKV, pid, nprog, w_next, w_next, True, HAS_BIAS, False, False, BN_QKV, BK_H,
-                    USE_DOT)
+                    rows, H, NQKV, pid, nprog, w_next, w_next, True, HAS_BIAS, False, False, BN_QKV, BK_H)
         kv = kv_cache + l64 * stride_kv_layer
         pos, cached, lo, hi, cos, sin, ka, kb, v = _item_keys(
             pid, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, kv,
@@ -415,24 +435,207 @@ def _decoder_kernel(
         epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # O: h += attn @ W_o^T
         _projection(attn + rows[:, None] * QD, row_ok, w_o, eps, w_o + l64 * H * QD, w_o, h, rows, QD, H, pid,
-                    nprog, w_first, w_first, False, False, True, False, BN_O, BK_QD, USE_DOT)
+                    nprog, w_first, w_first, False, False, True, False, BN_O, BK_QD)
         gate_up = w_gate_up + l64 * 2 * INTER * H
         gate_first = _first_chunk(gate_up, INTER, H, pid, BN_GATE_UP, BK_H)
         up_first = _first_chunk(gate_up + INTER * H, INTER, H, pid, BN_GATE_UP, BK_H)
         epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # GATE_UP: act = silu(gate) * up of rms_norm(h)
         _projection(h + rows[:, None] * H, row_ok, norm2 + layer * H, eps, gate_up, w_gate_up, act, rows, H,
-                    INTER, pid, nprog, gate_first, up_first, True, False, False, True, BN_GATE_UP, BK_H,
-                    USE_DOT)
+                    INTER, pid, nprog, gate_first, up_first, True, False, False, True, BN_GATE_UP, BK_H)
         w_first = _first_chunk(w_down + l64 * H * INTER, H, INTER, pid, BN_DOWN, BK_I)
         epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # DOWN: h += act @ W_down^T
         _projection(act + rows[:, None] * INTER, row_ok, w_down, eps, w_down + l64 * H * INTER, w_down, h,
-                    rows, INTER, H, pid, nprog, w_first, w_first, False, False, True, False, BN_DOWN, BK_I,
-                    USE_DOT)
+                    rows, INTER, H, pid, nprog, w_first, w_first, False, False, True, False, BN_DOWN, BK_I)
         next_layer = tl.minimum(l64 + 1, num_layers - 1)
         w_next = _first_chunk(w_qkv + next_layer * NQKV * H, NQKV, H, pid, BN_QKV, BK_H)
         epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+    _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H, BLOCK_H)
+
+
+@triton.jit
+def _share_cols(n_out, pid, nprog, start, BN: tl.constexpr):
+    """Columns start .. start + BN of this program's share of n_out (its contiguous 1 / nprog of them), and
+    which of them are in the share."""
+    lo = pid * n_out // nprog
+    hi = (pid + 1) * n_out // nprog
+    cols = lo + start + tl.arange(0, BN)
+    return cols, cols < hi
+
+
+_VEC = tl.constexpr(8)  # elements a load of a thread (16 bytes of bf16)
+
+
+@triton.jit
+def _k3(BK: tl.constexpr):
+    """K as [BK / VEC, 1, VEC] offsets: the vectors of K outermost, so that a W piece [BK / VEC, BN, VEC]
+    puts a warp's threads across its columns and its products sum within threads, not across them."""
+    return tl.arange(0, BK // _VEC)[:, None, None] * _VEC + tl.arange(0, _VEC)[None, None, :]
+
+
+@triton.jit
+def _share_piece(w, n_out, k_in, pid, nprog, start, BN: tl.constexpr, BK: tl.constexpr):
+    cols, col_ok = _share_cols(n_out, pid, nprog, start, BN)
+    ks = _k3(BK)
+    return tl.load(w + cols.to(tl.int64)[None, :, None] * k_in + ks,
+                   mask=col_ok[None, :, None] & (ks < k_in), other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _inv_rms3(x_ptr, k_in, eps, BK: tl.constexpr):
+    """1 / rms of one row's k_in columns."""
+    ks = _k3(BK)
+    x = tl.load(x_ptr + ks, mask=ks < k_in, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return tl.rsqrt(tl.sum(tl.sum(tl.sum(x * x, axis=2), axis=1), axis=0) / k_in + eps)
+
+
+@triton.jit
+def _input_for(x_ptr, k_in, norm_w, inv_rms, NORM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One row's k_in columns as [BK / VEC, BN, VEC], the same along BN: loaded in the layout of a W piece's
+    (a warp's threads across BN read the same address: one transaction), so the product needs no shuffles
+    to bring x to W. x, or its rms_norm (weight norm_w, inv_rms) rounded where the norm kernel rounds."""
+    ks = _k3(BK)
+    k_ok = ks < k_in
+    shape: tl.constexpr = [BK // _VEC, BN, _VEC]
+    x = tl.load(tl.broadcast_to(x_ptr + ks, shape), mask=k_ok, other=0.0, cache_modifier=".cg")
+    if NORM:
+        w = tl.load(tl.broadcast_to(norm_w + ks, shape), mask=k_ok, other=0.0)
+        x = head_rms_norm(x.to(tl.float32), w, inv_rms, x.dtype).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _dot3(x, w):
+    """x . w over K (both [K / VEC, BN, VEC], x from _input_for) in fp32: [BN]."""
+    return tl.sum(tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2), axis=0)
+
+
+@triton.jit
+def _share(w, n_out, k_in, pid, nprog, BN_A: tl.constexpr, BN_B: tl.constexpr, BK: tl.constexpr):
+    """This program's rows of W [n_out, k_in] (its columns of the output), whole K, in two pieces of BN_A and
+    BN_B (a share need not be a power of two), as [K / VEC, columns, VEC] (_k3)."""
+    return (_share_piece(w, n_out, k_in, pid, nprog, 0, BN_A, BK),
+            _share_piece(w, n_out, k_in, pid, nprog, BN_A, BN_B, BK))
+
+
+@triton.jit
+def _share_out(x, w, bias, out, n_out, pid, nprog, start, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
+               BN: tl.constexpr):
+    """out[piece's columns] = x @ w^T (+ bias), or += it (RESIDUAL, rounded as the residual add); x from
+    _input_for."""
+    dtype = out.dtype.element_ty
+    cols, col_ok = _share_cols(n_out, pid, nprog, start, BN)
+    dst = out + cols
+    if RESIDUAL:
+        residual = tl.load(dst, mask=col_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    y = _dot3(x, w)
+    if HAS_BIAS:
+        y += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        y = y.to(dtype).to(tl.float32) + residual
+    tl.store(dst, y.to(dtype), mask=col_ok)
+
+
+@triton.jit
+def _share_gated_out(x, gate_w, up_w, out, n_out, pid, nprog, start, BN: tl.constexpr):
+    """out[piece's columns] = silu(x @ gate_w^T) * (x @ up_w^T), rounded where the projection and the
+    SiLU kernel round."""
+    dtype = out.dtype.element_ty
+    cols, col_ok = _share_cols(n_out, pid, nprog, start, BN)
+    gate = _dot3(x, gate_w).to(dtype).to(tl.float32)
+    up = _dot3(x, up_w).to(dtype).to(tl.float32)
+    y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+    tl.store(out + cols, y.to(dtype), mask=col_ok)
+
+
+@triton.jit
+def _row_decoder_kernel(
+    ids_ptr, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows,  # the row
+    embed, norm1, w_qkv, b_qkv, q_norm, k_norm, w_o, norm2, w_gate_up, w_down, final_norm,  # weights
+    cos_sin, stride_cs, kv_cache, stride_kv_layer, stride_kv_kv, block_size,
+    h, qkv, part, ml, attn, act, out, counters, barrier, trace,  # scratch, output and the optional trace
+    num_layers, eps, scale,
+    H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
+    BLOCK_H: tl.constexpr, BK_QD: tl.constexpr, BK_I: tl.constexpr,
+    BN_QKV: tl.constexpr, BN_QKV_B: tl.constexpr, BN_O: tl.constexpr, BN_O_B: tl.constexpr,
+    BN_GATE_UP: tl.constexpr, BN_GATE_UP_B: tl.constexpr, BN_DOWN: tl.constexpr, BN_DOWN_B: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QK_NORM: tl.constexpr,
+    SYNC: tl.constexpr, TRACE: tl.constexpr,
+):
+    """One row: each program computes its contiguous share of every projection's columns, the share loaded
+    whole after it arrives at the barrier before the phase (_share); gate/up's, the largest, at the barrier
+    that ends attention (whose slowest programs merge splits while the others' loads stream)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
+    QD: tl.constexpr = HQ * D
+    rows = tl.arange(0, 1)
+    row_ok = rows < num_rows
+    epoch = 1
+    t_layer = tl.full([], 0, tl.int64)
+    qkv_a, qkv_b = _share(w_qkv, NQKV, H, pid, nprog, BN_QKV, BN_QKV_B, BLOCK_H)
+    for layer in range(0, num_layers):
+        l64 = tl.full([], layer, tl.int64)  # (a cache layer is past int32)
+        gate_up = w_gate_up + l64 * 2 * INTER * H
+        if TRACE:
+            t_layer = _now()
+        # QKV: rms_norm(h) @ W_qkv^T; the first layer's h is the embedding row (program 0 stores it in h)
+        x = h
+        if layer == 0:
+            x = embed + tl.load(ids_ptr).to(tl.int64) * H
+            if pid == 0:
+                hs = tl.arange(0, BLOCK_H)
+                tl.store(h + hs, tl.load(x + hs, mask=hs < H), mask=hs < H)
+        inv_rms = _inv_rms3(x, H, eps, BLOCK_H)
+        n1, b = norm1 + layer * H, b_qkv + layer * NQKV
+        _share_out(_input_for(x, H, n1, inv_rms, True, BN_QKV, BLOCK_H), qkv_a, b, qkv, NQKV, pid, nprog, 0,
+                   HAS_BIAS, False, BN_QKV)
+        _share_out(_input_for(x, H, n1, inv_rms, True, BN_QKV_B, BLOCK_H), qkv_b, b, qkv, NQKV, pid, nprog,
+                   BN_QKV, HAS_BIAS, False, BN_QKV_B)
+        _arrive_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+        o_a, o_b = _share(w_o + l64 * H * QD, H, QD, pid, nprog, BN_O, BN_O_B, BK_QD)
+        kv = kv_cache + l64 * stride_kv_layer
+        pos, cached, lo, hi, cos, sin, ka, kb, v = _item_keys(
+            pid, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, kv,
+            kv + stride_kv_kv, block_size, HKV, D, SPLITS, BLOCK_T, IS_NEOX)
+        epoch = _await_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+        # ATTN
+        _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows, q_norm + layer * D,
+                   k_norm + layer * D, eps, cos_sin, stride_cs, kv, kv + stride_kv_kv, block_size, part, ml,
+                   counters, attn, scale, pid, nprog, pos, cached, lo, hi, cos, sin, ka, kb, v, HQ, HKV, D,
+                   SPLITS, BLOCK_G, BLOCK_T, IS_NEOX, HAS_QK_NORM)
+        _arrive_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+        gate_a, gate_b = _share(gate_up, INTER, H, pid, nprog, BN_GATE_UP, BN_GATE_UP_B, BLOCK_H)
+        up_a, up_b = _share(gate_up + INTER * H, INTER, H, pid, nprog, BN_GATE_UP, BN_GATE_UP_B, BLOCK_H)
+        epoch = _await_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+        # O: h += attn @ W_o^T
+        x = _input_for(attn, QD, w_o, eps, False, BN_O, BK_QD)
+        _share_out(x, o_a, w_o, h, H, pid, nprog, 0, False, True, BN_O)
+        x = _input_for(attn, QD, w_o, eps, False, BN_O_B, BK_QD)
+        _share_out(x, o_b, w_o, h, H, pid, nprog, BN_O, False, True, BN_O_B)
+        _arrive_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+        epoch = _await_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+        # GATE_UP: act = silu(gate) * up of rms_norm(h)
+        inv_rms = _inv_rms3(h, H, eps, BLOCK_H)
+        n2 = norm2 + layer * H
+        x = _input_for(h, H, n2, inv_rms, True, BN_GATE_UP, BLOCK_H)
+        _share_gated_out(x, gate_a, up_a, act, INTER, pid, nprog, 0, BN_GATE_UP)
+        x = _input_for(h, H, n2, inv_rms, True, BN_GATE_UP_B, BLOCK_H)
+        _share_gated_out(x, gate_b, up_b, act, INTER, pid, nprog, BN_GATE_UP, BN_GATE_UP_B)
+        _arrive_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+        down_a, down_b = _share(w_down + l64 * H * INTER, H, INTER, pid, nprog, BN_DOWN, BN_DOWN_B, BK_I)
+        epoch = _await_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+        # DOWN: h += act @ W_down^T
+        x = _input_for(act, INTER, w_down, eps, False, BN_DOWN, BK_I)
+        _share_out(x, down_a, w_down, h, H, pid, nprog, 0, False, True, BN_DOWN)
+        x = _input_for(act, INTER, w_down, eps, False, BN_DOWN_B, BK_I)
+        _share_out(x, down_b, w_down, h, H, pid, nprog, BN_DOWN, False, True, BN_DOWN_B)
+        _arrive_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
+        next_qkv = w_qkv + tl.minimum(l64 + 1, num_layers - 1) * NQKV * H
+        qkv_a, qkv_b = _share(next_qkv, NQKV, H, pid, nprog, BN_QKV, BN_QKV_B, BLOCK_H)
+        epoch = _await_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
     _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H, BLOCK_H)
 
 
@@ -466,24 +669,22 @@ _BLOCK_T = 16  # keys a step of a split's loop
 _NUM_WARPS = 8
 _DOT_BLOCK_K = 128
 _MAX_TILE_ELEMENTS = 16384  # of a W tile held in registers (32 KB in bf16: 32 registers a thread at 8 warps)
+# Weights a program of the one-row kernel holds in registers at once (held_share_bytes): Qwen3-0.6B's on 132
+# SMs, 36 + 96 KiB, compile without spills (test_persistent_decoder.py); larger shares would spill.
+MAX_SHARE_BYTES = 132 << 10
 
 
-def block_n(n_out: int, k_in: int, programs: int, use_dot: bool, gated: bool = False) -> int:
-    """Columns of W a tile: the fewest bytes on the busiest program (ties: larger tiles, fewer steps). On the
-    one-row path a tile (both its gate and up rows) is one load of registers: at most _MAX_TILE_ELEMENTS."""
-    smallest = 16 if use_dot else 4
+def block_n(n_out: int, programs: int, gated: bool = False) -> int:
+    """Columns of W a tl.dot tile: the fewest bytes on the busiest program (ties: larger tiles, fewer
+    steps), a tile (both its gate and up rows) at most _MAX_TILE_ELEMENTS."""
     rows_per_col = 2 if gated else 1
-    width = _DOT_BLOCK_K if use_dot else triton.next_power_of_2(k_in)
-    candidates = [b for b in (4, 8, 16, 32, 64)
-                  if b >= smallest and b * rows_per_col * width <= _MAX_TILE_ELEMENTS] or [smallest]
+    candidates = [b for b in (16, 32, 64) if b * rows_per_col * _DOT_BLOCK_K <= _MAX_TILE_ELEMENTS]
     return min(candidates, key=lambda b: (triton.cdiv(triton.cdiv(n_out, b), programs) * b, -b))
 
 
-def block_k(k_in: int, use_dot: bool) -> int:
-    """Columns of K a step of a tile's loop: all of K in one load on the one-row path (as many bytes in
-    flight as the registers hold), a pipelined loop under tl.dot."""
-    whole = triton.next_power_of_2(k_in)
-    return min(whole, _DOT_BLOCK_K) if use_dot else whole
+def block_k(k_in: int) -> int:
+    """Columns of K a step of a tl.dot tile's pipelined loop."""
+    return min(triton.next_power_of_2(k_in), _DOT_BLOCK_K)
 
 
 def num_splits(rows: int, num_kv_heads: int, programs: int) -> int:
@@ -523,22 +724,59 @@ class Scratch:
         self.max_rows, self.max_splits = max_rows, splits
 
 
-def constexprs(shape: Shape, rows: int, programs: int, splits: int, has_bias: bool, is_neox: bool,
-               has_qk_norm: bool, sync: bool, trace: bool) -> dict:
-    """The kernel's launch constexprs (and warps) for `rows` rows on `programs` programs."""
-    s, use_dot = shape, rows > 1
+def share_pieces(n_out: int, programs: int) -> tuple[int, int]:
+    """A program's share of n_out columns (at most cdiv(n_out, programs)) as two power-of-two pieces: the
+    largest that fits, and what is left rounded up (1 when nothing is: a piece whose columns are all out)."""
+    need = triton.cdiv(n_out, programs)
+    first = 1 << (need.bit_length() - 1)
+    rest = need - first
+    return first, triton.next_power_of_2(rest) if rest else 1
+
+
+def held_share_bytes(shape: Shape, programs: int, itemsize: int) -> int:
+    """The most bytes of weights a program of the one-row kernel holds in registers at once: a share's
+    pieces with K rounded up to a power of two, O's beside gate/up's (which load as attention ends)."""
+    s = shape
     qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-    bn_qkv, bn_o = block_n(nqkv, s.hidden, programs, use_dot), block_n(s.hidden, qd, programs, use_dot)
-    bn_gate_up = block_n(s.intermediate, s.hidden, programs, use_dot, gated=True)
-    bn_down = block_n(s.hidden, s.intermediate, programs, use_dot)
+
+    def share(n_out: int, k_in: int) -> int:
+        return sum(share_pieces(n_out, programs)) * triton.next_power_of_2(k_in) * itemsize
+
+    return max(share(nqkv, s.hidden), share(s.hidden, qd) + 2 * share(s.intermediate, s.hidden),
+               share(s.hidden, s.intermediate))
+
+
+def row_constexprs(shape: Shape, programs: int, splits: int, has_bias: bool, is_neox: bool, has_qk_norm: bool,
+                   sync: bool, trace: bool) -> dict:
+    """The one-row kernel's launch constexprs (and warps) on `programs` programs."""
+    s = shape
+    qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    pieces = {}
+    for name, n_out in (("QKV", nqkv), ("O", s.hidden), ("GATE_UP", s.intermediate), ("DOWN", s.hidden)):
+        pieces[f"BN_{name}"], pieces[f"BN_{name}_B"] = share_pieces(n_out, programs)
     return dict(
         H=s.hidden, HQ=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim, INTER=s.intermediate,
-        BLOCK_M=max(16, triton.next_power_of_2(rows)) if use_dot else 1,
-        BLOCK_H=triton.next_power_of_2(s.hidden),
-        BN_QKV=bn_qkv, BN_O=bn_o, BN_GATE_UP=bn_gate_up, BN_DOWN=bn_down,
-        BK_H=block_k(s.hidden, use_dot), BK_QD=block_k(qd, use_dot), BK_I=block_k(s.intermediate, use_dot),
+        BLOCK_H=triton.next_power_of_2(s.hidden), BK_QD=triton.next_power_of_2(qd),
+        BK_I=triton.next_power_of_2(s.intermediate), **pieces,
         SPLITS=splits, BLOCK_G=triton.next_power_of_2(s.num_heads // s.num_kv_heads), BLOCK_T=_BLOCK_T,
-        USE_DOT=use_dot, HAS_BIAS=has_bias, IS_NEOX=is_neox, HAS_QK_NORM=has_qk_norm, SYNC=sync, TRACE=trace,
+        HAS_BIAS=has_bias, IS_NEOX=is_neox, HAS_QK_NORM=has_qk_norm, SYNC=sync, TRACE=trace,
+        num_warps=_NUM_WARPS)
+
+
+def constexprs(shape: Shape, rows: int, programs: int, splits: int, has_bias: bool, is_neox: bool,
+               has_qk_norm: bool, sync: bool, trace: bool) -> dict:
+    """The tl.dot kernel's launch constexprs (and warps) for `rows` (> 1) rows on `programs` programs."""
+    assert rows > 1, "one row runs _row_decoder_kernel (row_constexprs)"
+    s = shape
+    qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    return dict(
+        H=s.hidden, HQ=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim, INTER=s.intermediate,
+        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_H=triton.next_power_of_2(s.hidden),
+        BN_QKV=block_n(nqkv, programs), BN_O=block_n(s.hidden, programs),
+        BN_GATE_UP=block_n(s.intermediate, programs, gated=True), BN_DOWN=block_n(s.hidden, programs),
+        BK_H=block_k(s.hidden), BK_QD=block_k(qd), BK_I=block_k(s.intermediate),
+        SPLITS=splits, BLOCK_G=triton.next_power_of_2(s.num_heads // s.num_kv_heads), BLOCK_T=_BLOCK_T,
+        HAS_BIAS=has_bias, IS_NEOX=is_neox, HAS_QK_NORM=has_qk_norm, SYNC=sync, TRACE=trace,
         num_warps=_NUM_WARPS)
 
 
@@ -563,7 +801,12 @@ def launch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch
     scratch.barrier.zero_()
     unused = w.norm1  # (a placeholder pointer for the weights a model lacks)
     # One launch; on a GPU every program resident (cooperative), meeting at the barriers.
-    _decoder_kernel[(programs,)](
+    flags = (w.b_qkv is not None, is_neox, w.q_norm is not None, sync, trace is not None)
+    if rows == 1:
+        kernel, consts = _row_decoder_kernel, row_constexprs(s, programs, splits, *flags)
+    else:
+        kernel, consts = _decoder_kernel, constexprs(s, rows, programs, splits, *flags)
+    kernel[(programs,)](
         input_ids, positions, slot_mapping, block_tables, block_tables.stride(0), seq_lens, rows,
         w.embed, w.norm1, w.w_qkv, unused if w.b_qkv is None else w.b_qkv,
         unused if w.q_norm is None else w.q_norm, unused if w.k_norm is None else w.k_norm, w.w_o, w.norm2,
@@ -571,9 +814,7 @@ def launch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch
         cos_sin, cos_sin.stride(0), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[3],
         scratch.h, scratch.qkv, scratch.part, scratch.ml, scratch.attn, scratch.act, out, scratch.counters,
         scratch.barrier, scratch.barrier if trace is None else trace, s.num_layers, s.eps, scale,
-        launch_cooperative_grid=sync,
-        **constexprs(s, rows, programs, splits, w.b_qkv is not None, is_neox, w.q_norm is not None, sync,
-                     trace is not None))
+        launch_cooperative_grid=sync, **consts)
     return out
 
 

@@ -4,8 +4,9 @@ A small draft's decode round is latency-bound: ~150 launches of a few microsecon
 stacks the draft's layer weights (its parameters become views of the stacks: no second copy) and runs a
 round's decoder layers in one persistent kernel; the lm_head and sampling stay the model's.
 
-Off unless FASTLLM_PERSISTENT_DRAFT=1: on an H200 its one-row round of Qwen3-0.6B is not yet faster than
-the draft's graphed forward (docs/speculative_decoding.md), so the rounds run that forward by default.
+Off unless FASTLLM_PERSISTENT_DRAFT=1: on an H200 its one-row round of Qwen3-0.6B is 1.07x the draft's
+graphed forward, but #21's batch-1 step has gained ~1% from it and the GPU suite has not run with it on
+(docs/speculative_decoding.md), so the rounds run that forward by default.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def unsupported(model, device: torch.device) -> str | None:
     if setting not in ("0", "1"):
         raise ValueError(f"FASTLLM_PERSISTENT_DRAFT must be 0 or 1, got {setting!r}")
     if setting == "0":
-        return "FASTLLM_PERSISTENT_DRAFT is not 1 (not yet faster than the forward)"
+        return "FASTLLM_PERSISTENT_DRAFT is not 1 (opt-in)"
     if device.type != "cuda":
         return f"a {device.type} device (the kernel's programs wait for each other: a GPU's)"
     if model.parallel.tp_size > 1 or model.parallel.pp_size > 1:
@@ -52,7 +53,17 @@ def unsupported(model, device: torch.device) -> str | None:
     largest = 2 * args.intermediate_size * args.hidden_size * model.dtype.itemsize
     if largest > _MAX_PROJECTION_BYTES:
         return f"projections of up to {largest >> 20} MiB (a model this large is not launch-bound)"
+    held = kernel.held_share_bytes(_shape(model), kernel.grid(device), model.dtype.itemsize)
+    if held > kernel.MAX_SHARE_BYTES:
+        return (f"a program's weight shares of {held >> 10} KiB on {kernel.grid(device)} SMs (its registers "
+                f"hold {kernel.MAX_SHARE_BYTES >> 10})")
     return None
+
+
+def _shape(model) -> kernel.Shape:
+    args = model.args
+    return kernel.Shape(args.num_layers, args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim,
+                        args.intermediate_size, args.rms_norm_eps)
 
 
 def _stack(params: list[nn.Parameter]) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 
 from fastllm.config import ModelConfig
 from fastllm.models.loader import load_model
+from fastllm.kernels import persistent_decoder
 from fastllm.spec_decode import draft_decoder
 from fastllm.spec_decode.draft_decoder import DraftDecoder
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
@@ -114,7 +115,10 @@ def test_unsupported_models_say_why(tiny_path, tmp_path_factory, monkeypatch):
         draft_decoder.unsupported(model, torch.device("cuda"))
     monkeypatch.setenv("FASTLLM_PERSISTENT_DRAFT", "1")
     assert "cpu device" in draft_decoder.unsupported(model, torch.device("cpu"))
+    monkeypatch.setattr(persistent_decoder, "grid", lambda device: 132)  # (an H100's SMs, on any machine)
     assert draft_decoder.unsupported(model, torch.device("cuda")) is None
+    monkeypatch.setattr(persistent_decoder, "MAX_SHARE_BYTES", 256)
+    assert "weight shares of" in draft_decoder.unsupported(model, torch.device("cuda"))
     window_config = ModelConfig(model=make_tiny_model(tmp_path_factory, "mistral-window"), dtype="float32")
     window = load_model(window_config, torch.device("cpu"))
     assert draft_decoder.unsupported(window, torch.device("cuda")) == "sliding windows"
@@ -128,10 +132,32 @@ def test_gpu_round_equals_the_models_forward(tiny_path, rows, dtype, tolerance):
     check_round(tiny_path, "cuda", dtype, rows, tolerance)
 
 
+@pytest.mark.parametrize("n_out,programs", [(3072, 132), (4096, 132), (1024, 132), (1024, 114), (192, 1),
+                                            (96, 1), (4864, 132), (7, 8)])
+def test_shares_cover_every_column_once(n_out, programs):
+    """The one-row kernel's programs each own [p n / P, (p + 1) n / P) of a projection's n columns, held as
+    two power-of-two pieces: together the shares cover 0 .. n once, and every share fits its pieces."""
+    first, second = persistent_decoder.share_pieces(n_out, programs)
+    assert first & (first - 1) == 0 and second & (second - 1) == 0
+    bounds = [p * n_out // programs for p in range(programs + 1)]
+    assert bounds[0] == 0 and bounds[-1] == n_out and bounds == sorted(bounds)
+    assert max(hi - lo for lo, hi in zip(bounds, bounds[1:])) <= first + second
+    assert first <= -(-n_out // programs)  # (the first piece is never all padding)
+
+
+def test_the_drafts_shares_fit_its_registers():
+    """Qwen3-0.6B, the draft the kernel is for, takes the one-row kernel on an H100 / H200 (132 SMs); the
+    same model on 114 SMs (an H100 PCIe) would hold more than the registers do."""
+    shape = persistent_decoder.Shape(num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+                                     intermediate=3072, eps=1e-6)
+    assert persistent_decoder.held_share_bytes(shape, 132, 2) <= persistent_decoder.MAX_SHARE_BYTES
+    assert persistent_decoder.held_share_bytes(shape, 114, 2) > persistent_decoder.MAX_SHARE_BYTES
+
+
 def test_one_row_rounds_compile_for_sm90_without_spills():
-    """The GPU's kernel (the interpreter above runs the same code without the barriers): it compiles for sm_90
-    at the draft's shapes, and at one row its W tiles stay in registers (a spill would put every tile's
-    load through local memory). sm_90 machine code, compiled here."""
+    """The GPU's kernels (the interpreter above runs the same code without the barriers): they compile for
+    sm_90 at the draft's shapes, and at one row the weight shares stay in registers (a spill would put every
+    share's load through local memory). sm_90 machine code, compiled here."""
     code = ("import json; from fastllm.bench.occupancy import persistent_decoder as p; "
             "print(json.dumps([p(1)[:2], p(8)[:2]]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (interpreted: no compile)
