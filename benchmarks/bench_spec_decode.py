@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                                  "plain_tok_s": baseline[b]["decode_tok_s"], "spec_tok_s": got.pop("decode_tok_s"),
                                  **got})
                     rows[-1]["speedup"] = rows[-1]["spec_tok_s"] / rows[-1]["plain_tok_s"]
+                    drafter = engine.worker.runner.spec.drafter
+                    if drafter is not None:  # (n-gram: none)
+                        rows[-1]["draft_rounds"] = drafter.rounds_path
                     full, plain_full = got["full_batch_tok_s"], baseline[b]["full_batch_tok_s"]
                     rows[-1]["full_batch_speedup"] = full / plain_full if full and plain_full else None
             profiled(engine, f"{method}_k{k}")
@@ -223,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"speculative decoding: {meta['model']} on {meta['device']} (commit {meta.get('commit')}), "
           f"{args.input_len or 'story'} in / {args.output_len} out, {args.dtype}")
     print(report.format_frame(frame[[c for c in cols if c in frame]]))
+    for path in sorted({r["draft_rounds"] for r in rows if "draft_rounds" in r}):
+        print(f"the draft's one-token rounds ran through the {path}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"benchmark": "spec_decode", "meta": meta, "baseline": baseline, "rows": rows}, f, indent=2,

@@ -385,7 +385,10 @@ def test_spec_decode_benchmark_script(tmp_path, capsys):
         assert 0 < r["full_batch_steps"] <= 1 and r["full_batch_speedup"] > 0
     assert rows[0]["full_batch_steps"] == 1.0
     assert rows[0]["full_batch_speedup"] == pytest.approx(rows[0]["speedup"])
-    assert "spec_mean_accepted_len" in capsys.readouterr().out
+    # which path ran the draft's rounds, in the JSON and under the table (the CPU: the forward)
+    assert {r["draft_rounds"] for r in rows} == {"forward (FASTLLM_PERSISTENT_DRAFT is not 1 (opt-in))"}
+    out = capsys.readouterr().out
+    assert "spec_mean_accepted_len" in out and "the draft's one-token rounds ran through the forward" in out
 
 
 @pytest.mark.parametrize("argv", [["--draft", "none"], ["--draft", "none", "--draft-quantization", "fp8"]])
