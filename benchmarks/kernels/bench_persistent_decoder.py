@@ -4,7 +4,7 @@ Both as CUDA graphs over the same inputs and KV cache, each followed by the lm_h
 round as the speculative step runs it): milliseconds a round, the layer weights' bytes over the time, and
 the largest difference of the two paths' final hidden states.
 
-    python benchmarks/kernels/bench_persistent_decoder.py --model qwen3-0.6b --rows 1,2,8 --context 256
+    python benchmarks/kernels/bench_persistent_decoder.py --model qwen3-0.6b --contexts 128,256,512 --trace
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--rows", default="1,2,8")
-    parser.add_argument("--context", type=int, default=256, help="keys in the cache before the round's token")
+    parser.add_argument("--contexts", default="256", help="keys in the cache before the round's token, each")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--trace", action="store_true",
                         help="also each phase's time (a traced launch, %%globaltimer)")
@@ -50,12 +49,11 @@ def main() -> None:
     device = torch.device("cuda")
     config = ModelConfig(model=resolve_model_path(args.model), load_format="dummy", dtype=args.dtype)
     model = load_model(config, device)
-    rows_list = [int(r) for r in args.rows.split(",")]
-    decoder = DraftDecoder(model, max_rows=max(rows_list))
+    contexts = [int(c) for c in args.contexts.split(",")]
+    decoder = DraftDecoder(model)
     a = model.args
-    width = -(-(args.context + 1) // BLOCK_SIZE)
-    num_blocks = width * 16 + 1
-    kv = torch.randn(a.num_layers, 2, num_blocks, BLOCK_SIZE, a.num_kv_heads, a.head_dim, dtype=model.dtype,
+    width = -(-(max(contexts) + 1) // BLOCK_SIZE)
+    kv = torch.randn(a.num_layers, 2, width + 1, BLOCK_SIZE, a.num_kv_heads, a.head_dim, dtype=model.dtype,
                      device=device)
     layers = model.attention_layers()
     for i, layer in enumerate(layers):
@@ -66,15 +64,15 @@ def main() -> None:
           f"weights; {device_name(device)}; commit {git_commit()}; "
           f"{persistent_decoder.grid(device)} programs")
     results = []
-    for rows in rows_list:
-        tables = torch.arange(rows * width, dtype=torch.int32, device=device).view(rows, width) + 1
-        positions = torch.full((rows,), args.context, dtype=torch.int64, device=device)
-        slots = (tables[:, args.context // BLOCK_SIZE].long() * BLOCK_SIZE + args.context % BLOCK_SIZE)
+    table = torch.arange(width, dtype=torch.int32, device=device).view(1, width) + 1
+    for context in contexts:
+        positions = torch.full((1,), context, dtype=torch.int64, device=device)
+        slots = table[:, context // BLOCK_SIZE].long() * BLOCK_SIZE + context % BLOCK_SIZE
         metadata = AttentionMetadata(
-            slot_mapping=slots, block_tables=tables, seq_lens=(positions + 1).to(torch.int32),
-            query_start_loc=torch.arange(rows + 1, dtype=torch.int32, device=device), max_query_len=1,
-            max_seq_len=args.context + 1)
-        ids = torch.randint(3, a.vocab_size, (rows,), device=device)
+            slot_mapping=slots, block_tables=table, seq_lens=(positions + 1).to(torch.int32),
+            query_start_loc=torch.arange(2, dtype=torch.int32, device=device), max_query_len=1,
+            max_seq_len=context + 1)
+        ids = torch.randint(3, a.vocab_size, (1,), device=device)
         hidden = {}
 
         def forward():
@@ -92,9 +90,8 @@ def main() -> None:
             forward()
             persistent()
             diff = (hidden["forward"].float() - hidden["persistent"].float()).abs().max().item()
-        row = dict(rows=rows, context=args.context, forward_ms=round(forward_ms, 4),
-                   persistent_ms=round(persistent_ms, 4), speedup=round(forward_ms / persistent_ms, 3),
-                   max_abs_diff=diff)
+        row = dict(context=context, forward_ms=round(forward_ms, 4), persistent_ms=round(persistent_ms, 4),
+                   speedup=round(forward_ms / persistent_ms, 3), max_abs_diff=diff)
         results.append(row)
         print(json.dumps(row))
         if args.trace:
@@ -102,19 +99,19 @@ def main() -> None:
             trace = torch.zeros(shape, dtype=torch.int64, device=device)
             with torch.inference_mode():
                 for _ in range(3):
-                    persistent_decoder.launch(ids, positions, slots, tables, metadata.seq_lens,
+                    persistent_decoder.launch(ids, positions, slots, table, metadata.seq_lens,
                                               decoder.weights, decoder.shape, kv, decoder.cos_sin,
-                                              decoder.is_neox, decoder.scale, decoder.scratch,
-                                              decoder.out[:rows], trace)
+                                              decoder.is_neox, decoder.scale, decoder.scratch, decoder.out,
+                                              trace)
             torch.cuda.synchronize()
-            print(f"rows {rows}, us a layer per phase: the mean program's work / the slowest's / "
+            print(f"context {context}, us a layer per phase: the mean program's work / the slowest's / "
                   "with the barrier")
             for name, (mean, slowest, whole) in persistent_decoder.phase_times(trace.cpu()).items():
                 print(f"  {name:9} {mean:6.2f} {slowest:6.2f} {whole:6.2f}")
-    print("| rows | forward ms | persistent ms | speedup | max abs diff |")
+    print("| context | forward ms | persistent ms | speedup | max abs diff |")
     print("|---:|---:|---:|---:|---:|")
     for r in results:
-        print(f"| {r['rows']} | {r['forward_ms']:.3f} | {r['persistent_ms']:.3f} | {r['speedup']:.2f}x | "
+        print(f"| {r['context']} | {r['forward_ms']:.3f} | {r['persistent_ms']:.3f} | {r['speedup']:.2f}x | "
               f"{r['max_abs_diff']:.3g} |")
 
 

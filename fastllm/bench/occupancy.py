@@ -105,19 +105,15 @@ def decode_attention(fp8_cache: bool, block_n: int, num_warps: int, num_stages: 
                        frozenset({"num_splits", "min_split_len", "stride_bt", "num_prefix_splits"}))
 
 
-def persistent_decoder(rows: int, num_sms: int = 132) -> Resources:
+def persistent_decoder(num_sms: int = 132) -> Resources:
     """The persistent decoder kernel as the draft's rounds launch it for Qwen3-0.6B (bf16, q/k norms) on a
     GPU of num_sms SMs."""
     from fastllm.kernels import persistent_decoder as pd
 
     shape = pd.Shape(num_layers=28, hidden=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                      intermediate=3072, eps=1e-6)
-    splits = pd.num_splits(rows, shape.num_kv_heads, num_sms)
-    flags = dict(has_bias=False, is_neox=True, has_qk_norm=True, sync=True, trace=False)
-    if rows == 1:
-        kernel, constexprs = pd._row_decoder_kernel, pd.row_constexprs(shape, num_sms, splits, **flags)
-    else:
-        kernel, constexprs = pd._decoder_kernel, pd.constexprs(shape, rows, num_sms, splits, **flags)
+    constexprs = pd.constexprs(shape, num_sms, pd.num_splits(1, shape.num_kv_heads, num_sms), has_bias=False,
+                               is_neox=True, has_qk_norm=True, sync=True, trace=False)
     num_warps = constexprs.pop("num_warps")
     types = {name: "*i64" for name in ("ids_ptr", "pos_ptr", "slot_ptr", "trace")}
     types.update({name: "*i32" for name in ("table_ptr", "seq_len_ptr", "counters", "barrier")})
@@ -126,7 +122,7 @@ def persistent_decoder(rows: int, num_sms: int = 132) -> Resources:
             "final_norm", "kv_cache", "h", "qkv", "attn", "act", "out")
     types.update({name: "*bf16" for name in bf16})
     types.update(eps="fp32", scale="fp32")
-    return compile_for(kernel, constexprs, types, num_warps, 1,
+    return compile_for(pd._decoder_kernel, constexprs, types, num_warps, 1,
                        frozenset({"num_rows", "num_layers", "block_size", "stride_table", "stride_cs"}))
 
 

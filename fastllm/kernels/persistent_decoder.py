@@ -5,33 +5,28 @@ microseconds' work each, and launch gaps, not bytes, set its time. Here one laun
 programs (one per SM, a cooperative launch so all are resident) step through the phases of each layer
 and meet at a grid barrier (a global counter) between phases:
 
-  QKV      rms_norm(h) @ W_qkv^T (+ bias) -> qkv        (the first layer's h: the embedding rows)
+  QKV      rms_norm(h) @ W_qkv^T (+ bias) -> qkv        (the first layer's h: the embedding row)
   ATTN     per (row, KV head, split): q/k norm and rotary of the new token, its k/v into the cache, an
            online softmax over the split's cached keys (the last split also over the new token); the last
            split of a (row, KV head) to finish merges the splits -> attn
   O        h += attn @ W_o^T
   GATE_UP  rms_norm(h) @ W_gate_up^T -> act = silu(gate) * up
   DOWN     h += act @ W_down^T
-and after the last layer FINAL: out = rms_norm(h). Programs stride over the attention splits. Weights
-depend on no phase, so each program loads the next phase's weights (and its attention item's cached keys)
-before it waits at the barrier, and the wait hides their latency:
-
-  one row (a batch-1 round, _row_decoder_kernel): each program owns a contiguous share of every
-           projection's output columns and loads the whole share, in registers, right after it arrives
-           at the barrier before the phase, so the share streams in while the slowest programs finish
-           (loading before arriving held every program's arrival back by the stream's time). W is read as
-           [K / 8, columns, 8] (the vectors of K outermost): a warp's threads lie across the columns, the
-           products sum within threads, and x is loaded in W's layout, so no shuffles move it.
-  more rows (_decoder_kernel): column tiles under tl.dot, strided over the programs; a program's first
-           tile of the next phase is loaded before the barrier.
+and after the last layer FINAL: out = rms_norm(h). It takes one row (a batch-1 step's rounds; larger
+batches run the forward, where a tl.dot version of this kernel lost: docs/speculative_decoding.md).
+Programs stride over the attention splits. Each program owns a contiguous share of every projection's
+output columns and loads the whole share, in registers, right after it arrives at the barrier before the
+phase (with its attention item's cached keys, which no phase writes), so the share streams in while the
+slowest programs finish: loading before arriving held every arrival back by the stream's time. W is read
+as [K / 8, columns, 8] (the vectors of K outermost): a warp's threads lie across the columns, the products
+sum within threads, and x is loaded in W's layout, so no shuffles move it.
 
 Each value is rounded where the model's own kernels round it (skinny_linear.py's prologues, rotary.py's
 norm, the fused add-norm), so the result is theirs up to the order of sums.
 
 Weights are stacked per layer ([L, N, K]); DraftDecoder makes the model's parameters views of the stacks,
 so they cost no memory twice. The KV cache is the CacheEngine's one tensor [L, 2, blocks, block, Hkv, D].
-Rows are one new token each at positions[row] (seq_lens[row] counts it); slot < 0 writes nothing (padding
-rows).
+The row is one new token at positions[0] (seq_lens[0] counts it); a slot < 0 writes nothing.
 
 Under the Triton interpreter (CPU tests) programs run one after another and cannot wait for each other, so
 one program runs there (SYNC=False): every phase's work in order, the same code between the barriers.
@@ -74,41 +69,6 @@ def _now():
 
 
 @triton.jit
-def _inv_rms(x_rows, row_ok, k_in, eps, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each row's 1 / rms over its k_in columns (NORM), before the tiles round with it; else unused."""
-    total = tl.zeros([x_rows.shape[0]], tl.float32)
-    if NORM:
-        for k0 in range(0, k_in, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < k_in)[None, :], other=0.0,
-                        cache_modifier=".cg").to(tl.float32)
-            total += tl.sum(x * x, axis=1)
-    return tl.rsqrt(total / k_in + eps)
-
-
-@triton.jit
-def _input_chunk(x_rows, row_ok, ks, k_ok, inv_rms, norm_w, NORM: tl.constexpr):
-    """The input's columns ks [BLOCK_M, BLOCK_K]: the rows at x_rows, or their rms_norm with weight norm_w,
-    rounded where the norm kernel rounds. (.cg: other programs wrote them, past this SM's L1.)"""
-    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
-    if NORM:
-        w = tl.load(norm_w + ks, mask=k_ok, other=0.0)[None, :]
-        x = head_rms_norm(x, w, inv_rms[:, None], x.dtype).to(x.dtype)
-    return x
-
-
-@triton.jit
-def _first_chunk(w, n_out, k_in, pid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's first column tile's first BLOCK_K columns of w [n_out, k_in]: loaded before the barrier
-    that ends the phase before (weights depend on no phase), so the wait hides their latency."""
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    return tl.load(w + cols.to(tl.int64)[:, None] * k_in + ks[None, :],
-                   mask=(cols < n_out)[:, None] & (ks < k_in)[None, :], other=0.0,
-                   eviction_policy="evict_first")
-
-
-@triton.jit
 def _whole_input(x_rows, row_ok, k_in, norm_w, eps, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
     """All k_in columns of the input rows [BLOCK_M, BLOCK_K] in one load: x, or its rms_norm with weight
     norm_w, rounded where the norm kernel rounds."""
@@ -121,79 +81,6 @@ def _whole_input(x_rows, row_ok, k_in, norm_w, eps, NORM: tl.constexpr, BLOCK_K:
         w = tl.load(norm_w + ks, mask=k_ok, other=0.0)[None, :]
         x = head_rms_norm(xf, w, inv_rms[:, None], x.dtype).to(x.dtype)
     return x
-
-
-@triton.jit
-def _product(x, w):
-    """x [BLOCK_M, K] @ w [BLOCK_N, K]^T in fp32."""
-    return tl.dot(x, tl.trans(w), input_precision="ieee")
-
-
-@triton.jit
-def _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM: tl.constexpr,
-          WHOLE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x @ w_tile^T [BLOCK_M, BLOCK_N] in fp32 over the whole K (w_rows [BLOCK_N, 1]; w_first: its first chunk
-    when `first`). WHOLE: K is one chunk and x holds it; else the input is read a chunk at a time."""
-    if WHOLE:
-        if first:
-            w = w_first
-        else:
-            ks = tl.arange(0, BLOCK_K)
-            w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < k_in)[None, :], other=0.0,
-                        eviction_policy="evict_first")
-        acc = _product(x, w)
-    else:
-        acc = tl.zeros([x_rows.shape[0], w_rows.shape[0]], tl.float32)
-        for k0 in range(0, k_in, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_ok = ks < k_in
-            if first and k0 == 0:
-                w = w_first
-            else:
-                w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0,
-                            eviction_policy="evict_first")
-            acc += _product(_input_chunk(x_rows, row_ok, ks, k_ok, inv_rms, norm_w, NORM), w)
-    return acc
-
-
-@triton.jit
-def _projection(x_rows, row_ok, norm_w, eps, w, bias, out, rows, k_in, n_out, pid, nprog, w_first, up_first,
-                NORM: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr, GATED: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """For this program's column tiles of out [rows, n_out]: x @ w[tile]^T (+ bias), rounded to out's dtype,
-    x the rows at x_rows or (NORM) their rms_norm with weight norm_w. RESIDUAL: out[:, tile] += that (rounded
-    again: the residual stream's add). GATED: w = [gate | up] rows (2 n_out of them) and out = silu(gate) *
-    up, rounded where the projection and the SiLU kernel round. w_first (up_first): the first tile's first
-    chunk (of its up rows), already loaded (_first_chunk)."""
-    dtype = out.dtype.element_ty
-    WHOLE: tl.constexpr = BLOCK_K >= k_in
-    if WHOLE:  # the input in one load, normed once for every tile
-        x = _whole_input(x_rows, row_ok, k_in, norm_w, eps, NORM, BLOCK_K)
-        inv_rms = tl.zeros([x_rows.shape[0]], tl.float32)  # (unused)
-    else:
-        x = tl.zeros([x_rows.shape[0], BLOCK_K], dtype)  # (unused)
-        inv_rms = _inv_rms(x_rows, row_ok, k_in, eps, NORM, BLOCK_K)
-    for tile in range(pid, tl.cdiv(n_out, BLOCK_N), nprog):
-        first = tile == pid
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < n_out
-        dst = out + rows[:, None] * n_out + cols[None, :]
-        mask = row_ok[:, None] & col_ok[None, :]
-        if RESIDUAL:  # (read with the input, not after the products)
-            residual = tl.load(dst, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        w_rows = w + cols.to(tl.int64)[:, None] * k_in
-        y = _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows, col_ok, k_in, w_first, first, NORM, WHOLE,
-                  BLOCK_K)
-        if HAS_BIAS:
-            y += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        if GATED:
-            gate = y.to(dtype).to(tl.float32)
-            up = _tile(x, x_rows, row_ok, inv_rms, norm_w, w_rows + n_out * k_in, col_ok, k_in, up_first,
-                       first, NORM, WHOLE, BLOCK_K).to(dtype).to(tl.float32)
-            y = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
-        if RESIDUAL:
-            y = y.to(dtype).to(tl.float32) + residual
-        tl.store(dst, y.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -375,86 +262,6 @@ def _await_phase(counter, epoch, nprog, trace, t_layer, SYNC: tl.constexpr, TRAC
 
 
 @triton.jit
-def _barrier(counter, epoch, nprog, trace, t_layer, SYNC: tl.constexpr, TRACE: tl.constexpr):
-    """The whole grid barrier. Returns the next epoch."""
-    _arrive_phase(counter, epoch, nprog, trace, t_layer, SYNC, TRACE)
-    return _await_phase(counter, epoch, nprog, trace, t_layer, SYNC, TRACE)
-
-
-@triton.jit
-def _decoder_kernel(
-    ids_ptr, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows,  # the rows
-    embed, norm1, w_qkv, b_qkv, q_norm, k_norm, w_o, norm2, w_gate_up, w_down, final_norm,  # weights
-    cos_sin, stride_cs, kv_cache, stride_kv_layer, stride_kv_kv, block_size,
-    h, qkv, part, ml, attn, act, out, counters, barrier, trace,  # scratch, output and the optional trace
-    num_layers, eps, scale,
-    H: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BK_H: tl.constexpr, BK_QD: tl.constexpr, BK_I: tl.constexpr,
-    BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GATE_UP: tl.constexpr, BN_DOWN: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QK_NORM: tl.constexpr,
-    SYNC: tl.constexpr, TRACE: tl.constexpr,
-):
-    """Rows 2 .. BLOCK_M: column tiles under tl.dot."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    NQKV: tl.constexpr = (HQ + 2 * HKV) * D
-    QD: tl.constexpr = HQ * D
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < num_rows
-    epoch = 1
-    t_layer = tl.full([], 0, tl.int64)
-    w_next = _first_chunk(w_qkv, NQKV, H, pid, BN_QKV, BK_H)
-    for layer in range(0, num_layers):
-        l64 = tl.full([], layer, tl.int64)  # (a cache layer is past int32)
-        if TRACE:
-            t_layer = _now()
-        # QKV: rms_norm(h) @ W_qkv^T; the first layer's h is the embedding rows (program 0 stores them in h)
-        x_rows = h + rows[:, None] * H
-        if layer == 0:
-            ids = tl.load(ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-            x_rows = embed + ids[:, None] * H
-            if pid == 0:
-                hs = tl.arange(0, BLOCK_H)
-                mask = row_ok[:, None] & (hs < H)[None, :]
-                embedded = tl.load(x_rows + hs[None, :], mask=mask)
-                tl.store(h + rows[:, None] * H + hs[None, :], embedded, mask=mask)
-        _projection(x_rows, row_ok, norm1 + layer * H, eps, w_qkv + l64 * NQKV * H, b_qkv + layer * NQKV, qkv,
-                    rows, H, NQKV, pid, nprog, w_next, w_next, True, HAS_BIAS, False, False, BN_QKV, BK_H)
-        kv = kv_cache + l64 * stride_kv_layer
-        pos, cached, lo, hi, cos, sin, ka, kb, v = _item_keys(
-            pid, num_rows, pos_ptr, seq_len_ptr, table_ptr, stride_table, cos_sin, stride_cs, kv,
-            kv + stride_kv_kv, block_size, HKV, D, SPLITS, BLOCK_T, IS_NEOX)
-        epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
-        # ATTN
-        _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows, q_norm + layer * D,
-                   k_norm + layer * D, eps, cos_sin, stride_cs, kv, kv + stride_kv_kv, block_size, part, ml,
-                   counters, attn, scale, pid, nprog, pos, cached, lo, hi, cos, sin, ka, kb, v, HQ, HKV, D,
-                   SPLITS, BLOCK_G, BLOCK_T, IS_NEOX, HAS_QK_NORM)
-        w_first = _first_chunk(w_o + l64 * H * QD, H, QD, pid, BN_O, BK_QD)
-        epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
-        # O: h += attn @ W_o^T
-        _projection(attn + rows[:, None] * QD, row_ok, w_o, eps, w_o + l64 * H * QD, w_o, h, rows, QD, H, pid,
-                    nprog, w_first, w_first, False, False, True, False, BN_O, BK_QD)
-        gate_up = w_gate_up + l64 * 2 * INTER * H
-        gate_first = _first_chunk(gate_up, INTER, H, pid, BN_GATE_UP, BK_H)
-        up_first = _first_chunk(gate_up + INTER * H, INTER, H, pid, BN_GATE_UP, BK_H)
-        epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
-        # GATE_UP: act = silu(gate) * up of rms_norm(h)
-        _projection(h + rows[:, None] * H, row_ok, norm2 + layer * H, eps, gate_up, w_gate_up, act, rows, H,
-                    INTER, pid, nprog, gate_first, up_first, True, False, False, True, BN_GATE_UP, BK_H)
-        w_first = _first_chunk(w_down + l64 * H * INTER, H, INTER, pid, BN_DOWN, BK_I)
-        epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
-        # DOWN: h += act @ W_down^T
-        _projection(act + rows[:, None] * INTER, row_ok, w_down, eps, w_down + l64 * H * INTER, w_down, h,
-                    rows, INTER, H, pid, nprog, w_first, w_first, False, False, True, False, BN_DOWN, BK_I)
-        next_layer = tl.minimum(l64 + 1, num_layers - 1)
-        w_next = _first_chunk(w_qkv + next_layer * NQKV * H, NQKV, H, pid, BN_QKV, BK_H)
-        epoch = _barrier(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
-    _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H, BLOCK_H)
-
-
-@triton.jit
 def _share_cols(n_out, pid, nprog, start, BN: tl.constexpr):
     """Columns start .. start + BN of this program's share of n_out (its contiguous 1 / nprog of them), and
     which of them are in the share."""
@@ -550,7 +357,7 @@ def _share_gated_out(x, gate_w, up_w, out, n_out, pid, nprog, start, BN: tl.cons
 
 
 @triton.jit
-def _row_decoder_kernel(
+def _decoder_kernel(
     ids_ptr, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num_rows,  # the row
     embed, norm1, w_qkv, b_qkv, q_norm, k_norm, w_o, norm2, w_gate_up, w_down, final_norm,  # weights
     cos_sin, stride_cs, kv_cache, stride_kv_layer, stride_kv_kv, block_size,
@@ -564,9 +371,9 @@ def _row_decoder_kernel(
     HAS_BIAS: tl.constexpr, IS_NEOX: tl.constexpr, HAS_QK_NORM: tl.constexpr,
     SYNC: tl.constexpr, TRACE: tl.constexpr,
 ):
-    """One row: each program computes its contiguous share of every projection's columns, the share loaded
-    whole after it arrives at the barrier before the phase (_share); gate/up's, the largest, at the barrier
-    that ends attention (whose slowest programs merge splits while the others' loads stream)."""
+    """Each program computes its contiguous share of every projection's columns, the share loaded whole after
+    it arrives at the barrier before the phase (_share); gate/up's, the largest, at the barrier that ends
+    attention (whose slowest programs merge splits while the others' loads stream)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
@@ -667,24 +474,9 @@ class Shape(NamedTuple):
 MAX_SPLITS = 32
 _BLOCK_T = 16  # keys a step of a split's loop
 _NUM_WARPS = 8
-_DOT_BLOCK_K = 128
-_MAX_TILE_ELEMENTS = 16384  # of a W tile held in registers (32 KB in bf16: 32 registers a thread at 8 warps)
 # Weights a program of the one-row kernel holds in registers at once (held_share_bytes): Qwen3-0.6B's on 132
 # SMs, 36 + 96 KiB, compile without spills (test_persistent_decoder.py); larger shares would spill.
 MAX_SHARE_BYTES = 132 << 10
-
-
-def block_n(n_out: int, programs: int, gated: bool = False) -> int:
-    """Columns of W a tl.dot tile: the fewest bytes on the busiest program (ties: larger tiles, fewer
-    steps), a tile (both its gate and up rows) at most _MAX_TILE_ELEMENTS."""
-    rows_per_col = 2 if gated else 1
-    candidates = [b for b in (16, 32, 64) if b * rows_per_col * _DOT_BLOCK_K <= _MAX_TILE_ELEMENTS]
-    return min(candidates, key=lambda b: (triton.cdiv(triton.cdiv(n_out, b), programs) * b, -b))
-
-
-def block_k(k_in: int) -> int:
-    """Columns of K a step of a tl.dot tile's pipelined loop."""
-    return min(triton.next_power_of_2(k_in), _DOT_BLOCK_K)
 
 
 def num_splits(rows: int, num_kv_heads: int, programs: int) -> int:
@@ -705,23 +497,21 @@ INTERPRETER_SPLIT_PROGRAMS = 32
 
 
 class Scratch:
-    """The kernel's working buffers for up to max_rows rows, and its counters (zero between launches)."""
+    """The kernel's working buffers for its row, and its counters (zero between launches)."""
 
-    def __init__(self, shape: Shape, max_rows: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, shape: Shape, dtype: torch.dtype, device: torch.device):
         s = shape
         programs = grid(device) if device.type == "cuda" else INTERPRETER_SPLIT_PROGRAMS
         splits = num_splits(1, s.num_kv_heads, programs)
-        self.h = torch.zeros(max_rows, s.hidden, dtype=dtype, device=device)
+        self.h = torch.zeros(1, s.hidden, dtype=dtype, device=device)
         nqkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-        self.qkv = torch.zeros(max_rows, nqkv, dtype=dtype, device=device)
-        self.part = torch.zeros(max_rows * s.num_heads * splits * s.head_dim, dtype=torch.float32,
-                                device=device)
-        self.ml = torch.zeros(max_rows * s.num_heads * splits * 2, dtype=torch.float32, device=device)
-        self.attn = torch.zeros(max_rows, s.num_heads * s.head_dim, dtype=dtype, device=device)
-        self.act = torch.zeros(max_rows, s.intermediate, dtype=dtype, device=device)
-        self.counters = torch.zeros(max_rows * s.num_kv_heads, dtype=torch.int32, device=device)
+        self.qkv = torch.zeros(1, nqkv, dtype=dtype, device=device)
+        self.part = torch.zeros(s.num_heads * splits * s.head_dim, dtype=torch.float32, device=device)
+        self.ml = torch.zeros(s.num_heads * splits * 2, dtype=torch.float32, device=device)
+        self.attn = torch.zeros(1, s.num_heads * s.head_dim, dtype=dtype, device=device)
+        self.act = torch.zeros(1, s.intermediate, dtype=dtype, device=device)
+        self.counters = torch.zeros(s.num_kv_heads, dtype=torch.int32, device=device)
         self.barrier = torch.zeros(1, dtype=torch.int32, device=device)
-        self.max_rows, self.max_splits = max_rows, splits
 
 
 def share_pieces(n_out: int, programs: int) -> tuple[int, int]:
@@ -746,9 +536,9 @@ def held_share_bytes(shape: Shape, programs: int, itemsize: int) -> int:
                share(s.hidden, s.intermediate))
 
 
-def row_constexprs(shape: Shape, programs: int, splits: int, has_bias: bool, is_neox: bool, has_qk_norm: bool,
-                   sync: bool, trace: bool) -> dict:
-    """The one-row kernel's launch constexprs (and warps) on `programs` programs."""
+def constexprs(shape: Shape, programs: int, splits: int, has_bias: bool, is_neox: bool, has_qk_norm: bool,
+               sync: bool, trace: bool) -> dict:
+    """The kernel's launch constexprs (and warps) on `programs` programs."""
     s = shape
     qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     pieces = {}
@@ -763,50 +553,27 @@ def row_constexprs(shape: Shape, programs: int, splits: int, has_bias: bool, is_
         num_warps=_NUM_WARPS)
 
 
-def constexprs(shape: Shape, rows: int, programs: int, splits: int, has_bias: bool, is_neox: bool,
-               has_qk_norm: bool, sync: bool, trace: bool) -> dict:
-    """The tl.dot kernel's launch constexprs (and warps) for `rows` (> 1) rows on `programs` programs."""
-    assert rows > 1, "one row runs _row_decoder_kernel (row_constexprs)"
-    s = shape
-    qd, nqkv = s.num_heads * s.head_dim, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
-    return dict(
-        H=s.hidden, HQ=s.num_heads, HKV=s.num_kv_heads, D=s.head_dim, INTER=s.intermediate,
-        BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_H=triton.next_power_of_2(s.hidden),
-        BN_QKV=block_n(nqkv, programs), BN_O=block_n(s.hidden, programs),
-        BN_GATE_UP=block_n(s.intermediate, programs, gated=True), BN_DOWN=block_n(s.hidden, programs),
-        BK_H=block_k(s.hidden), BK_QD=block_k(qd), BK_I=block_k(s.intermediate),
-        SPLITS=splits, BLOCK_G=triton.next_power_of_2(s.num_heads // s.num_kv_heads), BLOCK_T=_BLOCK_T,
-        HAS_BIAS=has_bias, IS_NEOX=is_neox, HAS_QK_NORM=has_qk_norm, SYNC=sync, TRACE=trace,
-        num_warps=_NUM_WARPS)
-
-
 def launch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
            block_tables: torch.Tensor, seq_lens: torch.Tensor, weights: Weights, shape: Shape,
            kv_cache: torch.Tensor, cos_sin: torch.Tensor, is_neox: bool, scale: float, scratch: Scratch,
            out: torch.Tensor, trace: torch.Tensor | None = None) -> torch.Tensor:
-    """out [rows, H] = the final norm of the decoder's output for one new token a row (input_ids [rows] at
-    positions [rows]; seq_lens [rows] count the new token), writing each row's k/v at slot_mapping [rows]
-    (< 0: nothing) of kv_cache [L, 2, blocks, block_size, Hkv, D]. trace (GPU): int64 [L, 5, programs, 2] to
-    receive each program's ns into its layer at each phase's end and barrier (phase_times)."""
+    """out [1, H] = the final norm of the decoder's output for one new token (input_ids [1] at positions [1];
+    seq_lens [1] count the new token), writing its k/v at slot_mapping [1] (< 0: nothing) of kv_cache [L, 2,
+    blocks, block_size, Hkv, D]. trace (GPU): int64 [L, 5, programs, 2] to receive each program's ns into
+    its layer at each phase's end and barrier (phase_times)."""
     s, rows, w = shape, input_ids.shape[0], weights
-    assert 0 < rows <= scratch.max_rows and out.shape == (rows, s.hidden), (rows, out.shape)
+    assert rows == 1 and out.shape == (1, s.hidden), (rows, out.shape)
     assert kv_cache.shape[0] == s.num_layers and kv_cache.shape[1] == 2 and kv_cache.is_contiguous()
     device = input_ids.device
     sync = device.type == "cuda"
     programs = grid(device)
     assert trace is None or (sync and trace.shape == (s.num_layers, len(PHASES), programs, 2)
                              and trace.dtype == torch.int64)
-    splits = min(num_splits(rows, s.num_kv_heads, programs if sync else INTERPRETER_SPLIT_PROGRAMS),
-                 scratch.max_splits)
+    splits = num_splits(1, s.num_kv_heads, programs if sync else INTERPRETER_SPLIT_PROGRAMS)
     scratch.barrier.zero_()
     unused = w.norm1  # (a placeholder pointer for the weights a model lacks)
     # One launch; on a GPU every program resident (cooperative), meeting at the barriers.
-    flags = (w.b_qkv is not None, is_neox, w.q_norm is not None, sync, trace is not None)
-    if rows == 1:
-        kernel, consts = _row_decoder_kernel, row_constexprs(s, programs, splits, *flags)
-    else:
-        kernel, consts = _decoder_kernel, constexprs(s, rows, programs, splits, *flags)
-    kernel[(programs,)](
+    _decoder_kernel[(programs,)](
         input_ids, positions, slot_mapping, block_tables, block_tables.stride(0), seq_lens, rows,
         w.embed, w.norm1, w.w_qkv, unused if w.b_qkv is None else w.b_qkv,
         unused if w.q_norm is None else w.q_norm, unused if w.k_norm is None else w.k_norm, w.w_o, w.norm2,
@@ -814,7 +581,9 @@ def launch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch
         cos_sin, cos_sin.stride(0), kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[3],
         scratch.h, scratch.qkv, scratch.part, scratch.ml, scratch.attn, scratch.act, out, scratch.counters,
         scratch.barrier, scratch.barrier if trace is None else trace, s.num_layers, s.eps, scale,
-        launch_cooperative_grid=sync, **consts)
+        launch_cooperative_grid=sync,
+        **constexprs(s, programs, splits, w.b_qkv is not None, is_neox, w.q_norm is not None, sync,
+                     trace is not None))
     return out
 
 

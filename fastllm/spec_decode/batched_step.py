@@ -54,8 +54,8 @@ class ModelFns:
     forward: Callable  # (input_ids [T], positions [T]) -> hidden [T, H]
     compute_logits: Callable  # hidden [N, H] -> logits [N, V]
     attention_layers: list
-    # (input_ids [B], positions [B], metadata) -> hidden [B, H] of a one-token round in one launch, for B up to
-    # its max_rows (draft_decoder.py); None: the rounds run forward
+    # (input_ids [1], positions [1], metadata) -> hidden [1, H]: a one-request step's one-token rounds in one
+    # launch each (draft_decoder.py); None: the rounds run forward
     decoder: Callable | None = None
 
 
@@ -327,9 +327,9 @@ class SpecDecodeStep:
 
     def _round_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                       bs: int) -> torch.Tensor:
-        """The draft's logits of a one-token round: through its decoder kernel where it takes bs rows."""
+        """The draft's logits of a one-token round: through its decoder kernel in a one-request step."""
         decoder = self.draft.decoder
-        if decoder is None or bs > decoder.max_rows:
+        if decoder is None or bs != 1:
             return self._logits(self.draft, input_ids, positions, metadata)
         return self.draft.compute_logits(decoder(input_ids, positions, metadata))
 

@@ -19,9 +19,6 @@ from torch import nn
 from fastllm.kernels import persistent_decoder as kernel
 from fastllm.worker.attn_metadata import AttentionMetadata
 
-# Rows a round (batch size); larger batches run the model's forward (its tl.dot rows lost:
-# docs/speculative_decoding.md)
-MAX_ROWS = 1
 _MAX_K = 4096  # the kernel holds a whole K of x and of each W tile in registers
 _MAX_PROJECTION_BYTES = 16 << 20  # a draft's projections: latency-bound, which is what the kernel is for
 
@@ -75,10 +72,9 @@ def _stack(params: list[nn.Parameter]) -> torch.Tensor:
 
 
 class DraftDecoder:
-    def __init__(self, model, max_rows: int | None = None):
+    def __init__(self, model):
         """model: a LlamaForCausalLM (unsupported(model) is None, or a test's CPU model under the
-        interpreter). max_rows: the most rows a round (default MAX_ROWS)."""
-        max_rows = max_rows or MAX_ROWS
+        interpreter)."""
         args = model.args
         layers = model.model.stage_layers()
         attn = layers[0].self_attn
@@ -104,15 +100,13 @@ class DraftDecoder:
         rotary = attn.attn.rotary
         self.cos_sin, self.is_neox, self.scale = rotary.cos_sin_cache, rotary.is_neox, attn.attn.scale
         device = self.weights.w_qkv.device
-        self.scratch = kernel.Scratch(self.shape, max_rows, self.weights.w_qkv.dtype, device)
-        self.out = torch.zeros(max_rows, args.hidden_size, dtype=self.weights.w_qkv.dtype, device=device)
+        self.scratch = kernel.Scratch(self.shape, self.weights.w_qkv.dtype, device)
+        self.out = torch.zeros(1, args.hidden_size, dtype=self.weights.w_qkv.dtype, device=device)
         self.kv_cache: torch.Tensor | None = None  # the draft's CacheEngine pool, once allocated
-        self.max_rows = max_rows
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
                  ) -> torch.Tensor:
-        """The draft's final hidden states [rows, H] for one token a row (a decode round's metadata)."""
-        rows = input_ids.shape[0]
+        """The draft's final hidden state [1, H] of a one-request round's token (its decode metadata)."""
         return kernel.launch(input_ids, positions, metadata.slot_mapping, metadata.block_tables,
                              metadata.seq_lens, self.weights, self.shape, self.kv_cache, self.cos_sin,
-                             self.is_neox, self.scale, self.scratch, self.out[:rows])
+                             self.is_neox, self.scale, self.scratch, self.out)

@@ -90,8 +90,8 @@ class DraftModel:
         self.decoder = draft_decoder.DraftDecoder(self.model) if why_not is None else None
         # which path runs the one-token rounds (benchmarks report it beside their times)
         self.rounds_path = "persistent kernel" if why_not is None else f"forward ({why_not})"
-        logger.info("draft model: one-token rounds of up to %d requests through the %s",
-                    draft_decoder.MAX_ROWS, self.rounds_path)
+        logger.info("draft model: a one-request step's one-token rounds through the %s (larger batches': "
+                    "the forward)", self.rounds_path)
         self.attention_layers = self.model.attention_layers()
         self.cache: CacheEngine | None = None
         self.forward = self.model.forward  # the compiled forward once the runner compiles it

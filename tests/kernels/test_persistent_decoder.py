@@ -32,8 +32,8 @@ def tiny_path(request, tmp_path_factory):
 
 
 def round_inputs(model, rows: list[tuple[int, bool]], device, generator):
-    """A decode round of len(rows) rows, (cached keys, writes its KV) each, over a cache of random history:
-    (input_ids, positions, metadata, kv pool)."""
+    """A decode round of len(rows) rows (the kernel's: one), (cached keys, writes its KV) each, over a cache
+    of random history: (input_ids, positions, metadata, kv pool)."""
     a = model.args
     num_blocks = 64
     kv = torch.randn(a.num_layers, 2, num_blocks, BLOCK_SIZE, a.num_kv_heads, a.head_dim, generator=generator)
@@ -74,7 +74,7 @@ def check_round(path, device, dtype, rows, tolerance, seed=0):
     model = load_model(ModelConfig(model=path, dtype=dtype), torch.device(device))
     g = torch.Generator().manual_seed(seed)
     ids, positions, metadata, kv = round_inputs(model, rows, device, g)
-    decoder = DraftDecoder(model, max_rows=4)  # (its stacks leave the model's forward as it was)
+    decoder = DraftDecoder(model)  # (its stacks leave the model's forward as it was)
     decoder.kv_cache = kv.clone()
     before = kv.clone()
     expected = model_round(model, ids, positions, metadata, kv)
@@ -82,27 +82,30 @@ def check_round(path, device, dtype, rows, tolerance, seed=0):
     assert_close(got, expected, tolerance, "final hidden states")
     written = metadata.slot_mapping[metadata.slot_mapping >= 0]
     flat = (model.args.num_layers, 2, -1, model.args.num_kv_heads, model.args.head_dim)
-    new_kv, got_kv = kv.view(flat)[:, :, written], decoder.kv_cache.view(flat)[:, :, written]
-    assert not torch.equal(new_kv, before.view(flat)[:, :, written]), "the model's round wrote no K/V"
-    assert_close(got_kv, new_kv, tolerance, "the K/V written")
+    if written.numel():
+        new_kv, got_kv = kv.view(flat)[:, :, written], decoder.kv_cache.view(flat)[:, :, written]
+        assert not torch.equal(new_kv, before.view(flat)[:, :, written]), "the model's round wrote no K/V"
+        assert_close(got_kv, new_kv, tolerance, "the K/V written")
     unwritten = torch.ones(kv.view(flat).shape[2], dtype=torch.bool, device=kv.device)
     unwritten[written] = False
     assert torch.equal(decoder.kv_cache.view(flat)[:, :, unwritten], before.view(flat)[:, :, unwritten]), \
-        "the kernel wrote K/V where it should not (a padding row's slot, or another row's)"
+        "the kernel wrote K/V where it should not (a slot < 0 writes nothing)"
     return decoder
 
 
-# (cached keys, writes its K/V): a first position, block edges, keys over several splits, a padding row
-ROWS = [[(37, True)], [(0, True), (16, True), (95, True)], [(5, True), (63, False), (31, True)]]
+# (cached keys, writes its K/V): a first position, block edges, keys over several splits, a slot < 0 (a CUDA
+# graph's warm-up writes nothing)
+ROWS = [[(37, True)], [(0, True)], [(16, True)], [(95, True)], [(63, False)]]
+ROW_IDS = ["37", "0", "16", "95", "no-write"]
 
 
-@pytest.mark.parametrize("rows", ROWS, ids=["one-row", "three-rows", "padding-row"])
+@pytest.mark.parametrize("rows", ROWS, ids=ROW_IDS)
 def test_round_equals_the_models_forward(tiny_path, rows):
     check_round(tiny_path, "cpu", "float32", rows, 1e-5)
 
 
 def test_counters_are_zero_after_a_round(tiny_path):
-    decoder = check_round(tiny_path, "cpu", "float32", ROWS[1], 1e-5)
+    decoder = check_round(tiny_path, "cpu", "float32", ROWS[3], 1e-5)
     assert not decoder.scratch.counters.any(), "a split counter was left set: the next round merges too early"
 
 
@@ -126,7 +129,7 @@ def test_unsupported_models_say_why(tiny_path, tmp_path_factory, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,tolerance", [("float32", 1e-5), ("bfloat16", 3e-2)])
-@pytest.mark.parametrize("rows", ROWS, ids=["one-row", "three-rows", "padding-row"])
+@pytest.mark.parametrize("rows", ROWS, ids=ROW_IDS)
 def test_gpu_round_equals_the_models_forward(tiny_path, rows, dtype, tolerance):
     """One cooperative launch, its programs meeting at the grid barriers."""
     check_round(tiny_path, "cuda", dtype, rows, tolerance)
@@ -154,15 +157,15 @@ def test_the_drafts_shares_fit_its_registers():
     assert persistent_decoder.held_share_bytes(shape, 114, 2) > persistent_decoder.MAX_SHARE_BYTES
 
 
-def test_one_row_rounds_compile_for_sm90_without_spills():
-    """The GPU's kernels (the interpreter above runs the same code without the barriers): they compile for
-    sm_90 at the draft's shapes, and at one row the weight shares stay in registers (a spill would put every
-    share's load through local memory). sm_90 machine code, compiled here."""
+def test_rounds_compile_for_sm90_without_spills():
+    """The GPU's kernel (the interpreter above runs the same code without the barriers): it compiles for
+    sm_90 at the draft's shapes, and the weight shares stay in registers (a spill would put every share's
+    load through local memory). sm_90 machine code, compiled here."""
     code = ("import json; from fastllm.bench.occupancy import persistent_decoder as p; "
-            "print(json.dumps([p(1)[:2], p(8)[:2]]))")
+            "print(json.dumps(p()[:2]))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (interpreted: no compile)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
                          check=False)
     assert out.returncode == 0, out.stderr[-2000:]
-    (registers, spilled), _ = json.loads(out.stdout.splitlines()[-1])
+    registers, spilled = json.loads(out.stdout.splitlines()[-1])
     assert spilled == 0 and registers <= 255, (registers, spilled)
