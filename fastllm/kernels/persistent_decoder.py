@@ -345,6 +345,16 @@ def _share_out(x, w, bias, out, n_out, pid, nprog, start, HAS_BIAS: tl.constexpr
 
 
 @triton.jit
+def _residual_share(x_ptr, k_in, w_a, w_b, h, n_out, pid, nprog, BN_A: tl.constexpr, BN_B: tl.constexpr,
+                    BK: tl.constexpr):
+    """h[share] += x @ W[share]^T over both pieces of the share (O and down), x the row at x_ptr."""
+    _share_out(_input_for(x_ptr, k_in, x_ptr, 1.0, False, BN_A, BK), w_a, h, h, n_out, pid, nprog, 0, False,
+               True, BN_A)
+    _share_out(_input_for(x_ptr, k_in, x_ptr, 1.0, False, BN_B, BK), w_b, h, h, n_out, pid, nprog, BN_A, False,
+               True, BN_B)
+
+
+@triton.jit
 def _share_gated_out(x, gate_w, up_w, out, n_out, pid, nprog, start, BN: tl.constexpr):
     """out[piece's columns] = silu(x @ gate_w^T) * (x @ up_w^T), rounded where the projection and the
     SiLU kernel round."""
@@ -418,10 +428,7 @@ def _decoder_kernel(
         up_a, up_b = _share(gate_up + INTER * H, INTER, H, pid, nprog, BN_GATE_UP, BN_GATE_UP_B, BLOCK_H)
         epoch = _await_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # O: h += attn @ W_o^T
-        x = _input_for(attn, QD, w_o, eps, False, BN_O, BK_QD)
-        _share_out(x, o_a, w_o, h, H, pid, nprog, 0, False, True, BN_O)
-        x = _input_for(attn, QD, w_o, eps, False, BN_O_B, BK_QD)
-        _share_out(x, o_b, w_o, h, H, pid, nprog, BN_O, False, True, BN_O_B)
+        _residual_share(attn, QD, o_a, o_b, h, H, pid, nprog, BN_O, BN_O_B, BK_QD)
         _arrive_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         epoch = _await_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # GATE_UP: act = silu(gate) * up of rms_norm(h)
@@ -435,10 +442,7 @@ def _decoder_kernel(
         down_a, down_b = _share(w_down + l64 * H * INTER, H, INTER, pid, nprog, BN_DOWN, BN_DOWN_B, BK_I)
         epoch = _await_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         # DOWN: h += act @ W_down^T
-        x = _input_for(act, INTER, w_down, eps, False, BN_DOWN, BK_I)
-        _share_out(x, down_a, w_down, h, H, pid, nprog, 0, False, True, BN_DOWN)
-        x = _input_for(act, INTER, w_down, eps, False, BN_DOWN_B, BK_I)
-        _share_out(x, down_b, w_down, h, H, pid, nprog, BN_DOWN, False, True, BN_DOWN_B)
+        _residual_share(act, INTER, down_a, down_b, h, H, pid, nprog, BN_DOWN, BN_DOWN_B, BK_I)
         _arrive_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
         next_qkv = w_qkv + tl.minimum(l64 + 1, num_layers - 1) * NQKV * H
         qkv_a, qkv_b = _share(next_qkv, NQKV, H, pid, nprog, BN_QKV, BN_QKV_B, BLOCK_H)
