@@ -19,7 +19,7 @@ from torch import nn
 from fastllm.kernels import persistent_decoder as kernel
 from fastllm.worker.attn_metadata import AttentionMetadata
 
-_MAX_K = 4096  # the kernel holds a whole K of x and of each W tile in registers
+_MAX_K = 4096  # the kernel holds a whole K of x and of each row of its W shares in registers
 _MAX_PROJECTION_BYTES = 16 << 20  # a draft's projections: latency-bound, which is what the kernel is for
 
 
@@ -95,8 +95,7 @@ class DraftDecoder:
             w_gate_up=stack(lambda layer: layer.mlp.gate_up_proj.weight),
             w_down=stack(lambda layer: layer.mlp.down_proj.weight),
             final_norm=model.model.norm.weight)
-        self.shape = kernel.Shape(len(layers), args.hidden_size, attn.num_heads, attn.num_kv_heads,
-                                  args.head_dim, args.intermediate_size, args.rms_norm_eps)
+        self.shape = _shape(model)
         rotary = attn.attn.rotary
         self.cos_sin, self.is_neox, self.scale = rotary.cos_sin_cache, rotary.is_neox, attn.attn.scale
         device = self.weights.w_qkv.device
