@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.set_defaults(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", max_model_len=4096,
                         max_num_seqs=64, async_scheduling=False, mixed_cuda_graph_max_tokens=512)
     args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():  # (the engine would refuse mixed_cuda_graph_max_tokens on the CPU)
+        parser.error("it times mixed steps' CUDA graphs against the compiled forward: it needs a GPU")
 
     from fastllm.engine.llm_engine import LLMEngine
     from fastllm.entrypoints.process_setup import prepare_gc_for_serving

@@ -365,6 +365,15 @@ def test_benchmark_scripts_refuse_flags_their_run_would_not_read(script, argv, f
     assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
+def test_mixed_steps_benchmark_says_it_needs_a_gpu(monkeypatch, capsys):
+    """Without a GPU it stops at once, saying why, rather than at the engine's refusal of an argument the
+    user never gave (mixed_cuda_graph_max_tokens, its default)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        _benchmark_script("bench_mixed_steps").main([])
+    assert e.value.code == 2 and "it needs a GPU" in capsys.readouterr().err
+
+
 def test_spec_decode_benchmark_script(tmp_path, capsys):
     module = _spec_decode_script()
     out = tmp_path / "spec.json"
