@@ -6,7 +6,8 @@ slot back, and a padding row (slot -1) leaves its slot NaN. Checks:
   * the output against reference.rotary_decode_attention run on float32 copies, with the decode
     tolerances (test_paged_decode_attention.TOL);
   * the caches against the reference run in the input dtype: V bit for bit, K within one ulp
-    (rotary's fp32 math, rounded), every other slot untouched (poison included);
+    (rotary's fp32 math, rounded), every other slot untouched (poison included; the references run on
+    copies of the blocks the tables name, and every other block must still be all NaN);
   * the inputs are not modified (the attention op declares no mutation).
 With Qwen3's q/k norm weights (q and the new k RMS-normed per head before the rotation) the cached K may be
 3 ulp off instead of one: a head's mean square summed in another order can flip a rounding of the norm.
@@ -46,13 +47,17 @@ def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, is_neox=True, padding=(
     cos_sin = _cos_sin_cache(int(lens.max()) + 1, d, device)
     max_seq_len = max_seq_len or int(lens.max())
     scale = d**-0.5
-    ref_kc, ref_vc = kv.key_cache.clone(), kv.value_cache.clone()
-    up_kc, up_vc = kv.key_cache.float(), kv.value_cache.float()
+    # The references run on copies of the blocks the requests use (the poison block among them), renumbered:
+    # whole copies of a GPU case's caches (2^31 elements each) took ~50 GB beside the kernel's own.
+    used, ref_tables, ref_slots = _used_blocks(kv.block_tables, slot_mapping, page)
+    ref_kc, ref_vc = kv.key_cache[used], kv.value_cache[used]
+    up_kc, up_vc = ref_kc.float(), ref_vc.float()
     norm = (*qk_norm_weights(d, dtype, device, gen), NORM_EPS) if qk_norm else ()
     up_norm = (norm[0].float(), norm[1].float(), NORM_EPS) if qk_norm else ()
 
     common = (cos_sin, is_neox)
     tail = (slot_mapping, kv.block_tables, kv.seq_lens, max_seq_len, scale, None)  # (None: no window)
+    ref_tail = (ref_slots, ref_tables, *tail[2:])
     if num_splits is None:
         out = triton_impl("rotary_decode_attention")(positions, query, key, value, *common, kv.key_cache,
                                                      kv.value_cache, *tail, *norm)
@@ -65,16 +70,40 @@ def _run(device, gen, dtype, seq_lens, hq, hkv, d, page, is_neox=True, padding=(
             block_n=block_n, num_warps=num_warps, num_stages=num_stages, offset_64=offset_64,
             append=NewTokens(positions, key, value, cos_sin, is_neox, slot_mapping, *norm))
     ref = reference_impl("rotary_decode_attention")
-    up = ref(positions, query.float(), key.float(), value.float(), *common, up_kc, up_vc, *tail, *up_norm)
-    ref(positions, query, key, value, *common, ref_kc, ref_vc, *tail, *norm)
+    up = ref(positions, query.float(), key.float(), value.float(), *common, up_kc, up_vc, *ref_tail, *up_norm)
+    ref(positions, query, key, value, *common, ref_kc, ref_vc, *ref_tail, *norm)
 
     assert torch.equal(qkv, before), "an input was modified"
     assert out.dtype == dtype
     assert_close(out, up, *TOL[dtype], what=f"rotary decode lens={seq_lens} padding={padding}")
-    torch.testing.assert_close(kv.value_cache, ref_vc, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(kv.value_cache[used], ref_vc, rtol=0, atol=0, equal_nan=True)
     eps = torch.finfo(dtype).eps * (3 if qk_norm else 1)
-    torch.testing.assert_close(kv.key_cache, ref_kc, rtol=eps, atol=eps, equal_nan=True)
+    torch.testing.assert_close(kv.key_cache[used], ref_kc, rtol=eps, atol=eps, equal_nan=True)
+    for cache in (kv.key_cache, kv.value_cache):
+        _assert_unused_blocks_nan(cache, used)
     return out
+
+
+def _used_blocks(block_tables, slot_mapping, page):
+    """(the blocks the table names, sorted; the table and the slots renumbered to index them)."""
+    used = torch.unique(block_tables.long())
+    index = torch.full((int(used.max()) + 1,), -1, dtype=torch.long, device=used.device)
+    index[used] = torch.arange(len(used), device=used.device)
+    slots = slot_mapping.long()
+    renumbered = index[slots.clamp(min=0) // page] * page + slots.clamp(min=0) % page
+    return used, index[block_tables.long()].to(block_tables.dtype), torch.where(slots >= 0, renumbered, slots)
+
+
+_CHECK_BLOCKS = 1024  # blocks a step of the check below (bounds its temporaries)
+
+
+def _assert_unused_blocks_nan(cache, used):
+    """Every block the table does not name is still all NaN: nothing was written outside the requests."""
+    unused = torch.ones(cache.shape[0], dtype=torch.bool, device=cache.device)
+    unused[used] = False
+    for lo in range(0, cache.shape[0], _CHECK_BLOCKS):
+        blocks = cache[lo:lo + _CHECK_BLOCKS][unused[lo:lo + _CHECK_BLOCKS]]
+        assert torch.isnan(blocks).all(), f"a block outside the requests' tables was written ({lo}..)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
