@@ -1,7 +1,8 @@
 """A draft model's one-token decode round: the persistent decoder kernel against the model's forward.
 
 Both as CUDA graphs over the same inputs and KV cache, each followed by the lm_head and argmax (the whole
-round as the speculative step runs it): milliseconds a round, the layer weights' bytes over the time, and
+round as the speculative step runs it; the forward captured with the engine's attention bound, --bound,
+which sets its attention splits): milliseconds a round, the layer weights' bytes over the time, and
 the largest difference of the two paths' final hidden states.
 
     python benchmarks/kernels/bench_persistent_decoder.py --model qwen3-0.6b --contexts 128,256,512 --trace
@@ -37,19 +38,27 @@ def graph_ms(fn, repeats: int) -> float:
     return sorted(time_graph(graph, 10) for _ in range(repeats))[repeats // 2]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen3-0.6b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--contexts", default="256", help="keys in the cache before the round's token, each")
+    parser.add_argument("--bound", type=int, default=2056,
+                        help="the attention bound (max_seq_len) the forward's graph is captured with, as the "
+                             "engine captures the draft's rounds: max_model_len + 2k, 2056 for #21's "
+                             "command; it sets the forward's attention splits (the kernel sizes its own)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--trace", action="store_true",
                         help="also each phase's time (a traced launch, %%globaltimer)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.bound <= max(contexts):
+        parser.error(f"--bound {args.bound} must exceed every context (the round's token is one more key)")
+    if not torch.cuda.is_available():
+        parser.error("it times CUDA graphs of the persistent kernel and the forward: it needs a GPU")
     device = torch.device("cuda")
     config = ModelConfig(model=resolve_model_path(args.model), load_format="dummy", dtype=args.dtype)
     model = load_model(config, device)
-    contexts = [int(c) for c in args.contexts.split(",")]
     decoder = DraftDecoder(model)
     a = model.args
     width = -(-(max(contexts) + 1) // BLOCK_SIZE)
@@ -62,7 +71,7 @@ def main() -> None:
     weight_bytes = sum(t.numel() * t.element_size() for t in decoder.weights[1:] if t is not None)
     print(f"# {args.model} {args.dtype}, {a.num_layers} layers, {weight_bytes / 1e6:.0f} MB of layer "
           f"weights; {device_name(device)}; commit {git_commit()}; "
-          f"{persistent_decoder.grid(device)} programs")
+          f"{persistent_decoder.grid(device)} programs; the forward's attention bound {args.bound}")
     results = []
     table = torch.arange(width, dtype=torch.int32, device=device).view(1, width) + 1
     for context in contexts:
@@ -71,7 +80,7 @@ def main() -> None:
         metadata = AttentionMetadata(
             slot_mapping=slots, block_tables=table, seq_lens=(positions + 1).to(torch.int32),
             query_start_loc=torch.arange(2, dtype=torch.int32, device=device), max_query_len=1,
-            max_seq_len=context + 1)
+            max_seq_len=args.bound)
         ids = torch.randint(3, a.vocab_size, (1,), device=device)
         hidden = {}
 

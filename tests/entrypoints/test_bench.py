@@ -341,10 +341,11 @@ def test_throughput_with_a_draft_model_reports_acceptance(tmp_path, capsys):
 
 
 def _benchmark_script(name: str):
+    """benchmarks/<name>.py as a module (name may hold a folder: "kernels/bench_x")."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -363,6 +364,19 @@ def test_benchmark_scripts_refuse_flags_their_run_would_not_read(script, argv, f
     with pytest.raises(SystemExit) as e:
         _benchmark_script(script).main(argv)
     assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_persistent_decoder_benchmark_checks_its_bound_then_says_it_needs_a_gpu(monkeypatch, capsys):
+    """Its forward is captured with the engine's attention bound (--bound), which must exceed every context;
+    without a GPU it stops at once, saying why."""
+    script = _benchmark_script("kernels/bench_persistent_decoder")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        script.main(["--contexts", "128,2056"])
+    assert e.value.code == 2 and "--bound 2056 must exceed every context" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        script.main(["--contexts", "128,2055"])
+    assert e.value.code == 2 and "it needs a GPU" in capsys.readouterr().err
 
 
 def test_mixed_steps_benchmark_says_it_needs_a_gpu(monkeypatch, capsys):
