@@ -69,21 +69,6 @@ def _now():
 
 
 @triton.jit
-def _whole_input(x_rows, row_ok, k_in, norm_w, eps, NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """All k_in columns of the input rows [BLOCK_M, BLOCK_K] in one load: x, or its rms_norm with weight
-    norm_w, rounded where the norm kernel rounds."""
-    ks = tl.arange(0, BLOCK_K)
-    k_ok = ks < k_in
-    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0, cache_modifier=".cg")
-    if NORM:
-        xf = x.to(tl.float32)
-        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=1) / k_in + eps)
-        w = tl.load(norm_w + ks, mask=k_ok, other=0.0)[None, :]
-        x = head_rms_norm(xf, w, inv_rms[:, None], x.dtype).to(x.dtype)
-    return x
-
-
-@triton.jit
 def _key_tile(k_cache, v_cache, table_ptr, stride_table, block_size, row, kvh, t0, hi, off_a, off_b,
               HKV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
     """Cached keys t0 .. t0 + BLOCK_T (below hi) of a (row, KV head): their k halves and v, in fp32."""
@@ -231,11 +216,16 @@ def _attention(qkv, pos_ptr, slot_ptr, table_ptr, stride_table, seq_len_ptr, num
 
 
 @triton.jit
-def _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H: tl.constexpr, BLOCK_H: tl.constexpr):
+def _final_norm(h, final_norm, out, eps, pid, H: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out = rms_norm(h) with the final norm's weight (program 0), rounded where the norm kernel rounds."""
     if pid == 0:
-        x = _whole_input(h + rows[:, None] * H, row_ok, H, final_norm, eps, True, BLOCK_H)
         hs = tl.arange(0, BLOCK_H)
-        tl.store(out + rows[:, None] * H + hs[None, :], x, mask=row_ok[:, None] & (hs < H)[None, :])
+        h_ok = hs < H
+        x = tl.load(h + hs, mask=h_ok, other=0.0, cache_modifier=".cg")
+        xf = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        w = tl.load(final_norm + hs, mask=h_ok, other=0.0)
+        tl.store(out + hs, head_rms_norm(xf, w, inv_rms, x.dtype).to(x.dtype), mask=h_ok)
 
 
 @triton.jit
@@ -388,8 +378,6 @@ def _decoder_kernel(
     nprog = tl.num_programs(0)
     NQKV: tl.constexpr = (HQ + 2 * HKV) * D
     QD: tl.constexpr = HQ * D
-    rows = tl.arange(0, 1)
-    row_ok = rows < num_rows
     epoch = 1
     t_layer = tl.full([], 0, tl.int64)
     qkv_a, qkv_b = _share(w_qkv, NQKV, H, pid, nprog, BN_QKV, BN_QKV_B, BLOCK_H)
@@ -447,7 +435,7 @@ def _decoder_kernel(
         next_qkv = w_qkv + tl.minimum(l64 + 1, num_layers - 1) * NQKV * H
         qkv_a, qkv_b = _share(next_qkv, NQKV, H, pid, nprog, BN_QKV, BN_QKV_B, BLOCK_H)
         epoch = _await_phase(barrier, epoch, nprog, trace, t_layer, SYNC, TRACE)
-    _final_norm(h, final_norm, out, rows, row_ok, eps, pid, H, BLOCK_H)
+    _final_norm(h, final_norm, out, eps, pid, H, BLOCK_H)
 
 
 class Weights(NamedTuple):
