@@ -4,9 +4,9 @@ A small draft's decode round is latency-bound: ~150 launches of a few microsecon
 stacks the draft's layer weights (its parameters become views of the stacks: no second copy) and runs a
 round's decoder layers in one persistent kernel; the lm_head and sampling stay the model's.
 
-Off unless FASTLLM_PERSISTENT_DRAFT=1: on an H200 #21's batch-1 step has gained ~1% from it (its one-row
-round measured 1.07x a forward graphed under a tighter attention bound than the engine's), and the GPU
-suite has not run with it on (docs/speculative_decoding.md), so the rounds run the forward by default.
+Off unless FASTLLM_PERSISTENT_DRAFT=1: against the draft's forward graphed at the engine's attention bound,
+its one-row round gains at short contexts only and loses from a few hundred cached keys, and the GPU suite
+has not run with it on (docs/speculative_decoding.md), so the rounds run the forward by default.
 """
 
 from __future__ import annotations
