@@ -90,7 +90,8 @@ def _used_blocks(block_tables, slot_mapping, page):
     index = torch.full((int(used.max()) + 1,), -1, dtype=torch.long, device=used.device)
     index[used] = torch.arange(len(used), device=used.device)
     slots = slot_mapping.long()
-    renumbered = index[slots.clamp(min=0) // page] * page + slots.clamp(min=0) % page
+    written = slots.clamp(min=0)  # (a padding row's slot -1 stays -1 below)
+    renumbered = index[written // page] * page + written % page
     return used, index[block_tables.long()].to(block_tables.dtype), torch.where(slots >= 0, renumbered, slots)
 
 
