@@ -27,6 +27,7 @@ from fastllm.kernels import dispatch as kernels
 from fastllm.layers.sampler import SamplingMetadata, exponential_noise, filtered_probs
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 from fastllm.worker.cascade import CascadeGraphInputs
+from fastllm.worker.streams import engine_stream
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ class CUDAGraphRunner:
         self.cascade_inputs: CascadeGraphInputs | None = None
         self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
-        self.capture_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.capture_stream = engine_stream(device) if device.type == "cuda" else None
         self.capture_seconds = 0.0
         self.pool_bytes = 0
         # False runs the same padded step through the compiled forward without the graph: the

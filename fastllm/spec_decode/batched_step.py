@@ -45,7 +45,7 @@ from fastllm.kernels import dispatch as kernels
 from fastllm.layers.sampler import exponential_noise, filtered_probs
 from fastllm.spec_decode.rejection_sampler import accept_drafts
 from fastllm.worker.attn_metadata import AttentionMetadata, TokenRows, forward_context
-from fastllm.worker.staging import step_stream
+from fastllm.worker.streams import current_stream, engine_stream
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class SpecDecodeStep:
         # (batch size, sampling) -> the verify graph and the propose graph (a draft model's)
         self.graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph]] = {}
         self.pool = None
-        self.capture_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.capture_stream = engine_stream(device) if device.type == "cuda" else None
         self.capture_seconds = 0.0
         self.step_ms: dict[int, float] = {}  # batch size -> a greedy replay's GPU time (the cost model's)
         self.replay = device.type == "cuda"
@@ -189,7 +189,7 @@ class SpecDecodeStep:
             host = self.out[:num_reqs].to("cpu", copy=True)
             proposals = PendingDrafts(host[:, k + 2:]) if self.draft is not None else None
             return host[:, :k + 2].numpy(), proposals
-        stream = step_stream(self.device)
+        stream = current_stream(self.device)
         verified = self._verified_host[:num_reqs]
         verify_done = torch.cuda.Event()
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from fastllm.core.scheduler_output import ModelRunnerOutput
-from fastllm.worker.staging import step_stream
+from fastllm.worker.streams import current_stream
 
 
 class AsyncRunnerOutput:
@@ -40,7 +40,7 @@ class AsyncRunnerOutput:
                 self._sampled_host = sampled.to("cpu", non_blocking=True) if sampled.is_cuda else sampled.clone()
             if sampled.is_cuda:
                 self._ready = torch.cuda.Event()
-                self._ready.record(step_stream(sampled.device))
+                self._ready.record(current_stream(sampled.device))
 
     @classmethod
     def ready(cls, result: ModelRunnerOutput) -> "AsyncRunnerOutput":

@@ -25,7 +25,7 @@ from fastllm.core.scheduler_output import BeamSlotStep, ModelRunnerOutput, Sched
 from fastllm.layers.sampler import beam_step_candidates
 from fastllm.tracing import nvtx_range
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
-from fastllm.worker.staging import step_stream
+from fastllm.worker.streams import current_stream
 
 
 @dataclass
@@ -49,7 +49,7 @@ class BeamSlotOutput:
         self._ready = None
         if cum.is_cuda:
             self._ready = torch.cuda.Event()
-            self._ready.record(step_stream(cum.device))
+            self._ready.record(current_stream(cum.device))
 
     @property
     def done(self) -> bool:

@@ -15,18 +15,10 @@ the arrays before it, so a step could need a variant not compiled yet (~1.5 s of
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
-
-@functools.cache
-def step_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the engine queues its steps on, looked up once: the device's default stream (no
-    engine thread sets another; capture uses its own). torch.cuda.Event.record() with no stream
-    builds a Stream object on every call."""
-    return torch.cuda.current_stream(device)
+from fastllm.worker.streams import current_stream
 
 
 class _PinnedBuffer:
@@ -53,7 +45,7 @@ class _PinnedBuffer:
     def copy_queued(self, device: torch.device) -> None:
         """Mark the copy out of host (just queued): the next fill waits for it."""
         if self.pinned:
-            self.copied.record(step_stream(device))
+            self.copied.record(current_stream(device))
             self.in_flight = True
 
 

@@ -4,6 +4,7 @@ several ranks executor.py drives one per rank."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -15,6 +16,7 @@ from fastllm.core.scheduler_output import SchedulerOutput
 from fastllm.distributed.parallel_state import ParallelRank
 from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.model_runner import ModelRunner
+from fastllm.worker.streams import on_engine_stream
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +51,16 @@ def select_device(config: EngineConfig, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def _on_engine_stream(method):
+    """The Worker method with its device's engine stream current (streams.py): all of a Worker's GPU work
+    runs there."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with on_engine_stream(self.device):
+            return method(self, *args, **kwargs)
+    return run
+
+
 class Worker:
     def __init__(self, config: EngineConfig, parallel: ParallelRank = ParallelRank(), local_rank: int = 0):
         self.parallel, self.rank, self.local_rank = parallel, parallel.rank, local_rank
@@ -57,7 +69,8 @@ class Worker:
         # The same seed on every rank: tensor-parallel ranks draw the same unseeded samples.
         torch.manual_seed(config.model.seed)
         start = time.perf_counter()
-        self.runner = ModelRunner(config, self.device, parallel)
+        with on_engine_stream(self.device):
+            self.runner = ModelRunner(config, self.device, parallel)
         # Startup phases in seconds (fastllm bench reports them): load, profile, kv_alloc, compile, cuda_graphs.
         self.timings: dict[str, float] = {"load": self._elapsed(start)}
         self.num_gpu_blocks = self.num_cpu_blocks = 0
@@ -67,6 +80,7 @@ class Worker:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
+    @_on_engine_stream
     def determine_num_blocks(self) -> tuple[int, int]:
         """Device blocks: what fits under gpu_memory_utilization after the profiling run's peak
         (GPU), or cpu_kv_cache_gib (CPU); an explicit num_gpu_blocks wins. CPU swap blocks from
@@ -111,6 +125,7 @@ class Worker:
         self.timings["profile"] = self._elapsed(start)
         return num_blocks, num_cpu_blocks
 
+    @_on_engine_stream
     def init_kv_cache(self, num_blocks: int, num_cpu_blocks: int) -> None:
         start = time.perf_counter()
         self.runner.init_kv_cache(num_blocks, num_cpu_blocks)  # also compiles and captures CUDA graphs
@@ -127,12 +142,15 @@ class Worker:
     def kv_cache_gib(self) -> float:
         return self.num_gpu_blocks * self.runner.kv_bytes_per_block() / GiB
 
+    @_on_engine_stream
     def execute_model(self, sched: SchedulerOutput) -> AsyncRunnerOutput:
         return self.runner.execute_model(sched)
 
+    @_on_engine_stream
     def step_costs(self) -> tuple[dict[int, float], dict[int, float]]:
         return self.runner.step_costs()
 
+    @_on_engine_stream
     def release_graphs(self) -> None:
         self.runner.release_graphs()
 

@@ -38,6 +38,7 @@ from fastllm.distributed.parallel_state import (
     destroy_distributed,
     init_distributed,
 )
+from fastllm.worker.streams import on_engine_stream
 from fastllm.worker.worker import Worker, select_device
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,8 @@ def load_worker(setup: RankSetup, groups: ProcessGroups) -> Worker:
     """This rank's Worker (its shard of the model), and the all-reduce path agreed with its peers."""
     worker = Worker(setup.config, setup.parallel, setup.local_rank)
     if setup.parallel.tp_size > 1:
-        get_tp_group().enable_one_shot(worker.runner.dtype, groups.cpu)
+        with on_engine_stream(worker.device):  # (its buffers' setup ordered before the steps that use them)
+            get_tp_group().enable_one_shot(worker.runner.dtype, groups.cpu)
     return worker
 
 
@@ -117,7 +119,8 @@ def step_costs(worker: Worker, groups: ProcessGroups) -> tuple[dict[int, float],
 def measure_all_reduce(worker: Worker, groups: ProcessGroups, sizes: list[int]) -> list[float]:
     from fastllm.bench.all_reduce import time_all_reduce
 
-    return time_all_reduce(get_tp_group(), worker.runner.dtype, sizes)
+    with on_engine_stream(worker.device):
+        return time_all_reduce(get_tp_group(), worker.runner.dtype, sizes)
 
 
 CALLS = {"agree_num_blocks": agree_num_blocks, "init_kv_cache": init_kv_cache, "step_costs": step_costs,

@@ -1,0 +1,44 @@
+"""The engine's CUDA streams: the one its work runs on, and a cheap lookup of the current one.
+
+engine_stream: a stream of the engine's own for each device, not the default stream. Every Worker call
+(loading, the profiling run, KV allocation, capture, steps) runs with it current, and the CUDA graphs are
+captured on it. On an H200 a process whose default stream replayed the graphs while ~8 streams had run
+work (two engines' capture streams, the draft step's, whatever else made one) paid ~0.3 us a launch more
+in every replay; with all the work on one stream the speculative step at batch 1 took 0.31 ms less
+(docs/speculative_decoding.md, "CUDA streams and the step's launches").
+
+current_stream: the stream this thread queues work on now, where a step's events belong (runners and
+stagers also run outside a Worker, in tests, on the default stream). torch.cuda.current_stream() builds a
+Stream object on every call (~10 us of host time on the H100's host); this looks the stream up by its raw
+handle, as Triton's launches do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+_by_handle: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, raw handle) -> its stream
+
+
+@functools.cache
+def engine_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's engine stream, made once."""
+    return torch.cuda.Stream(device)
+
+
+def on_engine_stream(device: torch.device) -> contextlib.AbstractContextManager:
+    """The engine stream current in this thread for the block (nothing off CUDA)."""
+    return torch.cuda.stream(engine_stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """This thread's current stream on the (CUDA) device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))  # (the default stream is 0 on every device)
+    stream = _by_handle.get(key)
+    if stream is None:
+        stream = _by_handle[key] = torch.cuda.current_stream(index)
+    return stream
