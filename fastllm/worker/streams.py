@@ -23,10 +23,18 @@ import torch
 _by_handle: dict[tuple[int, int], torch.cuda.Stream] = {}  # (device index, raw handle) -> its stream
 
 
-@functools.cache
 def engine_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's engine stream, made once."""
-    return torch.cuda.Stream(device)
+    """The (CUDA) device's engine stream, made once ("cuda" without an index: the current device's)."""
+    return _engine_stream(_index(device))
+
+
+@functools.cache
+def _engine_stream(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(index)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def on_engine_stream(device: torch.device) -> contextlib.AbstractContextManager:
@@ -36,7 +44,7 @@ def on_engine_stream(device: torch.device) -> contextlib.AbstractContextManager:
 
 def current_stream(device: torch.device) -> torch.cuda.Stream:
     """This thread's current stream on the (CUDA) device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     key = (index, torch._C._cuda_getCurrentRawStream(index))  # (the default stream is 0 on every device)
     stream = _by_handle.get(key)
     if stream is None:

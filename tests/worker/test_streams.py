@@ -14,7 +14,8 @@ def test_current_stream_is_the_threads():
     device = torch.device("cuda")
     default = torch.cuda.default_stream()
     assert current_stream(device) == default and current_stream(torch.device("cuda", 0)) == default
-    assert engine_stream(device) is engine_stream(device) and engine_stream(device) != default
+    assert engine_stream(device) is engine_stream(torch.device("cuda", torch.cuda.current_device()))
+    assert engine_stream(device) != default
     with on_engine_stream(device):
         assert torch.cuda.current_stream() == engine_stream(device) == current_stream(device)
         side = torch.cuda.Stream()
