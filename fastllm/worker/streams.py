@@ -2,15 +2,14 @@
 
 engine_stream: a stream of the engine's own for each device, not the default stream. Every Worker call
 (loading, the profiling run, KV allocation, capture, steps) runs with it current, and the CUDA graphs are
-captured on it. On an H200 a process whose default stream replayed the graphs while ~8 streams had run
-work (two engines' capture streams, the draft step's, whatever else made one) paid ~0.3 us a launch more
-in every replay; with all the work on one stream the speculative step at batch 1 took 0.31 ms less
-(docs/speculative_decoding.md, "CUDA streams and the step's launches").
+captured on it. Once several streams of a process have run work, every graph replay pays more a launch for
+the rest of the process; with one engine stream for everything the engine's process stays short of that
+(docs/speculative_decoding.md, "CUDA streams and the step's launches" and "The engine stream").
 
 current_stream: the stream this thread queues work on now, where a step's events belong (runners and
 stagers also run outside a Worker, in tests, on the default stream). torch.cuda.current_stream() builds a
-Stream object on every call (~10 us of host time on the H100's host); this looks the stream up by its raw
-handle, as Triton's launches do.
+Stream object on every call, host time on every step; this looks the stream up by its raw handle, as
+Triton's launches do.
 """
 
 from __future__ import annotations
