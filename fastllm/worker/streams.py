@@ -38,7 +38,30 @@ def _index(device: torch.device) -> int:
 
 def on_engine_stream(device: torch.device) -> contextlib.AbstractContextManager:
     """The engine stream current in this thread for the block (nothing off CUDA)."""
-    return torch.cuda.stream(engine_stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+    return _OnStream(engine_stream(device)) if device.type == "cuda" else contextlib.nullcontext()
+
+
+class _OnStream:
+    """torch.cuda.stream(stream) by the streams' ids: it runs around every step, and torch's builds Stream
+    and device objects for the streams it replaces. Setting a stream also makes its device current, so the
+    stream's device's previous stream (where that is not the current device) is set back first, then the
+    current device's, which makes that device current again."""
+
+    __slots__ = ("ids", "saved")
+
+    def __init__(self, stream: torch.cuda.Stream):
+        self.ids = (stream.stream_id, stream.device_index, stream.device_type)
+
+    def __enter__(self) -> None:
+        here, there = torch._C._cuda_getDevice(), self.ids[1]
+        self.saved = [torch._C._cuda_getCurrentStream(there)]
+        if here != there:
+            self.saved.append(torch._C._cuda_getCurrentStream(here))
+        torch._C._cuda_setStream(*self.ids)
+
+    def __exit__(self, *exc) -> None:
+        for ids in self.saved:
+            torch._C._cuda_setStream(*ids)
 
 
 def current_stream(device: torch.device) -> torch.cuda.Stream:

@@ -23,6 +23,30 @@ def test_current_stream_is_the_threads():
             assert current_stream(device) == side
         assert current_stream(device) == engine_stream(device)
     assert current_stream(device) == default
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # the caller's own stream is set back, also after a nested entry
+        with on_engine_stream(device):
+            with on_engine_stream(device):
+                assert torch.cuda.current_stream() == engine_stream(device)
+            assert torch.cuda.current_stream() == engine_stream(device)
+        assert torch.cuda.current_stream() == side
+    assert torch.cuda.current_stream() == default
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_engine_stream_of_another_device_leaves_the_current_device_as_it_was():
+    other = torch.device("cuda", 1)
+    with torch.cuda.device(0):
+        side = torch.cuda.Stream(0)
+        with torch.cuda.stream(side):
+            with on_engine_stream(other):
+                assert torch.cuda.current_device() == 1
+                assert torch.cuda.current_stream(1) == engine_stream(other)
+                assert torch.cuda.current_stream(0) == side
+            assert torch.cuda.current_device() == 0
+            assert torch.cuda.current_stream(0) == side
+            assert torch.cuda.current_stream(1) == torch.cuda.default_stream(1)
 
 
 @pytest.mark.gpu
