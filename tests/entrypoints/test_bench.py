@@ -521,3 +521,20 @@ def test_arrivals_offer_the_rate_asked_for():
         assert abs(999 / offsets[-1] - 32.0) < 1e-9  # yet exactly 32/s over the run
     assert serving.arrival_offsets(5, float("inf"), 0) == [0.0] * 5
     assert serving.arrival_offsets(1, 8.0, 0) == [0.0]
+
+
+def test_kernel_tuner_dry_run_times_and_checks_its_candidates_on_the_cpu():
+    """tune.py --dry-run: the CPU, Triton's interpreter (chosen before kbench imports Triton), tiny cases;
+    every candidate's output is checked against the reference (a wrong one prints BAD=, a failure ERR=)."""
+    import os
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels" / "tune.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(script), "--dry-run", "--only", "decode,kv", "--cases", "B1_ctx300,T37"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    summary = run.stdout[run.stdout.index("SUMMARY"):]
+    assert "kv_write T37" in summary and "decode   B1_ctx300" in summary
+    assert "BAD=" not in summary and "ERR=" not in summary
