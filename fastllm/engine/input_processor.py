@@ -73,13 +73,13 @@ class InputProcessor:
                 raise ValueError(f"SamplingParams.stop_token_ids must be below the vocabulary size {vocab}, "
                                  f"got {t}")
         max_len = self.max_model_len
+        if len(token_ids) >= max_len:  # the prompt's fault whatever max_tokens is
+            raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room to generate within "
+                             f"max_model_len ({max_len})")
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(token_ids)
         if len(token_ids) + max_tokens > max_len:  # (max_tokens given: unset, it fills what the prompt leaves)
             raise ValueError(f"SamplingParams.max_tokens ({max_tokens}) + the prompt ({len(token_ids)} tokens) "
                              f"exceeds max_model_len ({max_len})")
-        if max_tokens < 1:
-            raise ValueError(f"the prompt ({len(token_ids)} tokens) leaves no room to generate within "
-                             f"max_model_len ({max_len})")
         if params.min_tokens > max_tokens:  # (max_tokens None leaves min_tokens unchecked until here)
             raise ValueError(f"SamplingParams.min_tokens must be <= max_tokens ({max_tokens}, with the prompt "
                              f"within max_model_len {max_len}), got {params.min_tokens}")

@@ -154,6 +154,85 @@ def test_a_body_nested_too_deeply_is_a_400_and_the_connection_goes_on(server):
     wait_idle(engine)
 
 
+LONG = [5] * 600  # past max_model_len (512)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    # the engine's refusals of a prompt name it (the chat's prompt is its messages)
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"prompt": ["Once", ""]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 100000]}, "prompt"),
+    ("/v1/completions", {"prompt": [1, -1]}, "prompt"),
+    ("/v1/completions", {"prompt": LONG}, "prompt"),
+    ("/v1/completions", {"prompt": "hello " * 600}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 100000], "use_beam_search": True, "temperature": 0}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 600}]}, "messages"),
+    # chat's names for the fields it was sent
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once"}], "max_tokens": 0},
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once"}],
+                              "chat_template_kwargs": {"continue_final_message": True}},
+     "chat_template_kwargs"),
+    # an unknown key inside a field names the field
+    ("/v1/completions", {"prompt": "Once", "stream": True, "stream_options": {"a": 1}}, "stream_options"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "foo": 1}]}, "messages"),
+    ("/v1/completions", {"prompt": "Once", "foo": 1}, "foo"),
+    # JSON that is not valid: the field whose value it is, or none when the body itself is malformed
+    ("/v1/completions", b'{"prompt": "a", "temperature": NaN, "max_tokens": 2}', "temperature"),
+    ("/v1/completions", b'{"prompt": ["a", "\\ud800"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": "a", "max_tokens": 2} xx', None),
+    ("/v1/completions", b'{"prompt": "a"}{"prompt": "b"}', None),
+    ("/v1/completions", b'{"prompt": "a", "\\ud800": 1}', None),
+    ("/v1/completions", b'{"prompt": "a", "max_tokens": 2', None),
+    # logit_bias keys are ASCII digits
+    ("/v1/completions", {"prompt": "Once", "logit_bias": {"\u0661": 5}}, "logit_bias"),
+])
+def test_a_400_names_the_field_the_client_sent(server, path, body, param):
+    url, engine = server
+    r = post(url, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    wait_idle(engine)
+
+
+def test_echo_keeps_special_tokens_when_asked(server):
+    """echo writes the prompt back as the generated text is written: with skip_special_tokens false, the
+    special tokens too (BOS is token 1)."""
+    url, engine = server
+    body = {"model": MODEL, "prompt": [1, 403, 261], "echo": True, "max_tokens": 1, "temperature": 0}
+    kept = post(url, "/v1/completions", {**body, "skip_special_tokens": False}).json()["choices"][0]["text"]
+    skipped = post(url, "/v1/completions", body).json()["choices"][0]["text"]
+    assert kept.startswith("<s>") and not skipped.startswith("<s>") and kept.endswith(skipped.lstrip()), \
+        (kept, skipped)
+    wait_idle(engine)
+
+
+def test_a_client_that_leaves_while_its_responses_are_sent_is_no_error(server, caplog):
+    """Requests pipelined on one connection whose client then closes its side: writing the responses
+    fails on the closed connection, which is the client leaving (logged at debug), not a failed request.
+    (uvicorn itself still logs a line, "ASGI callable returned without completing response": it closed
+    that connection without marking its requests disconnected.)"""
+    url, engine = server
+    host, port = url.removeprefix("http://").split(":")
+    caplog.set_level(logging.WARNING)
+    body = b'{"prompt":"Once","max_tokens":2}'
+    request = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(request * 3)
+            s.shutdown(socket.SHUT_WR)
+        time.sleep(0.5)
+    assert healthy(url)
+    wait_idle(engine)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR and (
+        r.name.startswith("fastllm") or r.exc_info is not None or "Exception in ASGI" in r.getMessage())]
+    assert not errors, [(r.name, r.getMessage()) for r in errors]
+
+
 # --- the API key and the limits
 
 

@@ -10,6 +10,7 @@ that is no OpenAI or vLLM field is an "unknown field". Every failure is HTTP 400
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any, Literal
@@ -37,7 +38,8 @@ _FIELD = re.compile(r"(?:Sampling|BeamSearch)Params\.(\w+)")
 def param_of(message: str) -> str | None:
     """The field an error message names (msgspec's "at `$.n`", SamplingParams' "SamplingParams.n",
     BeamSearchParams' likewise)."""
-    match = _UNKNOWN.search(message) or _AT.search(message) or _FIELD.search(message)
+    match = _AT.search(message) or _UNKNOWN.search(message) or _FIELD.search(message)  # (a nested unknown
+    # key's field is the one that holds it)
     return match.group(1) if match else None
 
 
@@ -95,13 +97,21 @@ class _Request(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not re.fullmatch(r"\d{1,19}", key):
+            if not re.fullmatch(r"[0-9]{1,19}", key):  # (ASCII: \d takes every script's digits)
                 raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
             if not (math.isfinite(value) and -100 <= value <= 100):
                 raise APIError(400, f"logit_bias values must be in [-100, 100], got {value!r}",
                                param="logit_bias")
             bias[int(key)] = value
         return bias
+
+    _PROMPT_FIELD = "prompt"  # (not a field: unannotated)
+
+    def refusal(self, e: ValueError) -> APIError:
+        """The engine's refusal of this request as a 400 naming the field its message names, else the
+        prompt's (empty, too long, a token id outside the vocabulary)."""
+        message = str(e)
+        return APIError(400, message, param=param_of(message) or self._PROMPT_FIELD)
 
     @property
     def include_usage(self) -> bool:
@@ -181,7 +191,7 @@ class CompletionRequest(_Request, kw_only=True):
         """A beam search's ValueError in this request's terms: its beam_width is best_of (or n)."""
         width_field = "best_of" if self.best_of is not None else "n"
         message = str(e).replace("BeamSearchParams.beam_width", f"{width_field} (the beam width)")
-        param = param_of(str(e))
+        param = param_of(str(e)) or self._PROMPT_FIELD  # (no field named: the engine refused the prompt)
         return APIError(400, message, param=width_field if param == "beam_width" else param)
 
     def prompts(self) -> list:
@@ -318,8 +328,22 @@ class ChatCompletionRequest(_Request, kw_only=True):
             raise APIError(400, "use_beam_search is supported on /v1/completions only",
                            param="use_beam_search")
 
+    _PROMPT_FIELD = "messages"
+
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def refusal(self, e: ValueError) -> APIError:
+        """As _Request's, in chat's names: SamplingParams.logprobs is top_logprobs here, and max_tokens is
+        max_completion_tokens where that was given."""
+        refused = super().refusal(e)
+        message, param = str(refused), refused.param
+        if param == "logprobs":
+            message, param = message.replace("SamplingParams.logprobs", "top_logprobs"), "top_logprobs"
+        elif param == "max_tokens" and self.max_completion_tokens is not None:
+            message = message.replace("SamplingParams.max_tokens", "max_tokens")
+            message, param = message.replace("max_tokens", "max_completion_tokens"), "max_completion_tokens"
+        return APIError(400, message, param=param)
 
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
@@ -342,29 +366,52 @@ def decode_body(body: bytes, kind: type):
     except RecursionError:  # (msgspec's decoder recurses into each array and object)
         raise APIError(400, "the body nests arrays or objects too deeply to parse") from None
     except msgspec.DecodeError as e:
-        message, position = str(e), None
+        message = str(e)
         surrogate = _LONE_SURROGATE.search(body)
         if surrogate is not None:  # msgspec says only "truncated"
             message = f"a string holds a lone surrogate ({surrogate.group().decode()})"
-            position = surrogate.start()
-        elif (match := _BYTE.search(message)) is not None:
-            position = int(match.group(1))
-        field = _field_at(body, position)
+        field = _field_json_cannot_hold(body)
         where = f" (at `{field}`)" if field else ""
         raise APIError(400, f"the request body is not valid JSON of valid Unicode{where}: {message}",
                        param=field) from None
 
 
-_BYTE = re.compile(r"\(byte (\d+)\)")
-_KEY = re.compile(rb'"(\w+)"\s*:')
 _LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|"
                              rb"(?<![0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
-def _field_at(body: bytes, position: int | None) -> str | None:
-    """The object key last opened before `position` (where a JSON error is: NaN, Infinity, ...)."""
-    keys = _KEY.findall(body[:position]) if position is not None else []
-    return keys[-1].decode() if keys else None
+def _field_json_cannot_hold(body: bytes) -> str | None:
+    """The top-level field whose value holds what strict JSON cannot (NaN, Infinity, a lone surrogate):
+    Python's parser takes those, so the body is parsed again by it and its fields searched; a value no
+    parser takes (inf, nan) names the key right before it. None where the body itself is malformed
+    (truncated, trailing data, invalid UTF-8) or a key is the culprit."""
+    try:
+        fields = json.loads(body)
+    except json.JSONDecodeError as e:
+        key = _KEY_BEFORE.search(e.doc[:e.pos]) if e.msg == "Expecting value" else None
+        return key.group(1) if key else None
+    except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
+        return None
+    if isinstance(fields, dict) and all(_strict(key) for key in fields):
+        return next((key for key, value in fields.items() if not _strict(value)), None)
+    return None
+
+
+def _strict(value) -> bool:
+    """Whether strict JSON of valid Unicode holds value (parsed by Python's json)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, str):
+        return not _SURROGATE.search(value)
+    if isinstance(value, list):
+        return all(_strict(v) for v in value)
+    if isinstance(value, dict):
+        return all(_strict(k) and _strict(v) for k, v in value.items())
+    return True
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_KEY_BEFORE = re.compile(r'"(\w+)"\s*:\s*$')
 
 
 def request_schemas() -> dict:

@@ -165,9 +165,21 @@ class _Guard:
         if length is not None and (not length.isdigit() or int(length) > self.max_request_bytes):
             return await _reply(send, 413, f"the request body is larger than {self.max_request_bytes} bytes "
                                 "(--max-request-bytes)", "RequestTooLargeError")
+        unsent = []  # what send raised: the connection is gone (its client left), not a failed request
+
+        async def send_or_note(message):
+            try:
+                await send(message)
+            except Exception as e:
+                unsent.append(e)
+                raise
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_or_note)
         except Exception as e:
+            if e in unsent:
+                logger.debug("a client left while its response was sent (%r)", e)
+                return
             logger.error("request failed: %r", e)
             try:
                 await _reply(send, 500, f"internal error: {e}", "InternalServerError")
@@ -235,7 +247,8 @@ class _Server:
             n, add = params.n, functools.partial(self.engine.add_request, params=params)
         shape = _Shape("cmpl", "text_completion", self.model_name, n, chat=False,
                        num_logprobs=body.logprobs, echo_tokenizer=self.tokenizer if body.echo else None,
-                       score_only=score_only, token_ids=body.return_token_ids)
+                       score_only=score_only, token_ids=body.return_token_ids,
+                       skip_special_tokens=body.skip_special_tokens)
         return await self._respond(shape, prompts, add, body, request)
 
     def _beam_search(self, body: CompletionRequest) -> tuple[int, _Add]:
@@ -259,7 +272,10 @@ class _Server:
         self.check_model(body.model)
         body.check_supported()
         self._check_common(body)
-        params = body.sampling_params(body.token_limit(), body.num_logprobs())
+        try:
+            params = body.sampling_params(body.token_limit(), body.num_logprobs())
+        except ValueError as e:
+            raise body.refusal(e) from None
         shape = _Shape("chatcmpl", "chat.completion", self.model_name, params.n, chat=True,
                        num_logprobs=params.logprobs, tokenizer=self.tokenizer,
                        token_ids=body.return_token_ids)
@@ -285,16 +301,22 @@ class _Server:
             raise APIError(400, f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
         except jinja2.TemplateError as e:  # the template refuses the messages (raise_exception)
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from None
+        except ValueError as e:  # transformers' checks of its arguments (continue_final_message, tools, ...)
+            param = "chat_template_kwargs" if body.chat_template_kwargs else "messages"
+            raise APIError(400, f"the chat template could not be applied: {e}", param=param) from None
         # A template that writes the BOS itself gets no second one from the tokenizer.
         bos = getattr(self.tokenizer, "bos_token", None)
         add_special = not (bos and text.startswith(bos))
-        return {"prompt": text, "prompt_token_ids": await self.engine.encode(text, add_special)}
+        try:
+            return {"prompt": text, "prompt_token_ids": await self.engine.encode(text, add_special)}
+        except ValueError as e:  # empty, or too long for max_model_len
+            raise body.refusal(e) from None
 
     # requests and responses
 
     async def _respond(self, shape: "_Shape", prompts: list, add: _Add, body, request: Request):
         arrival = time.perf_counter()
-        streams = await self._add_all(shape.id, prompts, add)
+        streams = await self._add_all(shape.id, prompts, add, body)
         if body.stream:
             if len(streams) == 1:
                 chunks = self._stream_one(streams[0], shape, arrival, body.include_usage)
@@ -322,16 +344,18 @@ class _Server:
             self._record(out, arrival)
         return Response(msgspec.json.encode(shape.full(outs)), media_type="application/json")
 
-    async def _add_all(self, response_id: str, prompts: list, add: _Add) -> list[RequestStream]:
+    async def _add_all(self, response_id: str, prompts: list, add: _Add, body) -> list[RequestStream]:
         """Every prompt's engine request, taken; on a refused one, abort those already in."""
         streams = []
         try:
             for i, prompt in enumerate(prompts):
                 request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
                 streams.append(await add(request_id, prompt))
-        except BaseException:
+        except BaseException as e:
             for stream in streams:
                 await stream.aclose()
+            if isinstance(e, ValueError):
+                raise body.refusal(e) from None
             raise
         return streams
 
@@ -484,9 +508,9 @@ class _Echo:
     """A prompt as `echo` writes it back: its text and, when the prompt was scored, the legacy logprobs
     of its tokens (the first has none: nothing predicts it), each token as it renders in the prompt."""
 
-    def __init__(self, out: RequestOutput, tokenizer):
+    def __init__(self, out: RequestOutput, tokenizer, skip_special_tokens: bool):
         ids = out.prompt_token_ids
-        detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=True, stop=[])
+        detokenizer = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip_special_tokens, stop=[])
         self.pieces, self.offsets = [], []
         for token in ids:
             self.offsets.append(len(detokenizer.text))
@@ -518,12 +542,14 @@ class _Shape:
     """The OpenAI JSON of one response: completion or chat, whole or as SSE chunks (bytes)."""
 
     def __init__(self, prefix: str, kind: str, model: str, n: int, chat: bool, num_logprobs: int | None,
-                 echo_tokenizer=None, tokenizer=None, score_only: bool = False, token_ids: bool = False):
+                 echo_tokenizer=None, tokenizer=None, score_only: bool = False, token_ids: bool = False,
+                 skip_special_tokens: bool = True):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.kind, self.model, self.n, self.chat = kind, model, n, chat
         self.created = int(time.time())
         self.num_logprobs = num_logprobs or 0
         self.echo_tokenizer = echo_tokenizer  # set for completions' echo: it writes the prompt back
+        self.skip_special_tokens = skip_special_tokens  # the echo's, as the generated text's
         self.tokenizer = tokenizer or echo_tokenizer  # chat logprobs' bytes of "bytes:" tokens
         self.score_only = score_only  # echo with max_tokens 0: the generated token is not shown
         self.token_ids = token_ids  # return_token_ids: each choice carries its token ids
@@ -542,7 +568,7 @@ class _Shape:
         if self.echo_tokenizer is None:
             return None
         if prompt_index not in self._echoes:
-            self._echoes[prompt_index] = _Echo(out, self.echo_tokenizer)
+            self._echoes[prompt_index] = _Echo(out, self.echo_tokenizer, self.skip_special_tokens)
         return self._echoes[prompt_index]
 
     # whole responses
