@@ -9,6 +9,11 @@ from dataclasses import dataclass, field
 _GREEDY_EPS = 1e-5
 _INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20  # top-N logprobs per token, at most (vLLM's default max_logprobs)
+# The sampler's float32 logits stay finite (an inf or NaN logit would be sampled as token 0): a bias of at
+# most MAX_LOGIT_BIAS, divided by a repetition penalty of at least MIN_REPETITION_PENALTY and by a temperature
+# of at least _GREEDY_EPS (below it a request is greedy), is under 1e38.
+MAX_LOGIT_BIAS = 1e30
+MIN_REPETITION_PENALTY = 0.01
 
 
 def _int_in(value, low: int, high: int | None) -> bool:
@@ -70,6 +75,11 @@ class SamplingParams:
     _beam_step: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Normalize and check every field (ValueError naming it). Construction runs it, and the engine
+        again (a caller may change a field after construction)."""
         if self.top_k == -1:
             self.top_k = 0
         if isinstance(self.stop, str):
@@ -110,8 +120,8 @@ class SamplingParams:
              f"must be None or an integer in [0, {MAX_LOGPROBS}]"),
             ("presence_penalty", _real_in(self.presence_penalty, -2, 2), "must be a number in [-2, 2]"),
             ("frequency_penalty", _real_in(self.frequency_penalty, -2, 2), "must be a number in [-2, 2]"),
-            ("repetition_penalty", _real_in(self.repetition_penalty, 0, 2) and self.repetition_penalty > 0,
-             "must be a number in (0, 2]"),
+            ("repetition_penalty", _real_in(self.repetition_penalty, MIN_REPETITION_PENALTY, 2),
+             f"must be a number in [{MIN_REPETITION_PENALTY}, 2]"),
             ("stop", all(isinstance(s, str) and s and _valid_unicode(s) for s in self._stop_list),
              "must be non-empty strings of valid Unicode"),
             ("stop_token_ids", all(_int_in(t, 0, None) for t in self.stop_token_ids),
@@ -135,8 +145,8 @@ class SamplingParams:
         bias, allowed, words = self.logit_bias, self.allowed_token_ids, self.bad_words
         checks = [
             ("logit_bias", bias is None or (isinstance(bias, dict) and all(
-                _is_token_id(t) and isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b)
-                for t, b in bias.items())), "must be a dict of token id -> finite number"),
+                _is_token_id(t) and _real_in(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS) for t, b in bias.items())),
+             f"must be a dict of token id -> number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
             ("allowed_token_ids", allowed is None or (isinstance(allowed, (list, tuple)) and len(allowed) > 0
                                                       and all(_is_token_id(t) for t in allowed)),
              "must be None or a non-empty list of token ids"),
@@ -269,6 +279,10 @@ class BeamSearchParams:
     early_stopping: bool | str = False
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (ValueError naming it): at construction, and again in the engine."""
         checks = [
             ("beam_width", _is_int(self.beam_width) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
              f"must be an integer in [1, {MAX_BEAM_WIDTH}]"),

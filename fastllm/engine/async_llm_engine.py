@@ -77,7 +77,7 @@ class AsyncLLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.input_processor = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len,
-                                              ready.max_num_seqs)
+                                              ready.max_num_seqs, ready.eos_token_id)
         # Long texts are encoded on a thread of their own, with a tokenizer of their own (a tokenizer is
         # not thread-safe), one at a time.
         self._thread_input_processor = copy.copy(self.input_processor)

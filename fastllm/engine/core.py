@@ -45,7 +45,7 @@ class EngineCore:
         self.worker = executor.driver_worker  # rank 0's, in this process
         self.eos_token_id = eos_token_id
         self.checker = InputProcessor(None, vocab_size, config.model.max_model_len,
-                                      config.scheduler.max_num_seqs)
+                                      config.scheduler.max_num_seqs, eos_token_id)
         self.async_scheduling = config.scheduler.async_scheduling
         # Steps launched before their tokens are read: one with async scheduling, one per pipeline stage
         # (each stage works on a different batch).

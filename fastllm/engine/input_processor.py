@@ -13,9 +13,11 @@ PromptType = str | list[int] | dict
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 eos_token_id: int | None):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         # A token spells at most this many characters, so a text longer than max_model_len times it
@@ -58,6 +60,7 @@ class InputProcessor:
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> int:
         """Raise ValueError (naming the field) unless the request can be served; returns its max_tokens."""
+        params.validate()  # again: a field may have changed since construction
         if not token_ids:
             raise ValueError("prompt is empty")
         if params.n > self.max_num_seqs:  # its samples could never run together
@@ -83,17 +86,42 @@ class InputProcessor:
         if params.min_tokens > max_tokens:  # (max_tokens None leaves min_tokens unchecked until here)
             raise ValueError(f"SamplingParams.min_tokens must be <= max_tokens ({max_tokens}, with the prompt "
                              f"within max_model_len {max_len}), got {params.min_tokens}")
+        self.check_something_to_sample(params)
         return max_tokens
+
+    def check_something_to_sample(self, params: SamplingParams) -> None:
+        """Refuse a request whose masks leave no token at some step: allowed_token_ids all one-token bad
+        words, or, while min_tokens is not reached, every token left a stop token or EOS. (A longer bad
+        word masks its last token only after the rest of it; the sampler skips it where it would mask
+        the last allowed token.)"""
+        allowed = set(params.allowed_token_ids) if params.allowed_token_ids is not None else None
+        if allowed is None and not params.min_tokens:
+            return
+        bad = {word[0] for word in params.bad_words_token_ids if len(word) == 1}
+        if allowed is not None and allowed <= bad:
+            raise ValueError("SamplingParams.allowed_token_ids are all bad_words: no token could be sampled")
+        if params.min_tokens:
+            ends = set(params.stop_token_ids)
+            if self.eos_token_id is not None and not params.ignore_eos:
+                ends.add(self.eos_token_id)
+            if (allowed <= bad | ends) if allowed is not None else len(bad | ends) >= self.vocab_size:
+                raise ValueError("SamplingParams.min_tokens can not be met: until it is, stop_token_ids and "
+                                 "EOS are masked, and they are every token that allowed_token_ids and "
+                                 "bad_words leave")
 
     def check_beam_search(self, token_ids: list[int], params: BeamSearchParams) -> int:
         """check_request for a beam search (ValueError naming the field); returns its max_tokens."""
+        params.validate()  # again: a field may have changed since construction
         if 2 * params.beam_width > self.vocab_size:  # each beam proposes 2 * beam_width distinct tokens
             raise ValueError(f"BeamSearchParams.beam_width must be at most half the vocabulary "
                              f"({self.vocab_size}), got {params.beam_width}")
         if params.beam_width > self.max_num_seqs:  # its beams could never run together (as n > 1's samples)
             raise ValueError(f"BeamSearchParams.beam_width must be <= max_num_seqs ({self.max_num_seqs}), "
                              f"got {params.beam_width}")
-        return self.check_request(token_ids, params.sampling_params())
+        try:
+            return self.check_request(token_ids, params.sampling_params())
+        except ValueError as e:  # (in the search's terms: max_tokens is the search's)
+            raise ValueError(str(e).replace("SamplingParams.", "BeamSearchParams.")) from None
 
 
 def check_request_id(request_id) -> None:

@@ -94,7 +94,7 @@ class LLMEngine:
             self.eos_token_id = self.tokenizer.eos_token_id
         self.vocab_size = self.worker.runner.args.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.model.max_model_len,
-                                              config.scheduler.max_num_seqs)
+                                              config.scheduler.max_num_seqs, self.eos_token_id)
         self.core = EngineCore(config, self.executor, self.scheduler, self.eos_token_id, self.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - start
@@ -140,9 +140,13 @@ class LLMEngine:
                 raise ValueError(f"request id {i!r} is already in use")
 
     def abort_request(self, request_ids: str | list[str]) -> None:
+        """End requests (all their samples) and beam searches. Other ids are ignored: unknown or finished
+        ones, and one sample of a request of n > 1 (as vLLM, whose samples' ids are its own)."""
         request_ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        self.core.finish_requests(request_ids)
-        for request_id in request_ids:
+        tracked = self.output_processor
+        known = [r for r in request_ids if r in tracked.groups or r in tracked.beam_searches]
+        self.core.finish_requests(known)
+        for request_id in known:
             self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 from tqdm.auto import tqdm
 
@@ -101,4 +102,7 @@ def _as_list(prompts: PromptType | list[PromptType]) -> list[PromptType]:
     """One prompt (a text, a list of token ids, a dict) or a list of them."""
     if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts must be a prompt (a text, a list of token ids, a dict) or a list of them, "
+                         f"got {type(prompts).__name__}")
     return list(prompts)

@@ -9,6 +9,8 @@ temperature), as in vLLM.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,8 @@ from torch import nn
 
 from fastllm.kernels import dispatch as kernels
 from fastllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -156,21 +160,28 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 def apply_logits_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """allowed_token_ids, bad_words, the min_tokens mask and logit_bias, in vLLM's order (a copy of
     logits when any applies). A bad word's last token is masked when the output so far ends with the
-    rest of it (a one-token word: always)."""
+    rest of it (a one-token word: always), except where the longer words would mask every allowed token
+    left: a row with nothing to sample would draw token 0 (the engine refuses the other such requests,
+    InputProcessor.check_something_to_sample)."""
     if not metadata.filter_rows and not metadata.banned:
         return logits
     logits = logits.clone()
+    banned = dict(metadata.banned)
     for row, params, output in metadata.filter_rows:
         x = logits[row]
         if params.allowed_token_ids is not None:
             keep = torch.zeros_like(x, dtype=torch.bool)
             keep[torch.tensor(params.allowed_token_ids, device=x.device)] = True
             x.masked_fill_(~keep, float("-inf"))
-        for word in params.bad_words_token_ids:
-            prefix = word[:-1]
-            if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
-                x[word[-1]] = float("-inf")
-    for row, ids in metadata.banned:
+        words = [word for word in params.bad_words_token_ids
+                 if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]]
+        if params.allowed_token_ids is not None and any(len(word) > 1 for word in words) and \
+                {word[-1] for word in words}.union(banned.get(row, ())).issuperset(params.allowed_token_ids):
+            _skipped_bad_words()
+            words = [word for word in words if len(word) == 1]
+        for word in words:
+            x[word[-1]] = float("-inf")
+    for row, ids in banned.items():
         logits[row, ids] = float("-inf")
     for row, params, _ in metadata.filter_rows:
         if params.logit_bias:
@@ -178,6 +189,12 @@ def apply_logits_filters(logits: torch.Tensor, metadata: SamplingMetadata) -> to
             logits[row, ids] += torch.tensor(list(params.logit_bias.values()), dtype=logits.dtype,
                                              device=logits.device)
     return logits
+
+
+@functools.cache
+def _skipped_bad_words() -> None:
+    logger.warning("a request's bad_words would mask every token its allowed_token_ids leave: its words of "
+                   "more than one token are not applied at such steps (logged once)")
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -327,6 +327,146 @@ def test_several_extreme_fields_at_once_are_served_or_refused_by_name(engine_kin
         assert engine.scheduler.num_preemptions > 0
 
 
+# --- values that would leave the sampler no finite logit (it then drew token 0): refused, or kept finite
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(repetition_penalty=1e-50), "repetition_penalty"),  # 0 in float32: x / 0
+    (dict(repetition_penalty=0.009), "repetition_penalty"),
+    (dict(logit_bias={5: 1e39}), "logit_bias"),  # inf in float32
+    (dict(logit_bias={5: -1e31}), "logit_bias"),
+])
+def test_values_past_float32_are_refused_by_name(kwargs, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, allowed", [
+    # at the bounds, with the smallest sampled temperature: every logit stays finite
+    (dict(logit_bias={5: 1e30}, temperature=1e-5), {5}),
+    (dict(logit_bias={5: 1e30, 6: 1e30}, temperature=0.1, seed=0), {5, 6}),
+    (dict(repetition_penalty=0.01, temperature=1e-5, logit_bias={5: 1e30}), {5}),
+    (dict(repetition_penalty=0.01, temperature=0), None),
+])
+def test_extreme_values_within_bounds_sample_real_tokens(kwargs, allowed):
+    llm = cached_llm(max_model_len=128)
+    [out] = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True, **kwargs), use_tqdm=False)
+    tokens = out.outputs[0].token_ids
+    assert 0 not in tokens and (allowed is None or set(tokens) <= allowed), tokens
+    llm.engine.check_kv_pool_whole()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(allowed_token_ids=[2], min_tokens=3), "min_tokens"),  # EOS (2), masked until min_tokens
+    (dict(allowed_token_ids=[7, 2], stop_token_ids=[7], min_tokens=1), "min_tokens"),
+    (dict(stop_token_ids=list(range(512)), min_tokens=3), "min_tokens"),
+    (dict(allowed_token_ids=[2, 7], min_tokens=2), None),  # served: 7 until min_tokens, then 2 or 7
+])
+def test_masks_that_leave_nothing_to_sample_are_refused(kwargs, field):
+    engine = cached_llm(max_model_len=128).engine
+    params = SamplingParams(max_tokens=4, temperature=0, **kwargs)
+    if field is None:
+        engine.add_request("served", PROMPTS[0], params)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+        tokens = outs[0].outputs[0].token_ids
+        assert tokens[:2] == [7, 7] and set(tokens) <= {2, 7}, tokens
+    else:
+        with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+            engine.add_request("refused", PROMPTS[0], params)
+    engine.check_kv_pool_whole()
+
+
+def test_allowed_tokens_that_are_all_bad_words_are_refused():
+    engine = cached_llm(max_model_len=128).engine
+    once = engine.tokenizer.encode("Once", add_special_tokens=False)
+    assert len(once) == 1
+    with pytest.raises(ValueError, match="SamplingParams.allowed_token_ids "):
+        engine.add_request("refused", PROMPTS[0], SamplingParams(allowed_token_ids=once, bad_words=["Once"]))
+    assert not engine.has_unfinished_requests()
+
+
+def test_longer_bad_words_that_would_mask_every_allowed_token_are_skipped(caplog):
+    """allowed {5, 6}, bad words [5, 6] and [5, 5]: after a 5 both would be masked, so at such a step the
+    two-token words are not applied (logged once); without them the row's only finite logits are 5 and 6."""
+    import logging
+
+    import torch
+
+    from fastllm.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+
+    params = SamplingParams(temperature=0, allowed_token_ids=[5, 6], bad_words=["x"], logit_bias={5: 1.0})
+    params._bad_words_token_ids = [[5, 6], [5, 5]]
+    logits = torch.zeros(2, 16)
+    rows = [SamplingRow(params, None, [1], output, None) for output in ([6], [6, 5])]
+    caplog.set_level(logging.WARNING)
+    sampled = Sampler()(logits, SamplingMetadata.build(rows, 16, torch.device("cpu"))).sampled.tolist()
+    assert sampled == [5, 5]  # (the first row: 5 allowed and unmasked; the second: the words skipped)
+    assert sum("bad_words would mask" in r.getMessage() for r in caplog.records) <= 1
+
+
+# --- fields changed after construction are checked again by the engine
+
+
+@pytest.mark.parametrize("field, value", [
+    ("seed", 2**70), ("allowed_token_ids", []), ("prompt_logprobs", 10**6), ("n", 0),
+    ("temperature", float("nan")), ("top_k", -5), ("repetition_penalty", 0.0), ("logit_bias", {5: float("inf")})])
+def test_a_field_changed_after_construction_is_refused_at_the_boundary(field, value):
+    engine = cached_llm(max_model_len=128).engine
+    params = SamplingParams(max_tokens=4)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} "):
+        engine.add_request("changed", PROMPTS[0], params)
+    assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("field, value", [("beam_width", 0), ("length_penalty", 1e6),
+                                          ("length_penalty", float("nan"))])
+def test_a_beam_search_field_changed_after_construction_is_refused(field, value):
+    from fastllm.sampling_params import BeamSearchParams
+
+    engine = cached_llm(max_model_len=128).engine
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=f"BeamSearchParams.{field} "):
+        engine.add_beam_search("changed", PROMPTS[0], params)
+    assert not engine.has_unfinished_requests()
+
+
+def test_a_beam_search_too_long_names_its_own_max_tokens():
+    from fastllm.sampling_params import BeamSearchParams
+
+    llm = cached_llm(max_model_len=128)
+    with pytest.raises(ValueError, match=r"^BeamSearchParams\.max_tokens \(128\)"):
+        llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=128))
+
+
+def test_aborting_one_sample_of_a_request_is_ignored():
+    """A sample's id is not a request's: aborting it ends nothing, and the request (all its samples)
+    finishes, its id free again."""
+    engine = cached_llm(max_model_len=128).engine
+    engine.add_request("r", PROMPTS[0], SamplingParams(n=3, max_tokens=6, temperature=0.8, seed=1))
+    engine.step()
+    engine.abort_request("r#1")
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["r"] and len(finished[0].outputs) == 3
+    assert all(o.finish_reason == "length" for o in finished[0].outputs)
+    assert engine.get_num_unfinished_requests() == 0
+    engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_kv_pool_whole()
+
+
+@pytest.mark.parametrize("prompts", [None, b"abc", 5])
+def test_prompts_that_are_not_prompts_are_a_value_error(prompts):
+    with pytest.raises(ValueError, match="prompts must be"):
+        cached_llm(max_model_len=128).generate(prompts, use_tqdm=False)
+
+
 def test_bad_prompts_name_what_is_wrong():
     engine = cached_llm(max_model_len=128).engine
     for prompt, match in [("\ud800 once", "Unicode"), ({"prompt_token_ids": [1, 512]}, "512"),
