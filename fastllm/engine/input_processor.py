@@ -104,7 +104,8 @@ class InputProcessor:
             ends = set(params.stop_token_ids)
             if self.eos_token_id is not None and not params.ignore_eos:
                 ends.add(self.eos_token_id)
-            if (allowed <= bad | ends) if allowed is not None else len(bad | ends) >= self.vocab_size:
+            masked = bad | ends
+            if (allowed is not None and allowed <= masked) or len(masked) >= self.vocab_size:
                 raise ValueError("SamplingParams.min_tokens can not be met: until it is, stop_token_ids and "
                                  "EOS are masked, and they are every token that allowed_token_ids and "
                                  "bad_words leave")

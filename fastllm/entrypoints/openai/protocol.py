@@ -38,8 +38,8 @@ _FIELD = re.compile(r"(?:Sampling|BeamSearch)Params\.(\w+)")
 def param_of(message: str) -> str | None:
     """The field an error message names (msgspec's "at `$.n`", SamplingParams' "SamplingParams.n",
     BeamSearchParams' likewise)."""
-    match = _AT.search(message) or _UNKNOWN.search(message) or _FIELD.search(message)  # (a nested unknown
-    # key's field is the one that holds it)
+    # (msgspec's path first: an unknown key inside a field names that field)
+    match = _AT.search(message) or _UNKNOWN.search(message) or _FIELD.search(message)
     return match.group(1) if match else None
 
 
