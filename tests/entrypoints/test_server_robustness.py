@@ -167,6 +167,7 @@ LONG = [5] * 600  # past max_model_len (512)
     ("/v1/completions", {"prompt": "hello " * 600}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 100000], "use_beam_search": True, "temperature": 0}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 600}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * 1000, "max_tokens": 4}, "messages"),
     # chat's names for the fields it was sent
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
