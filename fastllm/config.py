@@ -40,6 +40,10 @@ def _check(cond: bool, name: str, message: str) -> None:
         raise ValueError(f"{name} {message}")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _at_default(config, name: str) -> bool:
     """Whether a field holds its default (a dataclass's class attribute), i.e. was not given."""
     return getattr(config, name) == getattr(type(config), name)
@@ -390,6 +394,7 @@ class SpeculativeConfig:
                 _check(getattr(self, name) is None, f"speculative_config.{name}", "needs a method or a model")
             _check(self.num_speculative_tokens is None, "num_speculative_tokens",
                    f"needs a speculative model or method, got {self.num_speculative_tokens}")
+            _check(self.adaptive is True, "speculative_config.adaptive", "needs a method or a model")
             return
         _check(self.method in SPECULATIVE_METHODS, "speculative_config.method",
                f"must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
@@ -406,9 +411,9 @@ class SpeculativeConfig:
                 _check(getattr(self, name) is None, f"speculative_config.{name}", "applies to method 'draft_model' only")
             lookup_max = 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
             lookup_min = min(2, lookup_max) if self.prompt_lookup_min is None else self.prompt_lookup_min
-            _check(isinstance(lookup_min, int) and lookup_min >= 1, "speculative_config.prompt_lookup_min",
+            _check(_is_int(lookup_min) and lookup_min >= 1, "speculative_config.prompt_lookup_min",
                    f"must be an integer >= 1, got {lookup_min!r}")
-            _check(isinstance(lookup_max, int) and lookup_max >= lookup_min, "speculative_config.prompt_lookup_max",
+            _check(_is_int(lookup_max) and lookup_max >= lookup_min, "speculative_config.prompt_lookup_max",
                    f"must be an integer >= prompt_lookup_min ({lookup_min}), got {lookup_max!r}")
             object.__setattr__(self, "prompt_lookup_max", lookup_max)
             object.__setattr__(self, "prompt_lookup_min", lookup_min)

@@ -61,6 +61,7 @@ FLAG_MODES = {
     "ceilings_from": (*_RUNS, "startup"), "ceilings_out": _RUNS, "no_ceilings": _RUNS,
     "nvtx": (*_RUNS, "startup"), "nvtx_layers": (*_RUNS, "startup"),  # (a served engine's process has none)
 }
+_TRI_STATE = {"progress"}  # --progress / --no-progress: None is "not given", False too is given
 # Their defaults where a mode reads them (the help says so too); input_len, output_len and shared_prefix_len
 # take the mode's (DEFAULTS).
 FLAG_DEFAULTS = {"batch_sizes": "1,8,32,128,256", "num_prompts": 256, "unshared_prompts": 0,
@@ -169,7 +170,9 @@ def check_args(args: argparse.Namespace) -> None:
     """Reject flags the mode would not read, fill the mode's defaults and reject bad values (ValueError: one
     line, exit code 2)."""
     for name, modes in FLAG_MODES.items():
-        if getattr(args, name) not in (None, False) and args.mode not in modes:
+        value = getattr(args, name)
+        given = value is not None if name in _TRI_STATE else value not in (None, False)
+        if given and args.mode not in modes:
             raise ValueError(f"--{name.replace('_', '-')} is for `fastllm bench {' / '.join(modes)}`, "
                              f"not {args.mode}")
     for name in ("profile_batch_size", "profile_steps"):
@@ -214,6 +217,11 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--unshared-prompts needs a --shared-prefix-len (a prefix to be beside)")
     if not 0 <= args.unshared_prompts <= args.num_prompts:
         raise ValueError(f"--unshared-prompts must be in [0, --num-prompts], got {args.unshared_prompts}")
+    for name in ("output_json", "output_csv", "plot", "ceilings_out"):  # (written after the whole run)
+        path = getattr(args, name)
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"--{name.replace('_', '-')}: no directory {str(Path(path).parent)!r} to "
+                             "write into")
 
 
 def check_batch_sizes(args: argparse.Namespace, max_num_seqs: int) -> None:
@@ -426,7 +434,10 @@ def cmd_serving(args: argparse.Namespace, config) -> int:
     model_name = args.served_model_name or served_name(args.model)
     api_key = resolve_api_key(args.api_key)  # what the requests send, and a server started here wants
     vocab = config.model.hf_config["vocab_size"]
-    meta = {**ceil.environment(select_device(config, 0)), "model": model_name,
+    device = select_device(config, 0)
+    if not args.url:  # (the server started here checks them too, in its own process)
+        config.check_device_args(device.type)
+    meta = {**ceil.environment(device), "model": model_name,
             "model_path": config.model.model,
             "dtype": config.model.dtype, "load_format": config.model.load_format, "mode": "serving",
             "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,

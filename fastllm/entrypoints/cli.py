@@ -170,6 +170,8 @@ def cli_language(message: str, names: typing.Iterable[str]) -> str:
     """A library error in the command line's words: load_format="dummy" -> --load-format dummy,
     max_model_len -> --max-model-len, SamplingParams.top_p -> --top-p (BeamSearchParams' too). A one-word
     name (model, dtype) is only a flag where it starts the message or is given a value, not in prose."""
+    if "sampling_seed" in names:  # (the command's --seed is the engine's; SamplingParams' is --sampling-seed)
+        message = message.replace("SamplingParams.seed", "SamplingParams.sampling_seed")
     alternatives = "|".join(sorted(map(re.escape, names), key=len, reverse=True))
     pattern = re.compile(rf"(^|\b(?:SamplingParams|BeamSearchParams)\.|\b)({alternatives})\b"
                          rf"(=(['\"]?)([^'\"\s,;)]*)\4)?")

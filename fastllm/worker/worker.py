@@ -42,8 +42,14 @@ def check_fits(num_blocks: int, per_block: int, available: int, where: str, argu
                          f"GiB) do not fit in the {available / GiB:.2f} GiB {where} has free")
 
 
+def device_type(config: EngineConfig) -> str:
+    """"cpu" or "cuda": the kind of device select_device picks (without making it current)."""
+    return "cpu" if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()) \
+        else "cuda"
+
+
 def select_device(config: EngineConfig, local_rank: int) -> torch.device:
-    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+    if device_type(config) == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA GPU is visible")
@@ -104,8 +110,9 @@ class Worker:
         else:
             num_blocks = int(cache.cpu_kv_cache_gib * GiB // per_block)
         if num_blocks < 2:
+            sizer = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
             raise ValueError(f"no room for the KV cache ({num_blocks} blocks of {per_block} bytes); "
-                             "raise gpu_memory_utilization or use a smaller model")
+                             f"raise {sizer} or use a smaller model")
         if self.device.type == "cuda" and cache.num_gpu_blocks is not None:  # (profiled: sized to fit)
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             check_fits(num_blocks, per_block, torch.cuda.mem_get_info(self.device)[0] + cached, "the GPU",

@@ -189,6 +189,62 @@ def test_serve_refuses_a_chat_template_for_a_model_without_a_tokenizer(capsys, t
     assert len(err.splitlines()) == 1 and "--chat-template formats chat messages" in err, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--api-key", ""], "--api-key is empty"),  # (it served with no key)
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template is neither a file nor a Jinja"),
+    (["--chat-template", "{% if"], "--chat-template does not compile"),  # (every chat request failed)
+    (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization sizes the KV pool"),  # (was: tracebacks)
+])
+def test_serve_refuses_bad_arguments_before_its_engine_starts(argv, message, capsys):
+    assert main(["serve", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_serve_reads_a_chat_template_file_and_compiles_it(tmp_path):
+    from fastllm.entrypoints.openai.server import read_chat_template
+
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert read_chat_template(str(path)) == path.read_text()
+    assert read_chat_template("{{ messages }}") == "{{ messages }}" and read_chat_template(None) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["latency", "--output-json", "/no/such/dir/x.json"], "--output-json: no directory"),  # (after the run)
+    (["latency", "--output-csv", "/no/such/dir/x.csv"], "--output-csv: no directory"),
+    (["latency", "--plot", "/no/such/dir/x.png"], "--plot: no directory"),
+    (["startup", "--no-progress"], "--progress is for"),  # (False was taken for "not given")
+    (["serving", "--gpu-memory-utilization", "0.5", "--no-offline"], "--gpu-memory-utilization sizes"),
+])
+def test_bench_refuses_bad_arguments_before_it_runs(argv, message, capsys):
+    small = ["--input-len", "4", "--output-len", "4", "--batch-sizes", "1"] if argv[0] == "latency" else []
+    assert main(["bench", *argv, "--device", "cpu", *small]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_errors_name_the_flag_given(capsys):
+    """generate's --seed is the engine's; a bad --sampling-seed is named as such. On the CPU the KV pool
+    is sized by --cpu-kv-cache-gib, which a pool too small names."""
+    assert main(["generate", "--temperature", "1", "--sampling-seed", str(2**70), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--sampling-seed must be" in err and "--seed " not in err, err
+    assert main(["generate", "--cpu-kv-cache-gib", "1e-9", "--device", "cpu"]) == 2
+    assert "raise --cpu-kv-cache-gib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"method": "ngram", "prompt_lookup_min": True}, "prompt_lookup_min"),  # (a bool taken for 1)
+    ({"method": "ngram", "prompt_lookup_max": True, "prompt_lookup_min": 1}, "prompt_lookup_max"),
+    ({"adaptive": False}, "adaptive"),  # (no method: it did nothing)
+    ({"method": None, "adaptive": "no"}, "adaptive"),
+])
+def test_speculative_config_refuses_values_that_would_do_nothing_or_are_not_ints(spec, field):
+    with pytest.raises(ValueError, match=f"speculative_config.{field} "):
+        EngineConfig.from_kwargs(None, speculative_config=spec)
+
+
 def test_a_model_without_a_tokenizer_takes_token_ids(capsys, tmp_path):
     model = tmp_path / "tiny"
     model.mkdir()

@@ -719,8 +719,30 @@ def served_name(model: str | None) -> str:
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
-    """--api-key, else $FASTLLM_API_KEY, else none."""
+    """--api-key, else $FASTLLM_API_KEY, else none (an empty variable is unset; an empty --api-key, an error:
+    it would serve with no key)."""
+    if api_key == "":
+        raise ValueError("--api-key is empty, which would serve with no key: leave it out to serve "
+                         "without one")
     return api_key or os.environ.get(API_KEY_ENV) or None
+
+
+def read_chat_template(chat_template: str | None) -> str | None:
+    """--chat-template as a template: a file's text, or the text itself (a Jinja template holds a tag);
+    compiled here, so a broken one stops the server at startup rather than failing every chat request."""
+    if not chat_template:
+        return chat_template
+    if Path(chat_template).is_file():
+        chat_template = Path(chat_template).read_text()
+    elif "{{" not in chat_template and "{%" not in chat_template:
+        raise ValueError(f"--chat-template is neither a file nor a Jinja template: {chat_template!r:.80}")
+    from transformers.utils.chat_template_utils import _compile_jinja_template  # as apply_chat_template does
+
+    try:
+        _compile_jinja_template(chat_template)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"--chat-template does not compile: {e}") from None
+    return chat_template
 
 
 def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, served_model_name: str | None,
@@ -731,14 +753,15 @@ def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, ser
 
     from fastllm.config import EngineConfig, has_tokenizer
     from fastllm.entrypoints.process_setup import prepare_gc_for_serving
+    from fastllm.worker.worker import device_type
 
-    if chat_template and Path(chat_template).is_file():
-        chat_template = Path(chat_template).read_text()
+    chat_template = read_chat_template(chat_template)
     api_key = resolve_api_key(api_key)
     if api_key is None and host not in _LOCAL_HOSTS:
         logger.warning("serving on %s without an API key: anyone who can reach it can use it "
                        "(--api-key or %s)", host, API_KEY_ENV)
     config = EngineConfig.from_kwargs(model, **engine_kwargs)  # a bad argument fails before the engine starts
+    config.check_device_args(device_type(config))  # (the engine process checks them again, with tracebacks)
     if chat_template and not has_tokenizer(config.model.tokenizer or config.model.model):
         raise ValueError("chat_template formats chat messages for the model's tokenizer, and this model has "
                          "none (its chat endpoint answers 400 either way)")
