@@ -273,11 +273,10 @@ def bench_ceilings(args: argparse.Namespace, device) -> dict | None:
         ceilings = {**ceil.load_ceilings(args.ceilings_from, device), "source": args.ceilings_from}
     elif device.type == "cuda" and not args.no_ceilings and args.mode != "startup":
         ceilings = {**ceil.measure_ceilings(device), "source": "measured"}
-    if args.ceilings_out:
+    if args.ceilings_out:  # (check_args refuses it with --no-ceilings)
         if ceilings is None:
-            logger.warning("no ceilings to write to %s (no GPU, or --no-ceilings)", args.ceilings_out)
-        else:
-            ceil.save_ceilings(ceilings, args.ceilings_out)
+            raise ValueError(f"--ceilings-out: the {device.type} has no ceilings to measure or write")
+        ceil.save_ceilings(ceilings, args.ceilings_out)
     return ceilings
 
 

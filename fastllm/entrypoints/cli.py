@@ -159,6 +159,8 @@ def check_generate_flags(args: argparse.Namespace, params) -> None:
         return
     if args.length_penalty is not None:
         raise ValueError("--length-penalty scores beam search's beams: give --beam-width too")
+    if not args.beam_run_ahead:
+        raise ValueError("--no-beam-run-ahead changes how beam searches run: give --beam-width too")
     if params.greedy:
         for name in changed:
             if name in (*DRAWS, "sampling_seed"):

@@ -146,6 +146,7 @@ def test_errors_speak_the_callers_language(capsys, tmp_path):
     (["--top-p", "0.5"], "--top-p"),  # greedy, the default temperature
     (["--temperature", "0", "--min-p", "0.2"], "--min-p"),
     (["--sampling-seed", "7"], "--sampling-seed"),
+    (["--no-beam-run-ahead"], "--no-beam-run-ahead"),  # without --beam-width
 ])
 def test_generate_refuses_flags_that_would_change_nothing(argv, flag, capsys):
     """Sampling's flags under beam search, --length-penalty without it and the draws' settings under greedy
@@ -215,6 +216,7 @@ def test_serve_reads_a_chat_template_file_and_compiles_it(tmp_path):
     (["latency", "--output-csv", "/no/such/dir/x.csv"], "--output-csv: no directory"),
     (["latency", "--plot", "/no/such/dir/x.png"], "--plot: no directory"),
     (["startup", "--no-progress"], "--progress is for"),  # (False was taken for "not given")
+    (["latency", "--ceilings-out", "/tmp/ceilings.json"], "--ceilings-out: the cpu has no ceilings"),  # (warned)
     (["serving", "--gpu-memory-utilization", "0.5", "--no-offline"], "--gpu-memory-utilization sizes"),
 ])
 def test_bench_refuses_bad_arguments_before_it_runs(argv, message, capsys):
