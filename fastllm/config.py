@@ -40,10 +40,6 @@ def _check(cond: bool, name: str, message: str) -> None:
         raise ValueError(f"{name} {message}")
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _at_default(config, name: str) -> bool:
     """Whether a field holds its default (a dataclass's class attribute), i.e. was not given."""
     return getattr(config, name) == getattr(type(config), name)
@@ -411,16 +407,16 @@ class SpeculativeConfig:
                 _check(getattr(self, name) is None, f"speculative_config.{name}", "applies to method 'draft_model' only")
             lookup_max = 4 if self.prompt_lookup_max is None else self.prompt_lookup_max
             lookup_min = min(2, lookup_max) if self.prompt_lookup_min is None else self.prompt_lookup_min
-            _check(_is_int(lookup_min) and lookup_min >= 1, "speculative_config.prompt_lookup_min",
+            _check(_is(lookup_min, int) and lookup_min >= 1, "speculative_config.prompt_lookup_min",
                    f"must be an integer >= 1, got {lookup_min!r}")
-            _check(_is_int(lookup_max) and lookup_max >= lookup_min, "speculative_config.prompt_lookup_max",
+            _check(_is(lookup_max, int) and lookup_max >= lookup_min, "speculative_config.prompt_lookup_max",
                    f"must be an integer >= prompt_lookup_min ({lookup_min}), got {lookup_max!r}")
             object.__setattr__(self, "prompt_lookup_max", lookup_max)
             object.__setattr__(self, "prompt_lookup_min", lookup_min)
         if self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", 4)
         k = self.num_speculative_tokens
-        _check(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
+        _check(_is(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS,
                "num_speculative_tokens", f"must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         _check(isinstance(self.adaptive, bool), "speculative_config.adaptive", f"must be a bool, got {self.adaptive!r}")
         alpha = self.synthetic_acceptance_rate
