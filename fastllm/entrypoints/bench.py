@@ -218,10 +218,9 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.unshared_prompts <= args.num_prompts:
         raise ValueError(f"--unshared-prompts must be in [0, --num-prompts], got {args.unshared_prompts}")
     for name in ("output_json", "output_csv", "plot", "ceilings_out"):  # (written after the whole run)
-        path = getattr(args, name)
-        if path and not Path(path).resolve().parent.is_dir():
-            raise ValueError(f"--{name.replace('_', '-')}: no directory {str(Path(path).parent)!r} to "
-                             "write into")
+        directory = Path(getattr(args, name) or ".").parent
+        if not directory.is_dir():
+            raise ValueError(f"--{name.replace('_', '-')}: no directory {str(directory)!r} to write into")
 
 
 def check_batch_sizes(args: argparse.Namespace, max_num_seqs: int) -> None:
