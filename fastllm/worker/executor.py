@@ -44,6 +44,7 @@ from fastllm.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.1  # how often a wait looks at the workers' health
+MONITOR_JOIN_S = 10.0  # the worker monitor ends at once when every worker has exited; this bounds a stuck one
 
 
 def launched_by_torchrun() -> bool:
@@ -119,6 +120,7 @@ class _Workers:
     def __init__(self):
         self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
         self.conns: dict[int, Connection] = {}
+        self.monitor: threading.Thread | None = None  # watch_workers
         self.closing = False
 
     def close(self, failed: bool = False) -> None:
@@ -138,6 +140,11 @@ class _Workers:
                                "(the OS: %s)", proc.pid, os_process_state(proc.pid))
         for conn in self.conns.values():
             conn.close()
+        if self.monitor is not None:
+            # Its end drops its hold on the process groups, whose destructor releases the GIL; a daemon thread
+            # that wants the GIL back while the interpreter finalizes is ended by pthread_exit, inside that
+            # destructor: std::terminate, the process aborted at exit. So it ends here, not at exit.
+            self.monitor.join(timeout=MONITOR_JOIN_S)
         destroy_distributed()
 
 
@@ -203,8 +210,10 @@ class MultiprocExecutor:
             self.workers.close(failed=True)
             raise
         if self.workers.procs:  # (the thread holds no reference to the executor, which may be dropped)
-            threading.Thread(target=watch_workers, args=(self.workers, self.groups, weakref.ref(self)),
-                             name="fastllm-worker-monitor", daemon=True).start()
+            self.workers.monitor = threading.Thread(
+                target=watch_workers, args=(self.workers, self.groups, weakref.ref(self)),
+                name="fastllm-worker-monitor", daemon=True)
+            self.workers.monitor.start()
         logger.info("%d ranks ready: tensor_parallel_size %d x pipeline_parallel_size %d%s", self.world_size,
                     self.tp, self.pp, " (torchrun)" if launched_by_torchrun() else "")
 

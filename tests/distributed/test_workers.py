@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -25,6 +26,12 @@ KILL_TIMEOUT_S = 30  # the error must come well before this
 
 def worker_processes(llm) -> dict:
     return dict(llm.engine.executor.workers.procs)
+
+
+def live_worker_monitors() -> list:
+    """The executor's monitor threads still running: one left at the interpreter's exit could abort the
+    process (executor._Workers.close)."""
+    return [t for t in threading.enumerate() if t.name == "fastllm-worker-monitor" and t.is_alive()]
 
 
 def test_workers_are_gone_after_shutdown_and_serve_n_and_prompt_logprobs(monkeypatch):
@@ -53,6 +60,7 @@ def test_workers_are_gone_after_shutdown_and_serve_n_and_prompt_logprobs(monkeyp
     assert leaving == ["graphs", "groups"]
     for proc in procs.values():
         assert not proc.is_alive() and proc.exitcode == 0, proc.exitcode
+    assert not live_worker_monitors()
 
 
 def test_workers_end_when_the_engine_is_dropped():
@@ -65,6 +73,7 @@ def test_workers_end_when_the_engine_is_dropped():
     gc.collect()
     proc.join(timeout=15)
     assert not proc.is_alive()
+    assert not live_worker_monitors()
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
