@@ -12,6 +12,7 @@ import time
 import torch
 
 from fastllm.config import DEFAULT_SWAP_SPACE_GIB, EngineConfig
+from fastllm.core.kv_cache_manager import MIN_SWAP_BLOCKS
 from fastllm.core.scheduler_output import SchedulerOutput
 from fastllm.distributed.parallel_state import ParallelRank
 from fastllm.worker.async_output import AsyncRunnerOutput
@@ -125,9 +126,13 @@ class Worker:
             num_cpu_blocks = cache.num_cpu_blocks if cache.num_cpu_blocks is not None else \
                 int((cache.swap_space_gib if cache.swap_space_gib is not None else DEFAULT_SWAP_SPACE_GIB) * GiB
                     // per_block)
+            sizer = "num_cpu_blocks" if cache.num_cpu_blocks is not None else "swap_space_gib"
+            if num_cpu_blocks < MIN_SWAP_BLOCKS:  # (no pool below it: every preemption would recompute)
+                raise ValueError(f"{sizer} gives a CPU swap pool of {num_cpu_blocks} blocks of {per_block} bytes, "
+                                 f"where preemption_mode='swap' needs at least {MIN_SWAP_BLOCKS}: raise it, or "
+                                 "preempt by recompute (preemption_mode='recompute')")
             host = available_host_bytes() - (0 if self.device.type == "cuda" else num_blocks * per_block)
-            check_fits(num_cpu_blocks, per_block, host, "the host",
-                       "num_cpu_blocks" if cache.num_cpu_blocks is not None else "swap_space_gib")
+            check_fits(num_cpu_blocks, per_block, host, "the host", sizer)
         self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
         self.timings["profile"] = self._elapsed(start)
         return num_blocks, num_cpu_blocks

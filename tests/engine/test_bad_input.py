@@ -196,6 +196,17 @@ def test_the_swap_pool_sized_without_swapping_is_refused(name, value):
     LLMEngine.from_kwargs(None, device="cpu", preemption_mode="swap", **{name: value})
 
 
+@pytest.mark.parametrize("kwargs,field", [(dict(num_cpu_blocks=0), "num_cpu_blocks"),
+                                          (dict(num_cpu_blocks=1), "num_cpu_blocks"),
+                                          (dict(swap_space_gib=0.0), "swap_space_gib"),
+                                          (dict(swap_space_gib=1e-9), "swap_space_gib")])
+def test_a_swap_pool_too_small_to_swap_is_refused_by_name(kwargs, field):
+    # (it used to be accepted, and every preemption recomputed)
+    with pytest.raises(ValueError, match=f"^{field} gives a CPU swap pool of [01] blocks .* where "
+                                         "preemption_mode='swap' needs at least 2"):
+        LLM(STORIES, device="cpu", preemption_mode="swap", **kwargs)
+
+
 def test_a_tokenizer_that_is_not_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="^tokenizer must be a directory holding a tokenizer"):
         LLMEngine.from_kwargs(None, tokenizer=str(tmp_path))
