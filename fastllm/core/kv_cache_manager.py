@@ -44,7 +44,8 @@ class KVCacheManager:
         self.sliding_window = sliding_window  # every layer's (the widest), or None: see the module docstring
         self.pool = BlockPool(num_gpu_blocks, enable_caching)
         self.null_block = self.pool.blocks[NULL_BLOCK_ID]  # what the table holds where a block was freed
-        self.cpu_pool = BlockPool(num_cpu_blocks, False, reserve_null_block=False) if num_cpu_blocks >= MIN_SWAP_BLOCKS else None
+        self.cpu_pool = BlockPool(num_cpu_blocks, False, reserve_null_block=False) \
+            if num_cpu_blocks >= MIN_SWAP_BLOCKS else None
         self.req_blocks: dict[str, list[KVCacheBlock]] = defaultdict(list)
         self.swapped_blocks: dict[str, list[KVCacheBlock]] = {}  # request id -> CPU blocks
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for this step

@@ -128,9 +128,9 @@ class Worker:
                     // per_block)
             sizer = "num_cpu_blocks" if cache.num_cpu_blocks is not None else "swap_space_gib"
             if num_cpu_blocks < MIN_SWAP_BLOCKS:  # (no pool below it: every preemption would recompute)
-                raise ValueError(f"{sizer} gives a CPU swap pool of {num_cpu_blocks} blocks of {per_block} bytes, "
-                                 f"where preemption_mode='swap' needs at least {MIN_SWAP_BLOCKS}: raise it, or "
-                                 "preempt by recompute (preemption_mode='recompute')")
+                raise ValueError(f"{sizer} gives a CPU swap pool of {num_cpu_blocks} blocks of {per_block} "
+                                 f"bytes, where preemption_mode='swap' needs at least {MIN_SWAP_BLOCKS}: "
+                                 "raise it, or preempt by recompute (preemption_mode='recompute')")
             host = available_host_bytes() - (0 if self.device.type == "cuda" else num_blocks * per_block)
             check_fits(num_cpu_blocks, per_block, host, "the host", sizer)
         self.num_gpu_blocks, self.num_cpu_blocks = num_blocks, num_cpu_blocks
