@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shutil
+import socket
 
 import pytest
 
@@ -195,11 +196,23 @@ def test_serve_refuses_a_chat_template_for_a_model_without_a_tokenizer(capsys, t
     (["--chat-template", "/no/such/template.jinja"], "--chat-template is neither a file nor a Jinja"),
     (["--chat-template", "{% if"], "--chat-template does not compile"),  # (every chat request failed)
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization sizes the KV pool"),  # (was: tracebacks)
+    (["--host", "256.0.0.1"], "--host 256.0.0.1 is not an address to listen on"),  # (was: exit 3 at bind)
 ])
 def test_serve_refuses_bad_arguments_before_its_engine_starts(argv, message, capsys):
     assert main(["serve", "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_serve_refuses_a_port_in_use_before_its_engine_starts(capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--device", "cpu", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"fastllm serve: error: --port {port}: cannot listen on 127.0.0.1:{port} "
+                   "(Address already in use)")
 
 
 def test_serve_reads_a_chat_template_file_and_compiles_it(tmp_path):

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -453,6 +454,32 @@ def test_dead_engine_process_fails_open_requests_and_health():
             assert post(url, "/v1/completions", {"prompt": "Once"}).status_code == 500
     finally:
         engine.shutdown()
+
+
+def test_fastllm_serve_exits_0_on_ctrl_c_with_its_engine_process_gone():
+    """uvicorn shuts down on SIGINT, then raises it again: that was a KeyboardInterrupt traceback."""
+    server = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", "0", "--device", "cpu",
+                               "--num-gpu-blocks", "64"], stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in server.stderr:  # (its log: the address it took, then uvicorn's startup)
+            lines.append(line)
+            if "Application startup complete" in line:
+                break
+        url = next(re.search(r"http://\S+", line).group(0) for line in lines if "Serving on" in line)
+        assert healthy(url)
+        core = subprocess.run(["pgrep", "-P", str(server.pid), "-f", "fastllm.engine.core_proc"],
+                              capture_output=True, text=True).stdout.split()
+        assert len(core) == 1
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0
+        rest = server.stderr.read()
+        assert "Traceback" not in rest and "Application shutdown complete" in rest, rest
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(core[0]), 0)
+    finally:
+        if server.poll() is None:
+            server.kill()
 
 
 def test_fastllm_serve_exits_1_when_its_engine_dies():

@@ -25,6 +25,7 @@ import functools
 import hmac
 import logging
 import os
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -745,6 +746,24 @@ def read_chat_template(chat_template: str | None) -> str | None:
     return chat_template
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the engine starts: a host that is no address here or a port in use
+    is a ValueError naming it now, not an exit once the model has loaded."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"host={host!r} is not an address to listen on ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds: a restart reuses it)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"port={port}: cannot listen on {host}:{port} ({e.strerror})") from None
+    return sock
+
+
 def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, served_model_name: str | None,
                chat_template: str | None, api_key: str | None = None, limits: ServerLimits = ServerLimits(),
                log_requests: bool = True, uvicorn_log_level: str = "info") -> int:
@@ -757,26 +776,33 @@ def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, ser
 
     chat_template = read_chat_template(chat_template)
     api_key = resolve_api_key(api_key)
-    if api_key is None and host not in _LOCAL_HOSTS:
-        logger.warning("serving on %s without an API key: anyone who can reach it can use it "
-                       "(--api-key or %s)", host, API_KEY_ENV)
     config = EngineConfig.from_kwargs(model, **engine_kwargs)  # a bad argument fails before the engine starts
     config.check_device_args(device_type(config))  # (the engine process checks them again, with tracebacks)
     if chat_template and not has_tokenizer(config.model.tokenizer or config.model.model):
         raise ValueError("chat_template formats chat messages for the model's tokenizer, and this model has "
                          "none (its chat endpoint answers 400 either way)")
-    engine = AsyncLLMEngine.from_config(config)
-    prepare_gc_for_serving()  # the server process's settings, not the library's (process_setup.py)
-    app = build_app(engine, served_model_name or served_name(model), chat_template, limits, api_key,
-                    shutdown_engine=True)
-    log_fast_path()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                                           access_log=log_requests, timeout_graceful_shutdown=5))
-    engine.on_death(lambda reason: setattr(server, "should_exit", True))
-    try:
-        server.run()
-    finally:
-        engine.shutdown()  # if the app never started
+    with listening_socket(host, port) as sock:
+        if api_key is None and host not in _LOCAL_HOSTS:
+            logger.warning("serving on %s without an API key: anyone who can reach it can use it "
+                           "(--api-key or %s)", host, API_KEY_ENV)
+        engine = AsyncLLMEngine.from_config(config)
+        prepare_gc_for_serving()  # the server process's settings, not the library's (process_setup.py)
+        app = build_app(engine, served_model_name or served_name(model), chat_template, limits, api_key,
+                        shutdown_engine=True)
+        log_fast_path()
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                                               access_log=log_requests, timeout_graceful_shutdown=5))
+        engine.on_death(lambda reason: setattr(server, "should_exit", True))
+        bound = sock.getsockname()[1]
+        # (uvicorn logs its address only for sockets it binds itself)
+        logging.getLogger("uvicorn.error").info("Serving on http://%s:%d (Press CTRL+C to quit)",
+                                                f"[{host}]" if ":" in host else host, bound)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn shut down on a Ctrl-C, then raised it again: done, as its own CLI
+            pass
+        finally:
+            engine.shutdown()  # if the app never started
     if engine.errored is not None:
         logger.error("exiting: %s", engine.errored)
         return 1
