@@ -79,8 +79,10 @@ class RunAheadSearch:
 
     @staticmethod
     def can_take_over(search: BeamSearch, beams: list[Request], kv: KVCacheManager) -> bool:
-        """Every beam runs, at one position, with one token to compute and nothing reported or in flight."""
-        if not beams or len(beams) != len(search.beams):
+        """The search has forked (its full width of beams: a step's picks are that many slots, so its slots stay
+        as many as the blocks allocated ahead for them; a prompt chunked to its last token is one beam), and every
+        beam runs, at one position, with one token to compute and nothing reported or in flight."""
+        if len(beams) != search.params.beam_width or len(beams) != len(search.beams):
             return False
         position = beams[0].num_computed_tokens
         return all(b.status == RequestStatus.RUNNING and b.num_pending_tokens == 0 and not search.has_reported(b)

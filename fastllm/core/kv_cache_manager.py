@@ -276,8 +276,9 @@ class KVCacheManager:
     def regroup_slots(self, search_id: str, parents: list[int], num_shared: int) -> None:
         """The next step's slots: slot j is parent[j]'s first num_shared blocks, then the oldest ahead block of
         slot j. The old tables' blocks no slot keeps go back to the pool."""
-        old, ahead = self.slot_tables[search_id], self.ahead_blocks[search_id].pop(0)
-        assert len(ahead) == len(parents), "a step's ahead blocks are one per slot"
+        old, ahead = self.slot_tables[search_id], self.ahead_blocks[search_id][0]
+        assert len(ahead) == len(parents), "a step's ahead blocks are one per slot"  # (still held: free_slots)
+        self.ahead_blocks[search_id].pop(0)
         new = []
         for parent, block in zip(parents, ahead):
             shared = old[parent][:num_shared]

@@ -230,6 +230,16 @@ def test_a_short_pool_preempts_synchronously_and_gives_the_roomy_beams(mode, cap
     assert_same_tokens(got, want)
 
 
+@pytest.mark.parametrize("prompt_len", [17, 25, 26])
+def test_a_prompt_chunked_to_its_last_token_equals_the_synchronous_path(prompt_len):
+    """Chunks of 8 leave 17 and 25 tokens' prompts one token from their first step with a single beam (no fork
+    yet), where every search had forked before: the slots' count must grow to the width after that step (it
+    failed its step with an IndexError and leaked a block)."""
+    prompt = {"prompt_token_ids": [1] + [(37 * i) % 500 + 2 for i in range(prompt_len - 1)]}
+    params = BeamSearchParams(3, max_tokens=7)
+    assert_run_ahead_equals_sync([prompt], params, max_num_batched_tokens=8)
+
+
 def test_prefix_cache_hits_give_the_same_beams():
     """The prompts' blocks are cached by a first run and hit by the second, on both paths alike: equal to the bit
     (the beams' own blocks are not registered while they run ahead); a hit against a miss computes the prompt
