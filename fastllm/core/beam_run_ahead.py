@@ -79,9 +79,9 @@ class RunAheadSearch:
 
     @staticmethod
     def can_take_over(search: BeamSearch, beams: list[Request], kv: KVCacheManager) -> bool:
-        """The search has forked (its full width of beams: a step's picks are that many slots, so its slots stay
-        as many as the blocks allocated ahead for them; a prompt chunked to its last token is one beam), and every
-        beam runs, at one position, with one token to compute and nothing reported or in flight."""
+        """The search has forked to its full width (a step's picks are that many slots, so the slots stay as
+        many as the blocks allocated ahead for them; a prompt chunked to its last token is one beam), and
+        every beam runs, at one position, with one token to compute and nothing reported or in flight."""
         if len(beams) != search.params.beam_width or len(beams) != len(search.beams):
             return False
         position = beams[0].num_computed_tokens

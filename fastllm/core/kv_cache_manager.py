@@ -277,7 +277,7 @@ class KVCacheManager:
         """The next step's slots: slot j is parent[j]'s first num_shared blocks, then the oldest ahead block of
         slot j. The old tables' blocks no slot keeps go back to the pool."""
         old, ahead = self.slot_tables[search_id], self.ahead_blocks[search_id][0]
-        assert len(ahead) == len(parents), "a step's ahead blocks are one per slot"  # (still held: free_slots)
+        assert len(ahead) == len(parents), "a step's ahead blocks are one per slot"  # (held: free_slots)
         self.ahead_blocks[search_id].pop(0)
         new = []
         for parent, block in zip(parents, ahead):
