@@ -5,6 +5,7 @@ several ranks executor.py drives one per rank."""
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import time
@@ -75,6 +76,9 @@ class Worker:
         self.config = config = config.for_device(self.device)  # the engine takes this one
         # The same seed on every rank: tensor-parallel ranks draw the same unseeded samples.
         torch.manual_seed(config.model.seed)
+        # Our custom ops import torch._dynamo at their first call: at startup, not in a request's first step
+        # (the engine's process imports it already; a worker process did not, where no forward compiles).
+        importlib.import_module("torch._dynamo")
         start = time.perf_counter()
         with on_engine_stream(self.device):
             self.runner = ModelRunner(config, self.device, parallel)

@@ -63,6 +63,16 @@ def test_workers_are_gone_after_shutdown_and_serve_n_and_prompt_logprobs(monkeyp
     assert not live_worker_monitors()
 
 
+def test_a_worker_imports_torch_dynamo_at_startup_not_in_its_first_step():
+    """Our custom ops import torch._dynamo at their first call: in a worker process, where nothing compiles on
+    the CPU, that was inside the first request's step (rank 0 waited for it at the first all-reduce)."""
+    code = ("import sys; from fastllm.config import EngineConfig; from fastllm.worker.worker import Worker; "
+            "assert 'torch._dynamo' not in sys.modules; "
+            f"Worker(EngineConfig.from_kwargs({STORIES!r}, device='cpu')); "
+            "assert 'torch._dynamo' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_workers_end_when_the_engine_is_dropped():
     import gc
 
