@@ -206,8 +206,16 @@ class MultiprocExecutor:
             self._random_state = _random_state(self.device)
             for rank in self.workers.conns:
                 self._receive(rank, wp.READY)
-        except BaseException:
+        except BaseException as e:
+            # (rank 0 may have been in a collective with a worker that failed to start; its own ValueError
+            # names an argument, and stays)
+            blamed = None
+            own = isinstance(e, (ValueError, WorkerFailed)) or not isinstance(e, Exception)
+            if self.workers.conns and not own:
+                blamed = self._blame_worker(e)
             self.workers.close(failed=True)
+            if blamed is not None:
+                raise blamed from e
             raise
         if self.workers.procs:  # (the thread holds no reference to the executor, which may be dropped)
             self.workers.monitor = threading.Thread(
@@ -371,10 +379,18 @@ class MultiprocExecutor:
             with self._own_random_state():
                 return fn(*args)
         except Exception as e:
-            culprit = self._find_failed_worker(grace_s=3.0)
-            if culprit is None:
+            blamed = self._blame_worker(e)
+            if blamed is None:
                 raise
-            raise self._fail(f"{culprit} (rank 0 saw: {type(e).__name__}: {str(e)[:200]})") from e
+            raise blamed from e
+
+    def _blame_worker(self, e: Exception) -> WorkerFailed | None:
+        """The worker behind an error rank 0 saw in a collective (a peer gone, a timeout), as an error that
+        names it; None if no worker failed."""
+        culprit = self._find_failed_worker(grace_s=3.0)
+        if culprit is None:
+            return None
+        return self._fail(f"{culprit} (rank 0 saw: {type(e).__name__}: {str(e)[:200]})")
 
     @contextlib.contextmanager
     def _own_random_state(self):

@@ -110,6 +110,31 @@ def test_a_killed_worker_is_an_error_naming_its_rank(layout):
     assert not alive, f"ranks alive after shutdown (the OS's view): {alive}"
 
 
+def spawned_main_that_cannot_load(setup, *args):
+    """A worker process whose shard fails to load once it has joined the process group (as an out-of-memory
+    GPU would), while rank 0 goes on into its own startup's collectives."""
+    from fastllm.worker import worker_process
+
+    def load_worker(setup, groups):
+        raise RuntimeError(f"rank {setup.parallel.rank} could not load its shard")
+
+    worker_process.load_worker = load_worker
+    worker_process.spawned_main(setup, *args)
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_a_worker_that_fails_at_startup_is_an_error_naming_its_rank(layout, monkeypatch):
+    """Under TP rank 0 was inside a collective when the worker died: it raised gloo's 'Connection reset by
+    peer', naming no rank and without the worker's traceback."""
+    from fastllm.worker import executor, worker_process
+
+    monkeypatch.setattr(worker_process, "spawned_main", spawned_main_that_cannot_load)
+    with pytest.raises(executor.WorkerFailed, match=r"(?s)worker rank 1 failed:.*rank 1 could not load"):
+        start_parallel_llm(STORIES, **layout, **SMALL_KV)
+    assert not live_worker_monitors()
+
+
 def test_os_process_state_tells_a_live_pid_from_a_reaped_one():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
