@@ -115,22 +115,28 @@ def _abort_group(group: dist.ProcessGroup) -> None:
         logger.warning("could not abort a process group: %s", e)
 
 
-def init_distributed(rank: ParallelRank, device: torch.device, init_method: str,
-                     timeout_s: float) -> ProcessGroups:
-    """Join the engine's default process group (every rank calls this) and build the subgroups."""
+def check_no_process_group() -> None:
+    """Raise if this process holds a process group already (another multi-process engine's)."""
     if dist.is_initialized():
         raise RuntimeError("this process already holds a multi-process engine's process group: shut that "
                            "engine down (LLMEngine.shutdown()) before starting another")
+
+
+def init_distributed(rank: ParallelRank, device: torch.device, init_method: str,
+                     timeout_s: float) -> ProcessGroups:
+    """Join the engine's default process group (every rank calls this) and build the subgroups."""
+    check_no_process_group()
     backend = "nccl" if device.type == "cuda" else "gloo"
     extra = {"device_id": device} if device.type == "cuda" else {}
+    timeout = timedelta(seconds=timeout_s)  # (every group's: a new group does not take the default one's)
     dist.init_process_group(backend, init_method=init_method, rank=rank.rank, world_size=rank.world_size,
-                            timeout=timedelta(seconds=timeout_s), **extra)
+                            timeout=timeout, **extra)
     tp_group = None
     for stage in range(rank.pp_size):  # every rank creates every group, in the same order
-        group = dist.new_group(list(range(stage * rank.tp_size, (stage + 1) * rank.tp_size)))
+        group = dist.new_group(list(range(stage * rank.tp_size, (stage + 1) * rank.tp_size)), timeout=timeout)
         if stage == rank.pp_rank:
             tp_group = group
-    cpu = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    cpu = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
     tp = TensorParallelGroup(tp_group, rank.tp_size, device) if rank.tp_size > 1 else None
     set_tp_group(tp)
     logger.info("rank %d of %d (tensor-parallel rank %d of %d, pipeline stage %d of %d) joined over %s",

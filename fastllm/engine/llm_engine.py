@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -12,6 +13,7 @@ from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
 from fastllm.engine.core import EngineCore
 from fastllm.engine.input_processor import InputProcessor, PromptType, check_request_id
+from fastllm.engine.interrupts import interrupt_after_step
 from fastllm.engine.messages import sample_ids
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import RequestStatus
@@ -59,6 +61,8 @@ class LLMEngine:
         # pipeline parallelism (executor.py).
         self.executor = Worker(config) if config.parallel.world_size == 1 else MultiprocExecutor.start(config)
         self._shut_down = False
+        # (a Ctrl-C in a step of several ranks waits for the step's end: interrupts.py)
+        self._step_guard = interrupt_after_step if config.parallel.world_size > 1 else contextlib.nullcontext
         self.worker = self.executor.driver_worker  # rank 0's, in this process
         self.config = config = self.worker.config  # with the device's defaults (max_num_seqs)
         try:
@@ -170,11 +174,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step (EngineCore.step) and the RequestOutputs of the requests it changed. A step
         that raised ends the requests it scheduled with finish_reason "error"; the others go on."""
-        core_outputs = self.core.step()
-        with nvtx_range("detokenize"):
-            outputs, stopped = self.output_processor.process(core_outputs)
-            outputs += self.output_processor.process_beam_searches(self.core.take_beam_searches())
-        self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        with self._step_guard():
+            core_outputs = self.core.step()
+            with nvtx_range("detokenize"):
+                outputs, stopped = self.output_processor.process(core_outputs)
+                outputs += self.output_processor.process_beam_searches(self.core.take_beam_searches())
+            self.core.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for out in outputs:
             if out.error is not None:
                 logger.error("request %s failed: %s", out.request_id, out.error)

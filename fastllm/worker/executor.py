@@ -21,6 +21,7 @@ again; shutdown() ends every worker, as does dropping the executor or the engine
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing
 import os
@@ -36,7 +37,7 @@ import torch
 
 from fastllm.config import EngineConfig
 from fastllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from fastllm.distributed.parallel_state import ParallelRank, destroy_distributed
+from fastllm.distributed.parallel_state import ParallelRank, check_no_process_group, destroy_distributed
 from fastllm.worker import worker_process as wp
 from fastllm.worker.async_output import AsyncRunnerOutput
 from fastllm.worker.worker import Worker
@@ -98,6 +99,21 @@ class WorkerFailed(RuntimeError):
     pass
 
 
+def _on_every_rank(method):
+    """A call that runs on every rank at once: a KeyboardInterrupt inside it (a second Ctrl-C:
+    engine/interrupts.py) may leave rank 0 out of step with its workers, whose collectives would then pair
+    with the wrong ones, so the executor refuses every later call."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except KeyboardInterrupt:
+            self._fail("interrupted (KeyboardInterrupt) inside a step of several ranks, which may no longer "
+                       "be in step: shut this engine down and build another")
+            raise
+    return call
+
+
 def os_process_state(pid: int) -> str:
     """What the OS says of a pid: its /proc State line, or that no such process exists."""
     try:
@@ -121,6 +137,7 @@ class _Workers:
         self.procs: dict[int, multiprocessing.process.BaseProcess] = {}
         self.conns: dict[int, Connection] = {}
         self.monitor: threading.Thread | None = None  # watch_workers
+        self.joined = False  # the groups are this engine's to leave (a refused second engine's are not)
         self.closing = False
 
     def close(self, failed: bool = False) -> None:
@@ -145,7 +162,8 @@ class _Workers:
             # that wants the GIL back while the interpreter finalizes is ended by pthread_exit, inside that
             # destructor: std::terminate, the process aborted at exit. So it ends here, not at exit.
             self.monitor.join(timeout=MONITOR_JOIN_S)
-        destroy_distributed()
+        if self.joined:
+            destroy_distributed()
 
 
 _parked: "MultiprocExecutor | None" = None  # ranks kept for this process's next engine (reuse_workers)
@@ -195,7 +213,9 @@ class MultiprocExecutor:
         self._launched: dict[int, AsyncRunnerOutput] = {}
         self._forward: dict[int, dict[str, list[int]]] = {}  # tokens for the earlier stages' next message
         try:
+            check_no_process_group()
             setup = self._join_torchrun() if launched_by_torchrun() else self._spawn()
+            self.workers.joined = True  # (from here on its groups, once joined, are this engine's to leave)
             self.groups = wp.join(setup)
             self.local_rank = setup.local_rank
             if launched_by_torchrun():
@@ -300,6 +320,7 @@ class MultiprocExecutor:
         """Milliseconds per tensor-parallel all-reduce of each size in bytes (rank 0's timing)."""
         return self._call("measure_all_reduce", sizes)
 
+    @_on_every_rank
     def _call(self, name: str, *args):
         self._send_all(wp.dumps(wp.CALL, name, args))
         return self._guarded(wp.CALLS[name], self.worker, self.groups, *args)
@@ -309,6 +330,7 @@ class MultiprocExecutor:
 
     # steps
 
+    @_on_every_rank
     def execute_model(self, sched: SchedulerOutput):
         """Send the step to every worker and run rank 0's part; the returned output's result() gives
         the step's tokens (rank 0's own with one stage, the last stage's otherwise)."""
@@ -324,6 +346,7 @@ class MultiprocExecutor:
             self._launched[sched.step_id] = output
         return _StageOutput(self, sched.step_id)
 
+    @_on_every_rank
     def wait_output(self, step_id: int) -> ModelRunnerOutput:
         """The output rank's tokens of a step (pipeline parallelism), passed on to the earlier stages."""
         if step_id == self._last_sent_step:  # nothing after it will make the output rank finish it

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import signal
 import threading
 import traceback
 from collections import deque
@@ -255,6 +256,7 @@ def spawned_main(setup: RankSetup, conn: Connection, progress, num_threads: int,
     logging.basicConfig(level=log_level,
                         format=f"rank {setup.parallel.rank}: %(levelname)s %(name)s: %(message)s")
     exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the process group: the engine handles it
     torch.set_num_threads(num_threads)
     serve_rank(setup, conn, progress)
     logging.shutdown()

@@ -5,6 +5,7 @@ processes and calls no collective."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -135,6 +136,89 @@ def test_a_worker_that_fails_at_startup_is_an_error_naming_its_rank(layout, monk
     assert not live_worker_monitors()
 
 
+@pytest.mark.parametrize("second", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_a_refused_second_engine_leaves_the_first_one_whole(second):
+    """One multi-process engine a process: a second is refused before it starts workers, and its refusal no
+    longer leaves the first engine's process groups (the first failed its next step)."""
+    import multiprocessing
+
+    llm = start_parallel_llm(STORIES, tensor_parallel_size=2, **SMALL_KV)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8)
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+        children = set(multiprocessing.active_children())
+        with pytest.raises(RuntimeError, match="already holds a multi-process engine's process group"):
+            start_parallel_llm(STORIES, **second, **SMALL_KV)
+        assert set(multiprocessing.active_children()) == children
+        after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+        assert after == before
+    finally:
+        shutdown_parallel_llm(llm)
+
+
+@contextlib.contextmanager
+def python_sigint_handler():
+    """SIGINT raising KeyboardInterrupt in this test process, as in a script (a test runner may ignore it)."""
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, saved)
+
+
+@pytest.mark.timeout(120, method="thread")  # (the old code could hang inside a collective)
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)],
+                         ids=["tp2", "pp2"])
+def test_a_ctrl_c_in_a_step_raises_after_it_and_the_engine_goes_on(layout, monkeypatch):
+    """A terminal's Ctrl-C reaches the workers too (they ignore it: they died of it) and rank 0 inside a step
+    (it raised there, leaving its workers in the step's collectives: later steps failed or hung)."""
+    with python_sigint_handler():
+        llm = start_parallel_llm(STORIES, **layout, **SMALL_KV)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=8)
+            want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+            for proc in worker_processes(llm).values():
+                os.kill(proc.pid, signal.SIGINT)
+            worker, interrupted = llm.engine.executor.worker, []
+
+            def execute_model(sched, run=worker.execute_model):
+                if not interrupted:  # (mid-step: rank 0 has sent the step to its workers)
+                    interrupted.append(sched.step_id)
+                    os.kill(os.getpid(), signal.SIGINT)
+                return run(sched)
+            monkeypatch.setattr(worker, "execute_model", execute_model)
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(PROMPTS[:2], SamplingParams(max_tokens=40), use_tqdm=False)
+            assert interrupted
+            got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], params, use_tqdm=False)]
+            assert got == want
+            assert all(proc.is_alive() for proc in worker_processes(llm).values())
+        finally:
+            shutdown_parallel_llm(llm)
+
+
+def test_an_interrupt_that_leaves_the_ranks_out_of_step_fails_the_engine_clearly(monkeypatch):
+    """A second Ctrl-C raises inside the step: rank 0 left it halfway, so the engine refuses later steps with
+    an error that says why, rather than pairing its next collectives with the workers' stale ones."""
+    from fastllm.worker.executor import WorkerFailed
+
+    llm = start_parallel_llm(STORIES, tensor_parallel_size=2, **SMALL_KV)
+    procs = worker_processes(llm)
+    try:
+        def execute_model(sched):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(llm.engine.executor.worker, "execute_model", execute_model)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+        monkeypatch.undo()
+        with pytest.raises(WorkerFailed, match="interrupted .* no longer be in step: shut this engine down"):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4), use_tqdm=False)
+    finally:
+        shutdown_parallel_llm(llm)
+    assert not any(proc.is_alive() for proc in procs.values())
+
+
 def test_os_process_state_tells_a_live_pid_from_a_reaped_one():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -142,19 +226,22 @@ def test_os_process_state_tells_a_live_pid_from_a_reaped_one():
     assert os_process_state(os.getpid()).startswith("State: ")
 
 
-def test_a_silent_worker_is_an_error_naming_its_rank_after_the_timeout():
-    # The last pipeline stage stops (SIGSTOP): the engine waits for its tokens no longer than the timeout.
-    llm = start_parallel_llm(STORIES, pipeline_parallel_size=2, **SMALL_KV)
-    executor = llm.engine.executor
+@pytest.mark.timeout(120, method="thread")  # (the old code waited 30 minutes in gloo, out of signals' reach)
+@pytest.mark.parametrize("layout, silent", [
+    (dict(pipeline_parallel_size=2), r"worker rank 1 sent nothing for 10 s.*did not start step \d+: \[1\]"),
+    (dict(tensor_parallel_size=2), r"did not start step \d+: \[1\].*Timed out")], ids=["pp2", "tp2"])
+def test_a_silent_worker_is_an_error_naming_its_rank_after_the_timeout(layout, silent):
+    """A stopped worker (SIGSTOP): the engine waits for the last stage's tokens, or in a tensor-parallel
+    all-reduce, no longer than distributed_timeout_s (a group from new_group waited torch's default, 30
+    minutes, unless given the timeout)."""
+    llm = start_parallel_llm(STORIES, **layout, distributed_timeout_s=10.0, **SMALL_KV)
     proc = worker_processes(llm)[1]
     try:
-        executor.timeout_s = 3.0  # (set after startup: loading may take longer than this)
         os.kill(proc.pid, signal.SIGSTOP)
         start = time.monotonic()
-        silent = r"worker rank 1 sent nothing for 3 s.*did not start step \d+: \[1\]"
         with pytest.raises(RuntimeError, match=silent):
             llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4), use_tqdm=False)
-        assert time.monotonic() - start < 3.0 + 5.0
+        assert time.monotonic() - start < 10.0 + 10.0
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         llm.engine.shutdown()
