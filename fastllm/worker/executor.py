@@ -364,7 +364,16 @@ class MultiprocExecutor:
         try:
             self.workers.conns[rank].send_bytes(payload)
         except OSError as e:
-            raise self._fail(f"worker rank {rank} is gone ({type(e).__name__} on its connection)") from None
+            raise self._fail(f"worker rank {rank} is gone ({type(e).__name__} on its connection, exit code "
+                             f"{self._exit_code(rank)})") from None
+
+    def _exit_code(self, rank: int) -> int | str:
+        """A spawned worker's exit code, once its process is reaped (a closed connection comes first)."""
+        proc = self.workers.procs.get(rank)
+        if proc is None:
+            return "unknown"
+        proc.join(timeout=1.0)
+        return proc.exitcode if proc.exitcode is not None else "none yet"
 
     def _send_all(self, payload: bytes) -> None:
         for rank in self.workers.conns:
@@ -385,8 +394,8 @@ class MultiprocExecutor:
         try:
             message = wp.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            raise self._fail(f"worker rank {rank} closed its connection (exit code "
-                             f"{proc.exitcode if proc is not None else 'unknown'})") from None
+            code = self._exit_code(rank)
+            raise self._fail(f"worker rank {rank} closed its connection (exit code {code})") from None
         if message[0] == wp.ERROR:
             raise self._fail(f"worker rank {rank} failed:\n{message[2]}")
         if message[0] == skip:
@@ -513,7 +522,7 @@ def watch_workers(workers: _Workers, groups, executor_ref) -> None:
     rank = sentinels[ready[0]]
     executor._exited = rank  # the engine's thread reports it (with the worker's traceback, if it sent one)
     logger.error("worker rank %d (pid %d) exited with code %s", rank, workers.procs[rank].pid,
-                 workers.procs[rank].exitcode)
+                 executor._exit_code(rank))
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
         groups.abort()
 
