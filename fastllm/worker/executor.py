@@ -521,10 +521,10 @@ def watch_workers(workers: _Workers, groups, executor_ref) -> None:
         return
     rank = sentinels[ready[0]]
     executor._exited = rank  # the engine's thread reports it (with the worker's traceback, if it sent one)
-    logger.error("worker rank %d (pid %d) exited with code %s", rank, workers.procs[rank].pid,
-                 executor._exit_code(rank))
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
         groups.abort()
+    logger.error("worker rank %d (pid %d) exited with code %s", rank, workers.procs[rank].pid,
+                 executor._exit_code(rank))  # (after the abort: this waits for the exit code)
 
 
 def _random_state(device: torch.device) -> tuple:
