@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import shutil
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -84,11 +86,13 @@ def run_engine_core(make_engine: Callable, input_address: str, output_address: s
                             config.scheduler.max_num_seqs,
                             engine.worker.num_gpu_blocks)
         outbound.send(msgspec.msgpack.encode(ready))
-        CoreLoop(engine.core, inbound, outbound, parent_pid).run()
+        orphaned = CoreLoop(engine.core, inbound, outbound, parent_pid).run()
     finally:
         inbound.close()
         outbound.close()
         context.term()
+    if orphaned and input_address.startswith("ipc://"):  # (its client, killed, left its sockets' folder)
+        shutil.rmtree(Path(input_address[len("ipc://"):]).parent, ignore_errors=True)
 
 
 def main(argv: list[str]) -> None:
@@ -128,26 +132,35 @@ class CoreLoop:
         self.refused_searches: list[BeamSearchResult] = []  # beam searches likewise
         self.said_idle = True
 
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Serve until Shutdown (False) or until the API process is gone (True), checked every step and
+        every IDLE_POLL_MS while idle: nobody reads what an orphan computes."""
         core = self.core
         while True:
+            if self.orphaned():
+                return True
             if not core.has_unfinished_requests():
                 if not self.said_idle or self.refused or self.refused_searches:  # the queue depths, refusals
                     self.send(self._news([]))
                     self.said_idle = True
                 while not self.inbound.poll(IDLE_POLL_MS):
-                    if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                        logger.warning("the API process is gone: the engine core exits")
-                        return
+                    if self.orphaned():
+                        return True
             for message in receive_all(self.inbound, self.decoder):
                 if not self.handle(message):
-                    return
+                    return False
             if core.has_unfinished_requests():
                 self.said_idle = False
                 news = self._news(core.step())
                 if news.outputs or news.beam_searches:
                     self.send(news)
 
+
+    def orphaned(self) -> bool:
+        if self.parent_pid is None or os.getppid() == self.parent_pid:
+            return False
+        logger.warning("the API process is gone: the engine core exits")
+        return True
 
     def handle(self, message) -> bool:
         """Apply one message; False means stop."""

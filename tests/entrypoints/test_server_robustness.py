@@ -7,6 +7,7 @@ dead engine process (/health 503, open requests 500, `fastllm serve` exits 1).""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -456,8 +458,10 @@ def test_dead_engine_process_fails_open_requests_and_health():
         engine.shutdown()
 
 
-def test_fastllm_serve_exits_0_on_ctrl_c_with_its_engine_process_gone():
-    """uvicorn shuts down on SIGINT, then raises it again: that was a KeyboardInterrupt traceback."""
+@contextlib.contextmanager
+def serve_process():
+    """`fastllm serve` on a free port (the CPU): the process, its URL and its engine process's pid; killed at
+    the end if still running."""
     server = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", "0", "--device", "cpu",
                                "--num-gpu-blocks", "64"], stderr=subprocess.PIPE, text=True)
     try:
@@ -471,15 +475,48 @@ def test_fastllm_serve_exits_0_on_ctrl_c_with_its_engine_process_gone():
         core = subprocess.run(["pgrep", "-P", str(server.pid), "-f", "fastllm.engine.core_proc"],
                               capture_output=True, text=True).stdout.split()
         assert len(core) == 1
+        yield server, url, int(core[0])
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def test_fastllm_serve_exits_0_on_ctrl_c_with_its_engine_process_gone():
+    """uvicorn shuts down on SIGINT, then raises it again: that was a KeyboardInterrupt traceback."""
+    with serve_process() as (server, url, core):
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=60) == 0
         rest = server.stderr.read()
         assert "Traceback" not in rest and "Application shutdown complete" in rest, rest
         with pytest.raises(ProcessLookupError):
-            os.kill(int(core[0]), 0)
-    finally:
-        if server.poll() is None:
+            os.kill(core, 0)
+
+
+def test_an_engine_process_whose_server_was_killed_stops_at_once_and_removes_its_sockets():
+    """Its requests were generated on to their end for nobody (the parent was checked only while idle), and
+    the folder of its sockets, the killed server's to remove, stayed in /tmp."""
+    with serve_process() as (server, url, core):
+        folder = Path(re.search(r"ipc://(\S+)/in", Path(f"/proc/{core}/cmdline").read_text("latin-1").replace(
+            "\0", " ")).group(1))
+        assert folder.is_dir()
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "n": 4,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert next(r.iter_lines()).startswith("data: ")  # (generating)
             server.kill()
+            start = time.monotonic()
+            while not ended(core) and time.monotonic() - start < 60:
+                time.sleep(0.1)
+        assert ended(core) and time.monotonic() - start < 10, time.monotonic() - start
+        assert not folder.exists()
+
+
+def ended(pid: int) -> bool:
+    """Exited: gone, or a zombie (its parent was killed, and whoever adopted it may not reap it)."""
+    from fastllm.worker.executor import os_process_state
+
+    state = os_process_state(pid)
+    return state == "no such process" or "zombie" in state
 
 
 def test_fastllm_serve_exits_1_when_its_engine_dies():
