@@ -368,11 +368,15 @@ class MultiprocExecutor:
                              f"{self._exit_code(rank)})") from None
 
     def _exit_code(self, rank: int) -> int | str:
-        """A spawned worker's exit code, once its process is reaped (a closed connection comes first)."""
+        """A spawned worker's exit code, once its process is reaped (a closed connection comes first), waiting
+        up to 1 s. Polled: where the monitor thread reaps it first, this thread's wait finds no child and
+        returns before the monitor has stored the code."""
         proc = self.workers.procs.get(rank)
         if proc is None:
             return "unknown"
-        proc.join(timeout=1.0)
+        deadline = time.monotonic() + 1.0
+        while proc.exitcode is None and time.monotonic() < deadline:
+            proc.join(timeout=POLL_S)
         return proc.exitcode if proc.exitcode is not None else "none yet"
 
     def _send_all(self, payload: bytes) -> None:
