@@ -520,25 +520,6 @@ def ended(pid: int) -> bool:
 
 
 def test_fastllm_serve_exits_1_when_its_engine_dies():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", str(port), "--device",
-                               "cpu", "--num-gpu-blocks", "64", "--uvicorn-log-level", "warning"])
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "fastllm serve did not start"
-            try:
-                if healthy(f"http://127.0.0.1:{port}"):
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        core = subprocess.run(["pgrep", "-P", str(server.pid), "-f", "fastllm.engine.core_proc"],
-                              capture_output=True, text=True).stdout.split()
-        assert len(core) == 1
-        os.kill(int(core[0]), signal.SIGKILL)
+    with serve_process() as (server, url, core):
+        os.kill(core, signal.SIGKILL)
         assert server.wait(timeout=60) == 1
-    finally:
-        if server.poll() is None:
-            server.kill()
