@@ -15,7 +15,8 @@ of a beam search, which gives one output, its beams, when the search ends. A str
 most one output waiting: when its reader falls behind, DELTA outputs are merged into it (so a slow
 reader costs one wake-up per read, not one per token) and other kinds keep only the newest. A stream
 closed early, cancelled or dropped aborts its request. A request whose engine step failed raises
-RequestFailedError from its stream; the engine serves on. If the core dies, every stream raises
+RequestFailedError from its stream; the engine serves on. end_all() ends every open request (a server
+shutting down): each stream raises RequestCancelledError. If the core dies, every stream raises
 EngineDeadError, as does every later add_request, and `on_death` callbacks run (the server exits).
 """
 
@@ -47,7 +48,8 @@ from fastllm.sampling_params import BeamSearchParams, RequestOutputKind, Samplin
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestFailedError", "RequestStream"]
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestCancelledError", "RequestFailedError",
+           "RequestStream"]
 
 # Texts longer than this are tokenized on a worker thread (tokenizers releases the GIL), so a huge
 # prompt does not hold up the streams of others.
@@ -56,6 +58,10 @@ TOKENIZE_IN_THREAD_CHARS = 4096
 
 class RequestFailedError(RuntimeError):
     """The engine step that served this request raised; the engine goes on with the others."""
+
+
+class RequestCancelledError(RequestFailedError):
+    """The engine's owner ended this request before it finished (end_all: a server shutting down)."""
 
 
 class AsyncLLMEngine:
@@ -189,6 +195,15 @@ class AsyncLLMEngine:
             collector.put(_ABORTED)
             if self.errored is None:
                 self._abort_in_core([request_id])
+
+    def end_all(self, reason: str) -> None:
+        """End every open request now: each stream raises RequestCancelledError(reason), and the core
+        aborts them (frees their blocks)."""
+        ids = list(self._streams)
+        for request_id in ids:
+            self._drop(request_id).put(RequestCancelledError(reason))
+        if ids and self.errored is None:
+            self._abort_in_core(ids)
 
     def _abort_in_core(self, ids: list[str]) -> None:
         with contextlib.suppress(EngineDeadError):

@@ -256,7 +256,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "access-log lines already")
     return run_server(engine_kwargs(args), args.model, args.host, args.port, args.served_model_name,
                       args.chat_template, args.api_key, limits, log_requests=not args.disable_log_requests,
-                      uvicorn_log_level=args.uvicorn_log_level)
+                      uvicorn_log_level=args.uvicorn_log_level, shutdown_timeout=args.shutdown_timeout)
 
 
 def add_generate_parser(sub) -> None:
@@ -274,7 +274,7 @@ def add_generate_parser(sub) -> None:
 def add_serve_parser(sub) -> None:
     from dataclasses import fields
 
-    from fastllm.entrypoints.openai.limits import API_KEY_ENV, ServerLimits
+    from fastllm.entrypoints.openai.limits import API_KEY_ENV, SHUTDOWN_TIMEOUT_S, ServerLimits
     from fastllm.entrypoints.openai.limits import HELP as LIMITS_HELP
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)",
@@ -290,6 +290,9 @@ def add_serve_parser(sub) -> None:
     for limit in fields(ServerLimits):
         serve.add_argument("--" + limit.name.replace("_", "-"), type=int, default=limit.default,
                            help=_help(LIMITS_HELP[limit.name], limit.default))
+    serve.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
+                       help=_help("on SIGTERM or Ctrl-C, seconds open requests may run on before "
+                                  "they are ended with a 503", SHUTDOWN_TIMEOUT_S))
     serve.add_argument("--disable-log-requests", action="store_true", help="no access-log line per request")
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")

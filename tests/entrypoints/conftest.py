@@ -25,10 +25,21 @@ def serving(engine, **app_kwargs):
     from fastllm.entrypoints.openai.server import build_app
 
     app = build_app(engine, MODEL, **app_kwargs)
+    with on_thread(uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
+                                                 log_level="warning"))) as url:
+        yield url
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def on_thread(uv):
+    """A uvicorn.Server (of 127.0.0.1) run on a thread until the block ends; yields its URL."""
+    port = uv.config.port
     thread = threading.Thread(target=uv.run, daemon=True)
     thread.start()
     for _ in range(400):

@@ -197,6 +197,8 @@ def test_serve_refuses_a_chat_template_for_a_model_without_a_tokenizer(capsys, t
     (["--chat-template", "{% if"], "--chat-template does not compile"),  # (every chat request failed)
     (["--gpu-memory-utilization", "0.5"], "--gpu-memory-utilization sizes the KV pool"),  # (was: tracebacks)
     (["--host", "256.0.0.1"], "--host 256.0.0.1 is not an address to listen on"),  # (was: exit 3 at bind)
+    *[(["--shutdown-timeout", t], f"--shutdown-timeout must be a finite number of seconds >= 0, got {t}")
+      for t in ("-1.0", "nan", "inf")],
 ])
 def test_serve_refuses_bad_arguments_before_its_engine_starts(argv, message, capsys):
     assert main(["serve", "--device", "cpu", *argv]) == 2

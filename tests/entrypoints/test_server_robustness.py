@@ -35,7 +35,14 @@ from fastllm.entrypoints.openai.server import API_KEY_ENV, resolve_api_key  # no
 from tests.conftest import PROMPTS  # noqa: E402
 from tests.engine.engine_testing import wait_idle  # noqa: E402
 from tests.engine.test_bad_input import EXTREMES  # noqa: E402
-from tests.entrypoints.conftest import MODEL, TEMPLATE, serving, thread_engine  # noqa: E402
+from tests.entrypoints.conftest import (  # noqa: E402
+    MODEL,
+    TEMPLATE,
+    free_port,
+    on_thread,
+    serving,
+    thread_engine,
+)
 
 
 def post(url: str, path: str, body, **kwargs) -> httpx.Response:
@@ -429,6 +436,52 @@ def test_requests_cut_at_random_moments_under_preemption_leave_the_core_idle_and
     assert not errors, [(r.name, r.getMessage()) for r in errors]
 
 
+def test_shutdown_lets_requests_finish_until_its_timeout_then_ends_the_rest_with_503s(caplog):
+    """SIGTERM or Ctrl-C (uvicorn's should_exit): a request that finishes within the shutdown timeout is
+    served whole; those still open then end with a 503 (a stream: its error event, then [DONE]) and free
+    their blocks. uvicorn's own timeout used to cut them: streams without [DONE], CancelledError logged."""
+    from fastllm.entrypoints.openai.server import DrainingServer, build_app
+
+    caplog.set_level(logging.WARNING)
+    engine = thread_engine(num_gpu_blocks=64)
+    timeout = 1.0
+    server = DrainingServer(build_app(engine, MODEL), timeout, host="127.0.0.1", port=free_port(),
+                            log_level="warning")
+    long = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True}  # seconds on the CPU
+    try:
+        with on_thread(server) as url:
+            async def events(http, body):
+                async with http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+                    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+                            async for line in r.aiter_lines() if line.startswith("data: ")]
+
+            async def main():
+                async with httpx.AsyncClient(timeout=60) as http:
+                    whole = asyncio.ensure_future(http.post(url + "/v1/completions", json=long))
+                    streamed = asyncio.ensure_future(events(http, long))
+                    short = asyncio.ensure_future(events(http, {**long, "max_tokens": 3}))
+                    while len(engine._streams) < 3:  # all three taken
+                        await asyncio.sleep(0.01)
+                    server.should_exit = True
+                    start = time.monotonic()
+                    short = await short
+                    ends = await asyncio.gather(whole, streamed)
+                    return short, *ends, time.monotonic() - start
+
+            short, whole, streamed, took = asyncio.run(main())
+            assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
+            assert whole.status_code == 503
+            assert whole.json()["error"]["message"] == "the server is shutting down"
+            assert streamed[-1] == "[DONE]" and streamed[-2]["error"]["code"] == 503, streamed[-2:]
+            assert len(streamed) > 2 and "choices" in streamed[0]  # (it was generating)
+            assert timeout <= took < timeout + 3, took
+        wait_idle(engine)
+    finally:
+        engine.shutdown()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [(r.name, r.getMessage()) for r in errors]
+
+
 def test_dead_engine_process_fails_open_requests_and_health():
     engine = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=64)
     try:
@@ -459,11 +512,11 @@ def test_dead_engine_process_fails_open_requests_and_health():
 
 
 @contextlib.contextmanager
-def serve_process():
-    """`fastllm serve` on a free port (the CPU): the process, its URL and its engine process's pid; killed at
-    the end if still running."""
+def serve_process(*args: str):
+    """`fastllm serve` on a free port (the CPU), with args: the process, its URL and its engine process's
+    pid; killed at the end if still running."""
     server = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", "0", "--device", "cpu",
-                               "--num-gpu-blocks", "64"], stderr=subprocess.PIPE, text=True)
+                               "--num-gpu-blocks", "64", *args], stderr=subprocess.PIPE, text=True)
     try:
         lines = []
         for line in server.stderr:  # (its log: the address it took, then uvicorn's startup)
@@ -490,6 +543,23 @@ def test_fastllm_serve_exits_0_on_ctrl_c_with_its_engine_process_gone():
         assert "Traceback" not in rest and "Application shutdown complete" in rest, rest
         with pytest.raises(ProcessLookupError):
             os.kill(core, 0)
+
+
+def test_fastllm_serve_on_sigterm_ends_an_open_stream_with_a_503_and_exits_0():
+    """The stream was cut after uvicorn's 5 s, without [DONE], and the server logged CancelledErrors."""
+    with serve_process("--shutdown-timeout", "0.5") as (server, url, core):
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # (generating: seconds on the CPU)
+            server.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", events[-2:]
+        assert json.loads(events[-2][6:])["error"]["code"] == 503, events[-2:]
+        assert server.wait(timeout=60) == 0
+        rest = server.stderr.read()
+        assert "Traceback" not in rest and "ERROR" not in rest, rest
+        assert "Application shutdown complete" in rest, rest
 
 
 def test_an_engine_process_whose_server_was_killed_stops_at_once_and_removes_its_sockets():

@@ -1,8 +1,9 @@
-"""What one request to `fastllm serve` may ask for (each limit a flag of the command, same name), and
-who may ask: the API key's environment variable."""
+"""What one request to `fastllm serve` may ask for (each limit a flag of the command, same name), who may
+ask (the API key's environment variable), and how long open requests may run on at shutdown."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 
@@ -20,6 +21,12 @@ class ServerLimits:
 
 
 API_KEY_ENV = "FASTLLM_API_KEY"  # --api-key's default
+SHUTDOWN_TIMEOUT_S = 5.0  # --shutdown-timeout's default
+
+
+def check_shutdown_timeout(seconds: float) -> None:
+    if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and 0 <= seconds < math.inf):
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
 
 HELP = {
     "max_request_bytes": "largest request body in bytes (413 above it)",

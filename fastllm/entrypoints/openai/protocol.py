@@ -25,6 +25,9 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.kind, self.param = status, kind, param
 
+    def body(self) -> dict:
+        return error_body(self.status, str(self), self.kind, self.param)
+
 
 def error_body(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

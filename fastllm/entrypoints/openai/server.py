@@ -10,7 +10,9 @@ core runs in a process of its own (AsyncLLMEngine). Each prompt of a request is 
 n samples forked inside the engine). All are taken before the response starts, so bad input is an HTTP
 400 with OpenAI's error body naming the field, never a broken stream; a failed engine step is a 500 for
 its requests only. If the engine process dies, /health turns 503, open requests fail with 500 and the
-server exits with a non-zero code (run_server), so a supervisor can restart it.
+server exits with a non-zero code (run_server), so a supervisor can restart it. On SIGTERM or Ctrl-C it
+stops listening, lets open requests run for --shutdown-timeout seconds and then ends those left with a 503
+(a stream: an error event and [DONE]), and exits 0.
 
 Streaming is the hot path, one SSE event per engine step per request: the chunks are written as bytes
 with msgspec (no pydantic), and a request's reader that falls behind reads merged deltas. A client that
@@ -25,6 +27,7 @@ import functools
 import hmac
 import logging
 import os
+import signal
 import socket
 import time
 import uuid
@@ -34,13 +37,25 @@ from typing import Any
 
 import jinja2
 import msgspec
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
-from fastllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError, RequestStream
+from fastllm.engine.async_llm_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestCancelledError,
+    RequestFailedError,
+    RequestStream,
+)
 from fastllm.engine.detokenizer import IncrementalDetokenizer, text_bytes
-from fastllm.entrypoints.openai.limits import API_KEY_ENV, ServerLimits
+from fastllm.entrypoints.openai.limits import (
+    API_KEY_ENV,
+    SHUTDOWN_TIMEOUT_S,
+    ServerLimits,
+    check_shutdown_timeout,
+)
 from fastllm.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -59,6 +74,8 @@ logger = logging.getLogger(__name__)
 _Add = Callable[[str, Any], Awaitable[RequestStream]]
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+ENDED_RESPONSES_S = 5.0  # after the requests are ended, how long their responses may take to be sent
+SHUTTING_DOWN = "the server is shutting down"
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
 
@@ -82,7 +99,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, chat_template: str
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(error_body(e.status, str(e), e.kind, e.param), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(ValueError)
     async def _bad_value(request: Request, e: ValueError):
@@ -204,6 +221,12 @@ class _Server:
         self.max_model_len = engine.max_model_len
         self.metrics = ServingMetrics(engine)
         self.created = int(time.time())
+        self.ended = False  # the server is shutting down and has ended its open requests
+
+    def end_requests(self) -> None:
+        """Shutting down: end every open request (503) and refuse any still being taken."""
+        self.ended = True
+        self.engine.end_all(SHUTTING_DOWN)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fastllm",
@@ -340,7 +363,7 @@ class _Server:
             for reader in readers:  # the other prompts' output would go unread: abort them
                 reader.cancel()
             self.metrics.requests.labels(finish_reason="error").inc(shape.n * len(streams))
-            raise APIError(500, str(e), "InternalServerError") from None
+            raise _failure(e) from None
         for out in outs:
             self._record(out, arrival)
         return Response(msgspec.json.encode(shape.full(outs)), media_type="application/json")
@@ -352,6 +375,8 @@ class _Server:
             for i, prompt in enumerate(prompts):
                 request_id = response_id if len(prompts) == 1 else f"{response_id}-{i}"
                 streams.append(await add(request_id, prompt))
+            if self.ended:  # (taken while end_requests ran: nothing would end it)
+                raise APIError(503, SHUTTING_DOWN, "ServiceUnavailableError")
         except BaseException as e:
             for stream in streams:
                 await stream.aclose()
@@ -387,7 +412,7 @@ class _Server:
             yield b"data: [DONE]\n\n"
         except (RequestFailedError, EngineDeadError) as e:
             failed = True
-            yield _sse(error_body(500, str(e), "InternalServerError"))
+            yield _sse(_failure(e).body())
             yield b"data: [DONE]\n\n"
         finally:  # done, failed, or the client went away (then this closes the stream: an abort)
             await stream.aclose()
@@ -425,7 +450,7 @@ class _Server:
                     open_streams -= 1
                     prompt_tokens, completion_tokens = prompt_tokens + item[0], completion_tokens + item[1]
                 elif isinstance(item, Exception):
-                    yield _sse(error_body(500, str(item), "InternalServerError"))
+                    yield _sse(_failure(item).body())
                     break
                 elif chunk := shape.chunk(index, item):
                     yield chunk
@@ -499,6 +524,13 @@ class _EventStream(Response):
         finally:
             watcher.cancel()
             await self.chunks.aclose()
+
+
+def _failure(e: Exception) -> APIError:
+    """A request the engine did not finish: 503 if the server ended it (shutting down), else 500."""
+    if isinstance(e, RequestCancelledError):
+        return APIError(503, str(e), "ServiceUnavailableError")
+    return APIError(500, str(e), "InternalServerError")
 
 
 def _sse(payload) -> bytes:
@@ -701,6 +733,25 @@ def _completion_logprobs(o: CompletionOutput, text_offset: int, echo: _Echo | No
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's Server, whose shutdown (SIGTERM, Ctrl-C) gives open requests shutdown_timeout seconds to
+    finish and then ends those left through the engine: a stream gets a 503 error event and [DONE], a whole
+    response a 503. (uvicorn alone would cancel their tasks mid-write after its own timeout.)"""
+
+    def __init__(self, app: FastAPI, shutdown_timeout: float, **config):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + ENDED_RESPONSES_S,
+                                        **config))
+        self.app_server: _Server = app.state.server
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        ender = asyncio.get_running_loop().call_later(self.shutdown_timeout, self.app_server.end_requests)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ender.cancel()
+
+
 def log_fast_path() -> None:
     """Say which event loop and HTTP parser uvicorn will use: uvloop and httptools (the `serve` extra)
     cost less per streamed token than asyncio's loop and h11."""
@@ -764,18 +815,26 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Terminated(Exception):
+    """SIGTERM, as KeyboardInterrupt is SIGINT."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated
+
+
 def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, served_model_name: str | None,
                chat_template: str | None, api_key: str | None = None, limits: ServerLimits = ServerLimits(),
-               log_requests: bool = True, uvicorn_log_level: str = "info") -> int:
+               log_requests: bool = True, uvicorn_log_level: str = "info",
+               shutdown_timeout: float = SHUTDOWN_TIMEOUT_S) -> int:
     """Serve until stopped; returns the exit code (1 when the engine process died)."""
-    import uvicorn
-
     from fastllm.config import EngineConfig, has_tokenizer
     from fastllm.entrypoints.process_setup import prepare_gc_for_serving
     from fastllm.worker.worker import device_type
 
     chat_template = read_chat_template(chat_template)
     api_key = resolve_api_key(api_key)
+    check_shutdown_timeout(shutdown_timeout)
     config = EngineConfig.from_kwargs(model, **engine_kwargs)  # a bad argument fails before the engine starts
     config.check_device_args(device_type(config))  # (the engine process checks them again, with tracebacks)
     if chat_template and not has_tokenizer(config.model.tokenizer or config.model.model):
@@ -790,18 +849,21 @@ def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, ser
         app = build_app(engine, served_model_name or served_name(model), chat_template, limits, api_key,
                         shutdown_engine=True)
         log_fast_path()
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                                               access_log=log_requests, timeout_graceful_shutdown=5))
+        server = DrainingServer(app, shutdown_timeout, host=host, port=port, log_level=uvicorn_log_level,
+                                access_log=log_requests)
         engine.on_death(lambda reason: setattr(server, "should_exit", True))
         bound = sock.getsockname()[1]
         # (uvicorn logs its address only for sockets it binds itself)
         logging.getLogger("uvicorn.error").info("Serving on http://%s:%d (Press CTRL+C to quit)",
                                                 f"[{host}]" if ":" in host else host, bound)
+        # uvicorn shuts down on SIGINT / SIGTERM, then raises the signal again: done, and exit 0
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             server.run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn shut down on a Ctrl-C, then raised it again: done, as its own CLI
+        except (KeyboardInterrupt, _Terminated):
             pass
         finally:
+            signal.signal(signal.SIGTERM, previous)
             engine.shutdown()  # if the app never started
     if engine.errored is not None:
         logger.error("exiting: %s", engine.errored)
