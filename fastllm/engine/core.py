@@ -56,6 +56,7 @@ class EngineCore:
         self._samples: dict[str, list[str]] = {}  # request id -> its samples' ids
         self._live: dict[str, tuple[str, Request]] = {}  # sample id -> (request id, the sample)
         self.last_step_wait_s = 0.0  # the last step()'s wait for the GPU (bench: host = step - wait)
+        self._finished_work = [0, 0]  # tokens, requests of the steps the last step() finished (its log)
         self.stats = SchedulerStats()
         self._kernel_compiles = process_watch()  # kernels first met by a step (a JIT stall)
         self._compiles_seen = self._compiles_now()  # (Triton kernels, torch.compile graphs) so far
@@ -129,6 +130,7 @@ class EngineCore:
         next step is scheduled from their proposals)."""
         start, cpu_start = time.perf_counter(), time.thread_time()
         self.last_step_wait_s = 0.0
+        self._finished_work = [0, 0]
         outputs = []
         while self._in_flight and (self._in_flight[0][1].done  # a speculative step
                                    or self.scheduler.beams_wait_for_steps_in_flight()):
@@ -168,6 +170,8 @@ class EngineCore:
 
     def _finish(self, scheduler_output: SchedulerOutput,
                 runner_output: AsyncRunnerOutput) -> list[EngineCoreOutput]:
+        self._finished_work[0] += scheduler_output.total_num_scheduled_tokens
+        self._finished_work[1] += len(scheduler_output.num_scheduled_tokens)
         try:
             with nvtx_range("wait_tokens"):
                 result = runner_output.result()
@@ -244,9 +248,11 @@ class EngineCore:
                            ", ".join(kernels) or "none")
         if seconds > SLOW_STEP_SECONDS:
             s.num_slow_steps += 1
-            logger.warning("a step took %.2f s: %d tokens of %d requests, %d compiles", seconds,
+            # (with async scheduling the time is mostly the earlier step's that it waited for)
+            logger.warning("a step took %.2f s: it launched %d tokens of %d requests and finished %d tokens "
+                           "of %d requests, %d compiles", seconds,
                            scheduler_output.total_num_scheduled_tokens,
-                           len(scheduler_output.num_scheduled_tokens), compiles)
+                           len(scheduler_output.num_scheduled_tokens), *self._finished_work, compiles)
         if not scheduler_output.is_empty:
             s.num_steps += 1
             s.num_scheduled_requests += len(scheduler_output.num_scheduled_tokens)

@@ -4,6 +4,7 @@ SchedulerStats (the server's /metrics, `bench serving`'s columns) and logged."""
 from __future__ import annotations
 
 import logging
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -46,7 +47,14 @@ def test_slow_steps_and_compiles_are_counted_and_logged(monkeypatch, caplog):
     assert core.stats.num_compiles == 3
     assert 4 <= core.stats.num_slow_steps <= steps
     assert any(r.getMessage() == "a step compiled 2 kernels or graphs (Triton: _new_kernel)" for r in caplog.records)
-    assert sum("a step took" in r.getMessage() for r in caplog.records) == core.stats.num_slow_steps
+    slow = [re.fullmatch(r"a step took [\d.]+ s: it launched (\d+) tokens of (\d+) requests and finished "
+                         r"(\d+) tokens of (\d+) requests, \d+ compiles", r.getMessage())
+            for r in caplog.records if "a step took" in r.getMessage()]
+    assert len(slow) == core.stats.num_slow_steps and all(slow)
+    # Each step's work is named once as launched and once as finished (it said launched only: a step that
+    # waited out an earlier one's work could read "0 tokens of 0 requests").
+    launched, finished = ([sum(int(m.group(i)) for m in slow) for i in group] for group in ((1, 2), (3, 4)))
+    assert launched == finished and launched[0] >= 5 + 3, (launched, finished)  # prompt + 3 decode tokens
     llm.engine.check_kv_pool_whole()
 
 
