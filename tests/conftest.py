@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,16 @@ def allow_fp8_kv_cache_on_cpu(monkeypatch):
     from fastllm.layers import fp8
 
     monkeypatch.setattr(fp8, "check_kv_cache_device", lambda device: None)
+
+
+@contextlib.contextmanager
+def python_sigint_handler():
+    """SIGINT raising KeyboardInterrupt in this test process, as in a script (a test runner may ignore it)."""
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, saved)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,12 @@ def interrupt_after_step():
     signal.signal(signal.SIGINT, handler)
     try:
         yield
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        if pending:  # the block failed too: the Ctrl-C still stops the caller, the error its context
+            raise KeyboardInterrupt
+        raise
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if pending:

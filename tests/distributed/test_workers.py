@@ -5,7 +5,6 @@ processes and calls no collective."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 from fastllm import SamplingParams
 from fastllm.distributed import communication
 from fastllm.worker.executor import os_process_state
-from tests.conftest import PROMPTS, STORIES, cached_llm
+from tests.conftest import PROMPTS, STORIES, cached_llm, python_sigint_handler
 from tests.distributed.conftest import (SMALL_KV, forget_parallel_llm, shutdown_parallel_llm,
                                        start_parallel_llm)
 
@@ -155,16 +154,6 @@ def test_a_refused_second_engine_leaves_the_first_one_whole(second):
         assert after == before
     finally:
         shutdown_parallel_llm(llm)
-
-
-@contextlib.contextmanager
-def python_sigint_handler():
-    """SIGINT raising KeyboardInterrupt in this test process, as in a script (a test runner may ignore it)."""
-    saved = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, saved)
 
 
 @pytest.mark.timeout(120, method="thread")  # (the old code could hang inside a collective)
