@@ -459,21 +459,23 @@ def test_shutdown_lets_requests_finish_until_its_timeout_then_ends_the_rest_with
                 async with httpx.AsyncClient(timeout=60) as http:
                     whole = asyncio.ensure_future(http.post(url + "/v1/completions", json=long))
                     streamed = asyncio.ensure_future(events(http, long))
+                    two = asyncio.ensure_future(events(http, {**long, "prompt": ["Once", "The dog"]}))
                     short = asyncio.ensure_future(events(http, {**long, "max_tokens": 3}))
-                    while len(engine._streams) < 3:  # all three taken
+                    while len(engine._streams) < 5:  # all taken
                         await asyncio.sleep(0.01)
                     server.should_exit = True
                     start = time.monotonic()
                     short = await short
-                    ends = await asyncio.gather(whole, streamed)
+                    ends = await asyncio.gather(whole, streamed, two)
                     return short, *ends, time.monotonic() - start
 
-            short, whole, streamed, took = asyncio.run(main())
+            short, whole, streamed, two, took = asyncio.run(main())
             assert short[-1] == "[DONE]" and short[-2]["choices"][0]["finish_reason"] == "length"
             assert whole.status_code == 503
             assert whole.json()["error"]["message"] == "the server is shutting down"
             assert streamed[-1] == "[DONE]" and streamed[-2]["error"]["code"] == 503, streamed[-2:]
             assert len(streamed) > 2 and "choices" in streamed[0]  # (it was generating)
+            assert two[-1] == "[DONE]" and two[-2]["error"]["code"] == 503, two[-2:]  # (two prompts)
             assert timeout <= took < timeout + 3, took
         wait_idle(engine)
     finally:
