@@ -459,7 +459,8 @@ def test_shutdown_lets_requests_finish_until_its_timeout_then_ends_the_rest_with
                 async with httpx.AsyncClient(timeout=60) as http:
                     whole = asyncio.ensure_future(http.post(url + "/v1/completions", json=long))
                     streamed = asyncio.ensure_future(events(http, long))
-                    two = asyncio.ensure_future(events(http, {**long, "prompt": ["Once", "The dog"]}))
+                    two = asyncio.ensure_future(events(http, {**long, "prompt": ["Once", "The dog"],
+                                                              "stream_options": {"include_usage": True}}))
                     short = asyncio.ensure_future(events(http, {**long, "max_tokens": 3}))
                     while len(engine._streams) < 5:  # all taken
                         await asyncio.sleep(0.01)
@@ -475,7 +476,9 @@ def test_shutdown_lets_requests_finish_until_its_timeout_then_ends_the_rest_with
             assert whole.json()["error"]["message"] == "the server is shutting down"
             assert streamed[-1] == "[DONE]" and streamed[-2]["error"]["code"] == 503, streamed[-2:]
             assert len(streamed) > 2 and "choices" in streamed[0]  # (it was generating)
-            assert two[-1] == "[DONE]" and two[-2]["error"]["code"] == 503, two[-2:]  # (two prompts)
+            # (two prompts; a usage chunk followed the error, which a client took for the end)
+            assert two[-1] == "[DONE]" and two[-2]["error"]["code"] == 503, two[-2:]
+            assert sum("error" in e for e in two[:-1]) == 1 and not any("usage" in e for e in two[:-1])
             assert timeout <= took < timeout + 3, took
         wait_idle(engine)
     finally:

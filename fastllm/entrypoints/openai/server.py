@@ -448,9 +448,10 @@ class _Server:
                 if isinstance(item, tuple):  # that prompt's stream ended: its usage
                     open_streams -= 1
                     prompt_tokens, completion_tokens = prompt_tokens + item[0], completion_tokens + item[1]
-                elif isinstance(item, Exception):
+                elif isinstance(item, Exception):  # as _stream_one: the error, then [DONE] (no usage)
                     yield sse(_failure(item).body())
-                    break
+                    yield b"data: [DONE]\n\n"
+                    return
                 elif chunk := shape.chunk(index, item):
                     yield chunk
             if include_usage:
