@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +94,11 @@ class AsyncLLMEngine:
         self.stats = SchedulerStats()  # the core's, after its last step
         self.errored: EngineDeadError | None = None
         self._streams: dict[str, _Collector] = {}
+        # The core knows each request as "<k>:<request id>", k new for every request sent: an id may be used
+        # again as soon as its request has ended here, while the core may still send outputs of the old one
+        # (until the abort, or the stop a stop string found here, reaches it). Those are dropped by their k.
+        self._incarnations = itertools.count()
+        self._live: dict[str, str] = {}  # k -> request id, while its stream is open
         self._death_callbacks: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self.client.on_message = self._on_message
@@ -163,8 +169,10 @@ class AsyncLLMEngine:
     def _send(self, request_id: str, message: EngineCoreRequest | BeamSearchRequest,
               merge: bool) -> "RequestStream":
         """Send what the output processor has just taken in; the stream of its outputs."""
-        collector = _Collector(asyncio.get_running_loop(), merge)
+        collector = _Collector(asyncio.get_running_loop(), merge, str(next(self._incarnations)))
         self._streams[request_id] = collector
+        self._live[collector.k] = request_id
+        message.request_id = collector.core_id(request_id)
         try:
             self.client.send(message)
         except BaseException:  # not sent: nothing of it may stay here
@@ -190,28 +198,35 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Stop a request: its stream ends without a final output, its blocks are freed; unknown ids are
         ignored. (A consumer that stops iterating aborts its request itself.)"""
-        collector = self._drop(request_id)
-        if collector is not None:
-            collector.put(_ABORTED)
-            if self.errored is None:
-                self._abort_in_core([request_id])
+        self._end(request_id, _ABORTED)
 
     def end_all(self, reason: str) -> None:
         """End every open request now: each stream raises RequestCancelledError(reason), and the core
         aborts them (frees their blocks)."""
-        ids = list(self._streams)
-        for request_id in ids:
-            self._drop(request_id).put(RequestCancelledError(reason))
-        if ids and self.errored is None:
-            self._abort_in_core(ids)
+        for request_id in list(self._streams):
+            self._end(request_id, RequestCancelledError(reason))
 
-    def _abort_in_core(self, ids: list[str]) -> None:
-        with contextlib.suppress(EngineDeadError):
-            self.client.send(Abort(ids))
+    def _end(self, request_id: str, end, collector: "_Collector | None" = None) -> None:
+        """End the open request request_id (only if its stream is `collector`, when given): its stream
+        reads `end`, the core aborts it."""
+        if collector is not None and self._streams.get(request_id) is not collector:
+            return  # ended already; the id may be another request's by now
+        collector = self._drop(request_id)
+        if collector is not None:
+            collector.put(end)
+            self._abort_in_core([collector.core_id(request_id)])
+
+    def _abort_in_core(self, core_ids: list[str]) -> None:
+        if self.errored is None:
+            with contextlib.suppress(EngineDeadError):
+                self.client.send(Abort(core_ids))
 
     def _drop(self, request_id: str) -> "_Collector | None":
         self.output_processor.abort(request_id)
-        return self._streams.pop(request_id, None)
+        collector = self._streams.pop(request_id, None)
+        if collector is not None:
+            del self._live[collector.k]
+        return collector
 
     async def call_core(self, method: str, *args):
         """An EngineCore utility (core_proc.UTILITIES), e.g. "is_idle"."""
@@ -244,18 +259,32 @@ class AsyncLLMEngine:
         self.stats = message.stats
         if not message.outputs and not message.beam_searches:
             return
-        outputs, to_stop = self.output_processor.process(message.outputs)
-        if to_stop and self.errored is None:
-            self._abort_in_core(to_stop)
-        outputs += self.output_processor.process_beam_searches(message.beam_searches)
+        core_ids = {}  # of this message's live samples: their ids here -> the core's
+        samples = self._live_outputs(message.outputs, core_ids)
+        outputs, to_stop = self.output_processor.process(samples)
+        if to_stop:
+            self._abort_in_core([core_ids[sample_id] for sample_id in to_stop])
+        searches = self._live_outputs(message.beam_searches, core_ids)
+        outputs += self.output_processor.process_beam_searches(searches)
         streams = self._streams
         for out in outputs:
             collector = streams.get(out.request_id)
             if collector is None:
                 continue
             if out.finished:
-                del streams[out.request_id]
+                del streams[out.request_id], self._live[collector.k]
             collector.put(RequestFailedError(out.error) if out.error is not None else out)
+
+    def _live_outputs(self, outputs: list, core_ids: dict[str, str]) -> list:
+        """The outputs of requests still open here, under their own ids (core_ids: each one's core id); a
+        late output of an ended request is dropped."""
+        live = []
+        for out in outputs:
+            k, _, own_id = out.request_id.partition(":")
+            if k in self._live:
+                core_ids[own_id], out.request_id = out.request_id, own_id
+                live.append(out)
+        return live
 
     def _on_death(self, reason: str) -> None:
         self.errored = EngineDeadError(reason)
@@ -263,6 +292,7 @@ class AsyncLLMEngine:
             self.output_processor.abort(request_id)
             collector.put(self.errored)
         self._streams.clear()
+        self._live.clear()
         for callback in self._death_callbacks:
             callback(reason)
 
@@ -277,10 +307,10 @@ _ABORTED = object()  # a stream's end without a final output
 class _Collector:
     """The outputs of one request not read yet: at most one (vLLM's RequestOutputCollector)."""
 
-    __slots__ = ("loop", "merge", "item", "waiter")
+    __slots__ = ("loop", "merge", "k", "item", "waiter")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, merge: bool):
-        self.loop, self.merge = loop, merge
+    def __init__(self, loop: asyncio.AbstractEventLoop, merge: bool, k: str):
+        self.loop, self.merge, self.k = loop, merge, k  # k: the request's number in the core's ids
         self.item = None  # a RequestOutput, an exception or _ABORTED
         self.waiter: asyncio.Future | None = None
 
@@ -300,6 +330,10 @@ class _Collector:
                 waiter.set_result(None)
             except RuntimeError:  # its loop is closed: nobody will read this
                 pass
+
+    def core_id(self, sample_id: str) -> str:
+        """The core's id of this request (its request id) or of one of its samples."""
+        return f"{self.k}:{sample_id}"
 
     async def get(self):
         while self.item is None:
@@ -355,13 +389,13 @@ class RequestStream:
     async def aclose(self) -> None:
         if not self.finished:
             self.finished = True
-            self.engine.abort(self.request_id)
+            self.engine._end(self.request_id, _ABORTED, self._collector)
 
     def __del__(self):
         if not self.finished:
             try:
                 loop = self._collector.loop
                 if not loop.is_closed():
-                    loop.call_soon_threadsafe(self.engine.abort, self.request_id)
+                    loop.call_soon_threadsafe(self.engine._end, self.request_id, _ABORTED, self._collector)
             except Exception:
                 pass

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import time
 
 import pytest
 
@@ -154,6 +156,50 @@ def test_failed_step_fails_its_request_and_the_engine_serves_on(engine):
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
     assert engine.errored is None
+    wait_idle(engine)
+
+
+def test_an_id_used_again_at_once_gets_only_its_own_outputs(engine):
+    """A request id is free again as soon as its request has ended here, while the core may still send
+    outputs of the old request (until the abort, or the stop for a stop string found here, reaches it):
+    those went to the new request (a stream that began with another prompt's tokens), and a dropped stream
+    of the old request, collected later, aborted the new one."""
+    short = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = cached_llm(device="cpu", dtype="float32").generate(PROMPTS[1], short, use_tqdm=False)[0]
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+
+    async def again(request_id: str) -> list[int]:
+        outs = await collect(engine, PROMPTS[1], short, request_id)
+        assert outs and outs[-1].finished, "the new request was aborted"
+        return outs[-1].outputs[0].token_ids
+
+    async def main():
+        got = []
+        for end in (lambda: engine.abort("a"), lambda: engine.end_all("ended")):
+            stream = await engine.add_request("a", PROMPTS[0], long)
+            await anext(stream)
+            time.sleep(0.1)  # the loop busy a moment: the old request's outputs queue up meanwhile
+            end()
+            got.append(await again("a"))
+        for _ in range(5):  # ended here by a stop string, which the core learns of a message later
+            stopped = SamplingParams(temperature=0, max_tokens=200, stop=["park"])
+            outs = await collect(engine, PROMPTS[0], stopped, "b")
+            assert outs[-1].outputs[0].finish_reason == "stop"
+            got.append(await again("b"))
+        stream = await engine.add_request("c", PROMPTS[0], long)
+        engine.abort("c")
+        cycle = [stream, None]
+        cycle[1] = cycle  # (collected only by a later gc run)
+        del stream, cycle
+        new = await engine.add_request("c", PROMPTS[1], short)
+        first = await anext(new)
+        gc.collect()  # the old stream's __del__ aborted "c": the new request
+        outs = [first] + [out async for out in new]
+        assert outs[-1].finished, "the new request was aborted"
+        got.append(outs[-1].outputs[0].token_ids)
+        return got
+
+    assert asyncio.run(main()) == [want.outputs[0].token_ids] * 8
     wait_idle(engine)
 
 

@@ -508,7 +508,8 @@ def test_request_ids_are_unique_including_samples():
 
 
 class PoisonedStep:
-    """Make the first step that schedules `poison` raise: at launch, or when its tokens are read."""
+    """Make the first step that schedules `poison` raise: at launch, or when its tokens are read. (Under an
+    AsyncLLMEngine the core knows the request as "<k>:poison".)"""
 
     def __init__(self, engine, poison: str, when: str):
         self.worker, self.poison, self.when = engine.worker, poison, when
@@ -517,7 +518,8 @@ class PoisonedStep:
 
     def __enter__(self):
         def execute(sched):
-            poisoned = self.poison in sched.num_scheduled_tokens and not self.failures
+            poisoned = not self.failures and any(r == self.poison or r.endswith(":" + self.poison)
+                                                 for r in sched.num_scheduled_tokens)
             if poisoned and self.when == "launch":
                 self.failures += 1
                 raise RuntimeError("planted launch failure")
