@@ -31,7 +31,6 @@ class IncrementalDetokenizer:
         self.context = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # the last tokens, for render()
         self.stream = DecodeStream(ids=list(self.context), skip_special_tokens=skip_special_tokens)
         self.stop = stop
-        self.max_stop = max((len(s) for s in stop), default=0)
         self.include_stop = include_stop_str_in_output
         self.min_tokens = min_tokens
         self.num_tokens = 0
@@ -49,11 +48,13 @@ class IncrementalDetokenizer:
         self.last_piece = piece
         if not piece:
             return None
-        start = max(0, len(self.text) - self.max_stop + 1)
+        before = len(self.text)
         self.text += piece
         if self.stop and self.num_tokens >= self.min_tokens:
             for stop in self.stop:
-                index = self.text.find(stop, start)
+                # only a stop that ends in this piece: one wholly before it was found then, or came before
+                # min_tokens (and was streamed)
+                index = self.text.find(stop, max(0, before - len(stop) + 1))
                 if index != -1:
                     self.text = self.text[:index + (len(stop) if self.include_stop else 0)]
                     self.held = 0

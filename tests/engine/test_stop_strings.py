@@ -62,3 +62,13 @@ def test_stop_string_waits_for_min_tokens_and_wins_on_the_last_token():
     second = plain.text.find("Lily", first + 4)
     assert second != -1, "the test needs a second Lily within 60 tokens"
     assert out.text == plain.text[:second] and out.finish_reason == "stop" and out.stop_reason == "Lily"
+
+
+def test_a_stop_met_before_min_tokens_is_not_found_later_in_a_longer_stops_window():
+    """Stops of different lengths: each new token's search looked back as far as the longest stop needs, so a
+    short stop that appeared (and was streamed) before min_tokens was found a few tokens later, and the
+    text was cut behind what had been streamed (the deltas joined to more than the final text)."""
+    params = SamplingParams(temperature=0, max_tokens=40, min_tokens=4, stop=["a", "xyz-never"])
+    final = cached_llm().generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+    outs = stream(params, PROMPTS[0])
+    assert "".join(o.outputs[0].text for o in outs) == final.text and final.finish_reason == "stop"
