@@ -93,6 +93,7 @@ class AsyncLLMEngine:
         self.output_processor = OutputProcessor(tokenizer)
         self.stats = SchedulerStats()  # the core's, after its last step
         self.errored: EngineDeadError | None = None
+        self._shut_down = False
         self._streams: dict[str, _Collector] = {}
         # The core knows each request as "<k>:<request id>", k new for every request sent: an id may be used
         # again as soon as its request has ended here, while the core may still send outputs of the old one
@@ -230,12 +231,14 @@ class AsyncLLMEngine:
 
     async def call_core(self, method: str, *args):
         """An EngineCore utility (core_proc.UTILITIES), e.g. "is_idle"."""
+        self._check_alive()
         self.attach()
         return await self.client.call(method, *args)
 
     def shutdown(self) -> None:
         for request_id in list(self._streams):
             self.abort(request_id)
+        self._shut_down = True
         self.client.shutdown()
         self._tokenizer_thread.shutdown(wait=False)
 
@@ -299,6 +302,8 @@ class AsyncLLMEngine:
     def _check_alive(self) -> None:
         if self.errored is not None:
             raise self.errored
+        if self._shut_down:  # (its sockets are closed: ZeroMQ's own error said nothing of why)
+            raise EngineDeadError("the engine was shut down")
 
 
 _ABORTED = object()  # a stream's end without a final output

@@ -203,6 +203,20 @@ def test_an_id_used_again_at_once_gets_only_its_own_outputs(engine):
     wait_idle(engine)
 
 
+def test_a_shut_down_engine_refuses_requests_by_saying_so():
+    """They raised ZeroMQ's "Socket operation on non-socket"."""
+    engine = in_thread(num_gpu_blocks=64)
+    engine.shutdown()
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="the engine was shut down"):
+            await engine.add_request("late", PROMPTS[0], greedy())
+        with pytest.raises(EngineDeadError, match="the engine was shut down"):
+            await engine.call_core("is_idle")
+    asyncio.run(main())
+    assert not engine._streams and not engine.output_processor.groups
+
+
 def test_slow_reader_gets_merged_deltas(engine):
     """A reader that does not keep up reads fewer outputs, each carrying every token since its last
     read; together they are the whole text and tokens."""
