@@ -99,7 +99,7 @@ class AsyncLLMEngine:
         # again as soon as its request has ended here, while the core may still send outputs of the old one
         # (until the abort, or the stop a stop string found here, reaches it). Those are dropped by their k.
         self._incarnations = itertools.count()
-        self._live: dict[str, str] = {}  # k -> request id, while its stream is open
+        self._live: set[str] = set()  # the k of each request whose stream is open
         self._death_callbacks: list[Callable[[str], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self.client.on_message = self._on_message
@@ -172,7 +172,7 @@ class AsyncLLMEngine:
         """Send what the output processor has just taken in; the stream of its outputs."""
         collector = _Collector(asyncio.get_running_loop(), merge, str(next(self._incarnations)))
         self._streams[request_id] = collector
-        self._live[collector.k] = request_id
+        self._live.add(collector.k)
         message.request_id = collector.core_id(request_id)
         try:
             self.client.send(message)
@@ -226,7 +226,7 @@ class AsyncLLMEngine:
         self.output_processor.abort(request_id)
         collector = self._streams.pop(request_id, None)
         if collector is not None:
-            del self._live[collector.k]
+            self._live.remove(collector.k)
         return collector
 
     async def call_core(self, method: str, *args):
@@ -275,7 +275,8 @@ class AsyncLLMEngine:
             if collector is None:
                 continue
             if out.finished:
-                del streams[out.request_id], self._live[collector.k]
+                del streams[out.request_id]
+                self._live.remove(collector.k)
             collector.put(RequestFailedError(out.error) if out.error is not None else out)
 
     def _live_outputs(self, outputs: list, core_ids: dict[str, str]) -> list:
