@@ -28,6 +28,7 @@ def check_shutdown_timeout(seconds: float) -> None:
     if isinstance(seconds, bool) or not (isinstance(seconds, (int, float)) and 0 <= seconds < math.inf):
         raise ValueError(f"--shutdown-timeout must be a finite number of seconds >= 0, got {seconds!r}")
 
+
 HELP = {
     "max_request_bytes": "largest request body in bytes (413 above it)",
     "max_n": "most samples (n) per prompt",
