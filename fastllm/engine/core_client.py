@@ -136,7 +136,13 @@ class EngineCoreClient:
         self._core = start(input_address, output_address)
         self._finalizer = weakref.finalize(self, _release, self._core, self._dir, self._context, self._input,
                                            self._output)
-        self.ready = self._wait_ready()
+        try:
+            self.ready = self._wait_ready()
+        except BaseException:  # (also Ctrl-C, or a SIGTERM handler's exception, while the core starts)
+            self._closing = True
+            self._core.stop(timeout=0)  # a core building its engine reads no Shutdown: it is not waited for
+            self._finalizer()
+            raise
 
     @classmethod
     def start_process(cls, config) -> "EngineCoreClient":
@@ -151,10 +157,8 @@ class EngineCoreClient:
     def _wait_ready(self) -> EngineReady:
         while not self._output.poll(200):
             if not self._core.alive():
-                reason = self._core.reason()
-                self._closing = True
-                self._finalizer()
-                raise RuntimeError(f"the engine core failed to start: {reason} (its log above says why)")
+                raise RuntimeError(f"the engine core failed to start: {self._core.reason()} (its log above "
+                                   "says why)")
         message = self._decoder.decode(self._output.recv())
         if not isinstance(message, EngineReady):
             raise RuntimeError(f"the engine core said {type(message).__name__} before it was ready")

@@ -16,7 +16,7 @@ from fastllm import SamplingParams
 from fastllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.sampling_params import RequestOutputKind
-from tests.conftest import PROMPTS, cached_llm
+from tests.conftest import PROMPTS, cached_llm, python_sigint_handler
 from tests.engine.engine_testing import count_steps, wait_idle
 from tests.engine.test_bad_input import PoisonedStep
 
@@ -283,6 +283,35 @@ def test_core_process_serves_through_a_sigterm_to_its_group():
     finally:
         eng.shutdown()
     assert eng.client._core.proc.returncode == 0  # Shutdown ended it, as before
+
+
+def test_a_start_stopped_by_ctrl_c_kills_the_core_process_at_once(monkeypatch):
+    """Ctrl-C (or a SIGTERM handler's exception) while the core process builds its engine: the core, which
+    reads no Shutdown before it is ready, is killed before the KeyboardInterrupt leaves; it was waited for
+    at exit (5 s), then killed."""
+    import os
+    import signal
+    import threading
+
+    from fastllm.engine import core_client
+
+    cores, start, sent = [], core_client._CoreProcess.__init__, []
+
+    def ctrl_c():
+        sent.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def started(self, *args):
+        start(self, *args)
+        cores.append(self)
+        threading.Timer(0.3, ctrl_c).start()  # (the core imports torch for seconds)
+
+    monkeypatch.setattr(core_client._CoreProcess, "__init__", started)
+    with python_sigint_handler(), pytest.raises(KeyboardInterrupt):
+        AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=64)
+    assert time.monotonic() - sent[0] < 2.5
+    [core] = cores
+    assert core.proc.returncode == -signal.SIGKILL and core.sentinel is None
 
 
 def test_dead_core_process_fails_every_stream_and_new_request():

@@ -520,8 +520,7 @@ def test_dead_engine_process_fails_open_requests_and_health():
 def serve_process(*args: str):
     """`fastllm serve` on a free port (the CPU), with args: the process, its URL and its engine process's
     pid; killed at the end if still running."""
-    server = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", "0", "--device", "cpu",
-                               "--num-gpu-blocks", "64", *args], stderr=subprocess.PIPE, text=True)
+    server = start_serve(*args)
     try:
         lines = []
         for line in server.stderr:  # (its log: the address it took, then uvicorn's startup)
@@ -530,10 +529,48 @@ def serve_process(*args: str):
                 break
         url = next(re.search(r"http://\S+", line).group(0) for line in lines if "Serving on" in line)
         assert healthy(url)
-        core = subprocess.run(["pgrep", "-P", str(server.pid), "-f", "fastllm.engine.core_proc"],
-                              capture_output=True, text=True).stdout.split()
+        core = core_processes(server)
         assert len(core) == 1
-        yield server, url, int(core[0])
+        yield server, url, core[0]
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def start_serve(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", "0", "--device", "cpu",
+                             "--num-gpu-blocks", "64", *args], stderr=subprocess.PIPE, text=True)
+
+
+def core_processes(server: subprocess.Popen) -> list[int]:
+    found = subprocess.run(["pgrep", "-P", str(server.pid), "-f", "fastllm.engine.core_proc"],
+                           capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def sockets_folder(core: int) -> Path:
+    cmdline = Path(f"/proc/{core}/cmdline").read_text("latin-1").replace("\0", " ")
+    return Path(re.search(r"ipc://(\S+)/in", cmdline).group(1))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_fastllm_serve_stopped_while_its_engine_starts_exits_0_with_its_engine_process_gone(signum):
+    """A SIGTERM there killed the server (-15) and left its engine process building the engine, gone only
+    once it had seen its parent gone after; a Ctrl-C printed a traceback and waited 5 s for the core."""
+    server = start_serve("--verbose")
+    try:
+        deadline = time.monotonic() + 60
+        while not (core := core_processes(server)) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(core) == 1, server.stderr.read() if server.poll() is not None else "no engine process"
+        folder = sockets_folder(core[0])
+        server.send_signal(signum)  # (the core imports torch and builds its engine for seconds)
+        assert server.wait(timeout=30) == 0
+        log = server.stderr.read()
+        assert "stopped while the engine was starting" in log and "Traceback" not in log, log
+        with pytest.raises(ProcessLookupError):
+            os.kill(core[0], 0)
+        assert not folder.exists()
     finally:
         if server.poll() is None:
             server.kill()
@@ -571,8 +608,7 @@ def test_an_engine_process_whose_server_was_killed_stops_at_once_and_removes_its
     """Its requests were generated on to their end for nobody (the parent was checked only while idle), and
     the folder of its sockets, the killed server's to remove, stayed in /tmp."""
     with serve_process() as (server, url, core):
-        folder = Path(re.search(r"ipc://(\S+)/in", Path(f"/proc/{core}/cmdline").read_text("latin-1").replace(
-            "\0", " ")).group(1))
+        folder = sockets_folder(core)
         assert folder.is_dir()
         body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "n": 4,
                 "stream": True}

@@ -640,30 +640,35 @@ def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, ser
     if chat_template and not has_tokenizer(config.model.tokenizer or config.model.model):
         raise ValueError("chat_template formats chat messages for the model's tokenizer, and this model has "
                          "none (its chat endpoint answers 400 either way)")
-    with listening_socket(host, port) as sock:
-        if api_key is None and host not in _LOCAL_HOSTS:
-            logger.warning("serving on %s without an API key: anyone who can reach it can use it "
-                           "(--api-key or %s)", host, API_KEY_ENV)
-        engine = AsyncLLMEngine.from_config(config)
-        prepare_gc_for_serving()  # the server process's settings, not the library's (process_setup.py)
-        app = build_app(engine, served_model_name or served_name(model), chat_template, limits, api_key,
-                        shutdown_engine=True)
-        log_fast_path()
-        server = DrainingServer(app, shutdown_timeout, host=host, port=port, log_level=uvicorn_log_level,
-                                access_log=log_requests)
-        engine.on_death(lambda reason: setattr(server, "should_exit", True))
-        bound = sock.getsockname()[1]
-        # (uvicorn logs its address only for sockets it binds itself)
-        logging.getLogger("uvicorn.error").info("Serving on http://%s:%d (Press CTRL+C to quit)",
-                                                f"[{host}]" if ":" in host else host, bound)
-        # uvicorn shuts down on SIGINT / SIGTERM, then raises the signal again: done, and exit 0
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
-        try:
+    # uvicorn shuts down on SIGINT / SIGTERM, then raises the signal again: done, and exit 0. Either signal
+    # while the engine starts stops the start (its core process killed, not waited for): exit 0 too.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    engine = None
+    try:
+        with listening_socket(host, port) as sock:
+            if api_key is None and host not in _LOCAL_HOSTS:
+                logger.warning("serving on %s without an API key: anyone who can reach it can use it "
+                               "(--api-key or %s)", host, API_KEY_ENV)
+            engine = AsyncLLMEngine.from_config(config)
+            prepare_gc_for_serving()  # the server process's settings, not the library's (process_setup.py)
+            app = build_app(engine, served_model_name or served_name(model), chat_template, limits, api_key,
+                            shutdown_engine=True)
+            log_fast_path()
+            server = DrainingServer(app, shutdown_timeout, host=host, port=port, log_level=uvicorn_log_level,
+                                    access_log=log_requests)
+            engine.on_death(lambda reason: setattr(server, "should_exit", True))
+            bound = sock.getsockname()[1]
+            # (uvicorn logs its address only for sockets it binds itself)
+            logging.getLogger("uvicorn.error").info("Serving on http://%s:%d (Press CTRL+C to quit)",
+                                                    f"[{host}]" if ":" in host else host, bound)
             server.run(sockets=[sock])
-        except (KeyboardInterrupt, _Terminated):
-            pass
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+    except (KeyboardInterrupt, _Terminated):
+        if engine is None:
+            logger.info("stopped while the engine was starting")
+            return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if engine is not None:
             engine.shutdown()  # if the app never started
     if engine.errored is not None:
         logger.error("exiting: %s", engine.errored)
