@@ -16,11 +16,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        from tests import triton_interpreter_fp8
+        from tests import triton_interpreter_fp8, triton_interpreter_speed
     except ImportError:  # no triton: the references run alone
         pass
     else:
         triton_interpreter_fp8.patch()
+        triton_interpreter_speed.patch()
 
 from fastllm import LLM  # noqa: E402
 
