@@ -27,8 +27,9 @@ import contextlib
 import copy
 import itertools
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from fastllm.config import EngineConfig
 from fastllm.engine.core_client import EngineCoreClient, EngineDeadError
@@ -44,6 +45,7 @@ from fastllm.engine.messages import (
     sample_ids,
 )
 from fastllm.engine.output_processor import OutputProcessor
+from fastllm.engine.tokenizer import load_tokenizer
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -66,8 +68,11 @@ class RequestCancelledError(RequestFailedError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine=None, *, client: EngineCoreClient | None = None):
-        """engine: an LLMEngine whose core a thread of this process steps; or client: a started core."""
+    def __init__(self, engine=None, *, client: EngineCoreClient | None = None,
+                 tokenizer_loading: Future | None = None):
+        """engine: an LLMEngine whose core a thread of this process steps; or client: a started core, and
+        optionally the loading of its tokenizer (load_tokenizer of the core's path; without it, loaded here
+        once the core has said which)."""
         if (engine is None) == (client is None):
             raise ValueError("AsyncLLMEngine takes an LLMEngine or an EngineCoreClient (one of the two)")
         self.engine = engine  # the in-thread LLMEngine (tests look inside); None with a core process
@@ -75,12 +80,13 @@ class AsyncLLMEngine:
         ready = self.client.ready
         if engine is not None:
             tokenizer = engine.tokenizer
-        elif ready.tokenizer is not None:
-            from fastllm.engine.llm_engine import load_tokenizer
-
-            tokenizer = load_tokenizer(ready.tokenizer)
+        elif tokenizer_loading is not None:
+            tokenizer = tokenizer_loading.result()
+            if (tokenizer is None) != (ready.tokenizer is None):
+                raise RuntimeError(f"the engine core's tokenizer is {ready.tokenizer!r}, and this process "
+                                   f"{'found none' if tokenizer is None else 'found one'}")
         else:
-            tokenizer = None
+            tokenizer = None if ready.tokenizer is None else load_tokenizer(ready.tokenizer)
         self.tokenizer = tokenizer
         self.max_model_len = ready.max_model_len
         self.input_processor = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len,
@@ -111,8 +117,10 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
-        """The engine core in a process of its own (returns once it is ready)."""
-        return cls(client=EngineCoreClient.start_process(config))
+        """The engine core in a process of its own (returns once it is ready). This process loads its
+        tokenizer while the core starts."""
+        loading = _in_background(load_tokenizer, config.model.tokenizer or config.model.model)
+        return cls(client=EngineCoreClient.start_process(config), tokenizer_loading=loading)
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         self._death_callbacks.append(callback)
@@ -308,6 +316,20 @@ class AsyncLLMEngine:
 
 
 _ABORTED = object()  # a stream's end without a final output
+
+
+def _in_background(fn: Callable, *args) -> Future:
+    """fn(*args) on a daemon thread: one that exit does not wait for (a Ctrl-C while the core starts)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # (for result() to raise)
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="fastllm-load-tokenizer", daemon=True).start()
+    return future
 
 
 class _Collector:

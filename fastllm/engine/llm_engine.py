@@ -7,7 +7,7 @@ import logging
 import os
 import time
 
-from fastllm.config import EngineConfig, has_tokenizer
+from fastllm.config import EngineConfig
 from fastllm.core.beam_run_ahead import run_ahead_off_reason
 from fastllm.core.block_hash import HashFn, hash_block_tokens
 from fastllm.core.scheduler import Scheduler
@@ -17,6 +17,7 @@ from fastllm.engine.interrupts import interrupt_after_step
 from fastllm.engine.messages import sample_ids
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import RequestStatus
+from fastllm.engine.tokenizer import load_tokenizer
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import BeamSearchParams, SamplingParams
 from fastllm.spec_decode.policy import SpecPolicy
@@ -27,16 +28,6 @@ from fastllm.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "PromptType", "load_tokenizer"]
-
-
-def load_tokenizer(path: str):
-    """The HF tokenizer of a model directory, or None when it ships none (dummy-weight configs)."""
-    if not has_tokenizer(path):
-        logger.info("no tokenizer in %s: prompts must be token ids and outputs carry no text", path)
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 def tokens_a_request_holds(config: EngineConfig) -> int:
