@@ -601,7 +601,7 @@ def test_draft_rounds_in_the_persistent_kernel_propose_what_the_drafts_forward_d
         proposals[current[0]].append(self.out[:bs, self.k + 2:].clone())
     monkeypatch.setattr(batched_step.SpecDecodeStep, "propose", propose)
 
-    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)  # (the interpreter: ~2 s a round)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)  # (the interpreter: ~2 s a round)
     reference = cached_llm(speculative_config=spec).generate(PROMPTS[:1], params, use_tqdm=False)
     rounds = []
     original_call = draft_decoder.DraftDecoder.__call__
@@ -617,6 +617,6 @@ def test_draft_rounds_in_the_persistent_kernel_propose_what_the_drafts_forward_d
         llm.engine.shutdown()
     assert token_ids(outputs) == token_ids(reference)
     assert rounds and len(rounds) == 2 * len(proposals["decoder"]), "k - 1 = 2 decoder rounds a step"
-    assert len(proposals["decoder"]) == len(proposals["forward"]) >= 3
+    assert len(proposals["decoder"]) == len(proposals["forward"]) >= 3, len(proposals["decoder"])
     for got, expected in zip(proposals["decoder"], proposals["forward"]):
         assert torch.equal(got, expected)
