@@ -93,7 +93,8 @@ def kv_pool_whole_after_test():
     before = [_activity(llm) for llm in _live_engines]
     yield
     for i, llm in enumerate(_live_engines):
-        if (i >= len(before) or _activity(llm) != before[i]) and not llm.engine.has_unfinished_requests():
+        *_, unfinished = now = _activity(llm)
+        if (i >= len(before) or now != before[i]) and not unfinished:
             llm.engine.check_kv_pool_whole()
 
 

@@ -520,8 +520,7 @@ def test_dead_engine_process_fails_open_requests_and_health():
 def serve_process(*args: str):
     """`fastllm serve` on a free port (the CPU), with args: the process, its URL and its engine process's
     pid; killed at the end if still running."""
-    server = start_serve(*args)
-    try:
+    with started_serve(*args) as server:
         lines = []
         for line in server.stderr:  # (its log: the address it took, then uvicorn's startup)
             lines.append(line)
@@ -532,14 +531,18 @@ def serve_process(*args: str):
         core = core_processes(server)
         assert len(core) == 1
         yield server, url, core[0]
+
+
+@contextlib.contextmanager
+def started_serve(*args: str):
+    """`fastllm serve` just started (its log on stderr), killed at the end if still running."""
+    server = subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", "0", "--device", "cpu",
+                               "--num-gpu-blocks", "64", *args], stderr=subprocess.PIPE, text=True)
+    try:
+        yield server
     finally:
         if server.poll() is None:
             server.kill()
-
-
-def start_serve(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fastllm", "serve", "--port", "0", "--device", "cpu",
-                             "--num-gpu-blocks", "64", *args], stderr=subprocess.PIPE, text=True)
 
 
 def core_processes(server: subprocess.Popen) -> list[int]:
@@ -557,8 +560,7 @@ def test_fastllm_serve_stopped_while_its_engine_starts_exits_0_with_its_engine_p
     """A SIGTERM there killed the server (-15) and left its engine process building the engine, gone only
     once it had seen its parent gone after. (A Ctrl-C, the same `except` here, printed a traceback: the
     client's kill is test_async_llm_engine.py's.)"""
-    server = start_serve("--verbose")
-    try:
+    with started_serve("--verbose") as server:
         deadline = time.monotonic() + 60
         while not (core := core_processes(server)) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -571,9 +573,6 @@ def test_fastllm_serve_stopped_while_its_engine_starts_exits_0_with_its_engine_p
         with pytest.raises(ProcessLookupError):
             os.kill(core[0], 0)
         assert not folder.exists()
-    finally:
-        if server.poll() is None:
-            server.kill()
 
 
 def test_fastllm_serve_exits_0_on_ctrl_c_with_its_engine_process_gone():
