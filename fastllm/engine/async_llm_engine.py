@@ -45,7 +45,7 @@ from fastllm.engine.messages import (
     sample_ids,
 )
 from fastllm.engine.output_processor import OutputProcessor
-from fastllm.engine.tokenizer import load_tokenizer
+from fastllm.engine.tokenizer import eos_token_id, load_tokenizer
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
@@ -68,29 +68,21 @@ class RequestCancelledError(RequestFailedError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine=None, *, client: EngineCoreClient | None = None,
-                 tokenizer_loading: Future | None = None):
-        """engine: an LLMEngine whose core a thread of this process steps; or client: a started core, and
-        optionally the loading of its tokenizer (load_tokenizer of the core's path; without it, loaded here
-        once the core has said which)."""
+    def __init__(self, engine=None, *, client: EngineCoreClient | None = None, tokenizer=None):
+        """engine: an LLMEngine whose core a thread of this process steps; or client: a started core
+        (which has no tokenizer), with this process's tokenizer (None: the model has none)."""
         if (engine is None) == (client is None):
             raise ValueError("AsyncLLMEngine takes an LLMEngine or an EngineCoreClient (one of the two)")
+        if engine is not None and tokenizer is not None:
+            raise ValueError("AsyncLLMEngine(engine) uses the engine's tokenizer: pass no tokenizer")
         self.engine = engine  # the in-thread LLMEngine (tests look inside); None with a core process
         self.client = client or EngineCoreClient.start_thread(engine)
         ready = self.client.ready
-        if engine is not None:
-            tokenizer = engine.tokenizer
-        elif tokenizer_loading is not None:
-            tokenizer = tokenizer_loading.result()
-            if (tokenizer is None) != (ready.tokenizer is None):
-                raise RuntimeError(f"the engine core's tokenizer is {ready.tokenizer!r}, and this process "
-                                   f"{'found none' if tokenizer is None else 'found one'}")
-        else:
-            tokenizer = None if ready.tokenizer is None else load_tokenizer(ready.tokenizer)
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer = engine.tokenizer if engine is not None else tokenizer
+        self.eos_token_id = eos_token_id(tokenizer, ready.config_eos_token_id)
         self.max_model_len = ready.max_model_len
         self.input_processor = InputProcessor(tokenizer, ready.vocab_size, ready.max_model_len,
-                                              ready.max_num_seqs, ready.eos_token_id)
+                                              ready.max_num_seqs)
         # Long texts are encoded on a thread of their own, with a tokenizer of their own (a tokenizer is
         # not thread-safe), one at a time.
         self._thread_input_processor = copy.copy(self.input_processor)
@@ -120,7 +112,13 @@ class AsyncLLMEngine:
         """The engine core in a process of its own (returns once it is ready). This process loads its
         tokenizer while the core starts."""
         loading = _in_background(load_tokenizer, config.model.tokenizer or config.model.model)
-        return cls(client=EngineCoreClient.start_process(config), tokenizer_loading=loading)
+        client = EngineCoreClient.start_process(config)
+        try:
+            tokenizer = loading.result()
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(client=client, tokenizer=tokenizer)
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         self._death_callbacks.append(callback)
@@ -136,10 +134,10 @@ class AsyncLLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = await self._tokenize(prompt)
         params.tokenize_bad_words(self.tokenizer)
-        self.input_processor.check_request(token_ids, params)
+        self.input_processor.check_request(token_ids, params, self.eos_token_id)
         self._check_unused({request_id, *sample_ids(request_id, params.n)})
         self.output_processor.add_group(request_id, text, token_ids, params)
-        message = EngineCoreRequest(request_id, token_ids, params_to_wire(params))
+        message = EngineCoreRequest(request_id, token_ids, self.eos_token_id, params_to_wire(params))
         return self._send(request_id, message, merge=params.output_kind == RequestOutputKind.DELTA)
 
     async def add_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams,
@@ -155,10 +153,10 @@ class AsyncLLMEngine:
             raise ValueError(f"num_beams must be an integer in [1, beam_width ({params.beam_width})], "
                              f"got {num_beams!r}")
         text, token_ids = await self._tokenize(prompt)
-        self.input_processor.check_beam_search(token_ids, params)
+        self.input_processor.check_beam_search(token_ids, params, self.eos_token_id)
         self._check_unused({request_id})
         self.output_processor.add_beam_search(request_id, text, token_ids, num_beams, skip_special_tokens)
-        message = BeamSearchRequest(request_id, token_ids, beam_params_to_wire(params))
+        message = BeamSearchRequest(request_id, token_ids, self.eos_token_id, beam_params_to_wire(params))
         return self._send(request_id, message, merge=False)
 
     async def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

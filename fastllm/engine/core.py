@@ -38,14 +38,12 @@ SLOW_STEP_SECONDS = 1.0  # a step longer than this is logged: a stall every requ
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor, scheduler: Scheduler, eos_token_id: int | None,
-                 vocab_size: int):
+    def __init__(self, config: EngineConfig, executor, scheduler: Scheduler, vocab_size: int):
         """executor: a Worker, or a MultiprocExecutor (tensor/pipeline parallelism) with its methods."""
         self.config, self.executor, self.scheduler = config, executor, scheduler
         self.worker = executor.driver_worker  # rank 0's, in this process
-        self.eos_token_id = eos_token_id
         self.checker = InputProcessor(None, vocab_size, config.model.max_model_len,
-                                      config.scheduler.max_num_seqs, eos_token_id)
+                                      config.scheduler.max_num_seqs)
         self.async_scheduling = config.scheduler.async_scheduling
         # Steps launched before their tokens are read: one with async scheduling, one per pipeline stage
         # (each stage works on a different batch).
@@ -63,10 +61,11 @@ class EngineCore:
 
     # requests
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[str]:
-        """Queue a request (n samples); returns the samples' ids. ValueError, and nothing queued, if
-        it cannot be served or an id is taken."""
-        max_tokens = self.checker.check_request(prompt_token_ids, params)
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_id: int | None) -> list[str]:
+        """Queue a request (n samples) that ends at eos_token_id (None: none ends it); returns the samples'
+        ids. ValueError, and nothing queued, if it cannot be served or an id is taken."""
+        max_tokens = self.checker.check_request(prompt_token_ids, params, eos_token_id)
         ids = sample_ids(request_id, params.n)
         self._check_unused({request_id, *ids})
         block_size, hash_fn = self.config.cache.block_size, self.scheduler.hash_fn
@@ -74,7 +73,7 @@ class EngineCore:
         for i, sample_id in enumerate(ids):
             sample_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i)
-            samples.append(Request(sample_id, prompt_token_ids, sample_params, self.eos_token_id, max_tokens,
+            samples.append(Request(sample_id, prompt_token_ids, sample_params, eos_token_id, max_tokens,
                                    block_size, hash_fn, fork_of=samples[0] if i else None))
         self._samples[request_id] = ids
         for sample in samples:
@@ -82,14 +81,15 @@ class EngineCore:
             self.scheduler.add_request(sample)
         return ids
 
-    def add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
+    def add_beam_search(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
+                        eos_token_id: int | None) -> None:
         """Queue a beam search; its one output comes from take_beam_searches() when it ends. ValueError,
         and nothing queued, if it cannot be served or its id is taken."""
-        max_tokens = self.checker.check_beam_search(prompt_token_ids, params)
+        max_tokens = self.checker.check_beam_search(prompt_token_ids, params, eos_token_id)
         self._check_unused({request_id})
-        search = BeamSearch(request_id, prompt_token_ids, params, self.eos_token_id, max_tokens)
+        search = BeamSearch(request_id, prompt_token_ids, params, eos_token_id, max_tokens)
         first = Request(self.scheduler.new_beam_id(search), prompt_token_ids, params.sampling_params(),
-                        self.eos_token_id, max_tokens, self.config.cache.block_size, self.scheduler.hash_fn)
+                        eos_token_id, max_tokens, self.config.cache.block_size, self.scheduler.hash_fn)
         self.scheduler.add_beam_search(search, first)
 
     def _check_unused(self, ids: set[str]) -> None:

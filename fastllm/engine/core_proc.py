@@ -80,11 +80,8 @@ def run_engine_core(make_engine: Callable, input_address: str, output_address: s
     try:
         engine = make_engine()
         config = engine.config
-        tokenizer = config.model.tokenizer or config.model.model
-        ready = EngineReady(engine.vocab_size, config.model.max_model_len, engine.eos_token_id,
-                            tokenizer if engine.tokenizer is not None else None,
-                            config.scheduler.max_num_seqs,
-                            engine.worker.num_gpu_blocks)
+        ready = EngineReady(engine.vocab_size, config.model.max_model_len, engine.worker.runner.eos_token_id,
+                            config.scheduler.max_num_seqs, engine.worker.num_gpu_blocks)
         outbound.send(msgspec.msgpack.encode(ready))
         orphaned = CoreLoop(engine.core, inbound, outbound, parent_pid).run()
     finally:
@@ -115,7 +112,7 @@ def main(argv: list[str]) -> None:
     set_cpu_threads(config)  # this process's settings, as a `fastllm` command's (process_setup.py)
 
     def build() -> LLMEngine:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, with_tokenizer=False)  # (requests come as token ids, with their EOS)
         prepare_gc_for_serving()
         return engine
 
@@ -167,13 +164,15 @@ class CoreLoop:
         if isinstance(message, EngineCoreRequest):
             try:
                 params = params_from_wire(message.params)
-                self.core.add_request(message.request_id, message.prompt_token_ids, params)
+                self.core.add_request(message.request_id, message.prompt_token_ids, params,
+                                      message.eos_token_id)
             except ValueError as e:
                 self.refused.append(EngineCoreOutput(message.request_id, [], "error", error=str(e)))
         elif isinstance(message, BeamSearchRequest):
             try:
                 params = beam_params_from_wire(message.params)
-                self.core.add_beam_search(message.request_id, message.prompt_token_ids, params)
+                self.core.add_beam_search(message.request_id, message.prompt_token_ids, params,
+                                          message.eos_token_id)
             except ValueError as e:
                 self.refused_searches.append(BeamSearchResult(message.request_id, [], str(e)))
         elif isinstance(message, Abort):

@@ -13,11 +13,9 @@ PromptType = str | list[int] | dict
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 eos_token_id: int | None):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         # A token spells at most this many characters, so a text longer than max_model_len times it
@@ -58,7 +56,7 @@ class InputProcessor:
             raise ValueError(f"prompt ({len(text)} characters) is longer than max_model_len "
                              f"({self.max_model_len} tokens) can hold")
 
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> int:
+    def check_request(self, token_ids: list[int], params: SamplingParams, eos_token_id: int | None) -> int:
         """Raise ValueError (naming the field) unless the request can be served; returns its max_tokens."""
         params.validate()  # again: a field may have changed since construction
         if not token_ids:
@@ -67,6 +65,8 @@ class InputProcessor:
             raise ValueError(f"SamplingParams.n must be <= max_num_seqs ({self.max_num_seqs}), "
                              f"got {params.n}")
         vocab = self.vocab_size
+        if eos_token_id is not None and not (type(eos_token_id) is int and 0 <= eos_token_id < vocab):
+            raise ValueError(f"eos_token_id must be an integer in [0, {vocab}), got {eos_token_id!r}")
         for t in token_ids:
             if not (type(t) is int and 0 <= t < vocab):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
@@ -86,10 +86,10 @@ class InputProcessor:
         if params.min_tokens > max_tokens:  # (max_tokens None leaves min_tokens unchecked until here)
             raise ValueError(f"SamplingParams.min_tokens must be <= max_tokens ({max_tokens}, with the prompt "
                              f"within max_model_len {max_len}), got {params.min_tokens}")
-        self.check_something_to_sample(params)
+        self.check_something_to_sample(params, eos_token_id)
         return max_tokens
 
-    def check_something_to_sample(self, params: SamplingParams) -> None:
+    def check_something_to_sample(self, params: SamplingParams, eos_token_id: int | None) -> None:
         """Refuse a request whose masks leave no token at some step: allowed_token_ids all one-token bad
         words, or, while min_tokens is not reached, every token left a stop token or EOS. (A longer bad
         word masks its last token only after the rest of it; the sampler skips it where it would mask
@@ -102,15 +102,16 @@ class InputProcessor:
             raise ValueError("SamplingParams.allowed_token_ids are all bad_words: no token could be sampled")
         if params.min_tokens:
             ends = set(params.stop_token_ids)
-            if self.eos_token_id is not None and not params.ignore_eos:
-                ends.add(self.eos_token_id)
+            if eos_token_id is not None and not params.ignore_eos:
+                ends.add(eos_token_id)
             masked = bad | ends
             if (allowed is not None and allowed <= masked) or len(masked) >= self.vocab_size:
                 raise ValueError("SamplingParams.min_tokens can not be met: until it is, stop_token_ids and "
                                  "EOS are masked, and they are every token that allowed_token_ids and "
                                  "bad_words leave")
 
-    def check_beam_search(self, token_ids: list[int], params: BeamSearchParams) -> int:
+    def check_beam_search(self, token_ids: list[int], params: BeamSearchParams,
+                          eos_token_id: int | None) -> int:
         """check_request for a beam search (ValueError naming the field); returns its max_tokens."""
         params.validate()  # again: a field may have changed since construction
         if 2 * params.beam_width > self.vocab_size:  # each beam proposes 2 * beam_width distinct tokens
@@ -120,7 +121,7 @@ class InputProcessor:
             raise ValueError(f"BeamSearchParams.beam_width must be <= max_num_seqs ({self.max_num_seqs}), "
                              f"got {params.beam_width}")
         try:
-            return self.check_request(token_ids, params.sampling_params())
+            return self.check_request(token_ids, params.sampling_params(), eos_token_id)
         except ValueError as e:  # (in the search's terms: max_tokens is the search's)
             raise ValueError(str(e).replace("SamplingParams.", "BeamSearchParams.")) from None
 

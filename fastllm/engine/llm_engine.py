@@ -17,7 +17,7 @@ from fastllm.engine.interrupts import interrupt_after_step
 from fastllm.engine.messages import sample_ids
 from fastllm.engine.output_processor import OutputProcessor
 from fastllm.engine.request import RequestStatus
-from fastllm.engine.tokenizer import load_tokenizer
+from fastllm.engine.tokenizer import eos_token_id, load_tokenizer
 from fastllm.outputs import RequestOutput
 from fastllm.sampling_params import BeamSearchParams, SamplingParams
 from fastllm.spec_decode.policy import SpecPolicy
@@ -42,12 +42,16 @@ def tokens_a_request_holds(config: EngineConfig) -> int:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, hash_fn: HashFn = hash_block_tokens):
+    def __init__(self, config: EngineConfig, hash_fn: HashFn = hash_block_tokens, *,
+                 with_tokenizer: bool = True):
+        """with_tokenizer=False: an engine core process's, whose requests come as token ids (with their
+        EOS) from an API process that has the tokenizer."""
         self.config = config
         start = time.perf_counter()
         if config.parallel.world_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) > 0:
             torchrun_worker(config)  # a rank above 0 serves rank 0's engine, then exits
-        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
+        tokenizer_path = config.model.tokenizer or config.model.model
+        self.tokenizer = load_tokenizer(tokenizer_path) if with_tokenizer else None
         # One Worker on one device (the engine drives it directly); the ranks' processes with tensor or
         # pipeline parallelism (executor.py).
         self.executor = Worker(config) if config.parallel.world_size == 1 else MultiprocExecutor.start(config)
@@ -84,13 +88,11 @@ class LLMEngine:
                                    num_blocks, num_cpu_blocks, hash_fn, policy, spec.uses_draft_model,
                                    config.model.kv_sliding_window, wait_for_sampled_tokens=pipeline > 1,
                                    beam_run_ahead_off=run_ahead_off_reason(config))
-        self.eos_token_id = self.worker.runner.eos_token_id
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            self.eos_token_id = self.tokenizer.eos_token_id
+        self.eos_token_id = eos_token_id(self.tokenizer, self.worker.runner.eos_token_id)
         self.vocab_size = self.worker.runner.args.vocab_size
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, config.model.max_model_len,
-                                              config.scheduler.max_num_seqs, self.eos_token_id)
-        self.core = EngineCore(config, self.executor, self.scheduler, self.eos_token_id, self.vocab_size)
+                                              config.scheduler.max_num_seqs)
+        self.core = EngineCore(config, self.executor, self.scheduler, self.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %d KV blocks of %d tokens (%.3f GiB) on %s", self.startup_seconds,
@@ -112,9 +114,9 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self.input_processor.tokenize(prompt)
         params.tokenize_bad_words(self.tokenizer)
-        self.input_processor.check_request(token_ids, params)  # n within max_num_seqs among the rest
+        self.input_processor.check_request(token_ids, params, self.eos_token_id)  # (n <= max_num_seqs...)
         self._check_request_ids(request_id, sample_ids(request_id, params.n))
-        self.core.add_request(request_id, token_ids, params)
+        self.core.add_request(request_id, token_ids, params, self.eos_token_id)
         self.output_processor.add_group(request_id, text, token_ids, params)
 
     def add_beam_search(self, request_id: str, prompt: PromptType, params: BeamSearchParams) -> None:
@@ -124,7 +126,7 @@ class LLMEngine:
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
         self._check_request_ids(request_id, [])
         text, token_ids = self.input_processor.tokenize(prompt)
-        self.core.add_beam_search(request_id, token_ids, params)  # (InputProcessor.check_beam_search)
+        self.core.add_beam_search(request_id, token_ids, params, self.eos_token_id)  # (check_beam_search)
         self.output_processor.add_beam_search(request_id, text, token_ids)
 
     def _check_request_ids(self, request_id: str, samples: list[str]) -> None:

@@ -5,9 +5,10 @@
 
 A step's outputs travel as one message: every request's new token ids, finish reason and logprobs, so the
 cost per message is paid once a step, not once a token. Requests carry token ids only: tokenization and
-detokenization stay in the API process. A beam search gives one output, when it ends: its beams, in
-the StepOutputs of that step. The in-process LLMEngine passes the same EngineCoreOutput and
-BeamSearchResult structs from its EngineCore to its OutputProcessor, without encoding them.
+detokenization stay in the API process, which also names each request's EOS token (the core loads no
+tokenizer). A beam search gives one output, when it ends: its beams, in the StepOutputs of that step.
+The in-process LLMEngine passes the same EngineCoreOutput and BeamSearchResult structs from its
+EngineCore to its OutputProcessor, without encoding them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, tag="add"):
 
     request_id: str
     prompt_token_ids: list[int]
+    eos_token_id: int | None  # the API process's tokenizer's (the core loads none)
     params: dict[str, Any]
 
 
@@ -38,6 +40,7 @@ class BeamSearchRequest(msgspec.Struct, array_like=True, tag="beam"):
 
     request_id: str
     prompt_token_ids: list[int]
+    eos_token_id: int | None
     params: dict[str, Any]
 
 
@@ -121,12 +124,11 @@ class UtilityResult(msgspec.Struct, array_like=True, tag="result"):
 
 
 class EngineReady(msgspec.Struct, array_like=True, tag="ready"):
-    """What the API process needs to validate and tokenize without the model."""
+    """What the API process needs to validate without the model."""
 
     vocab_size: int
     max_model_len: int
-    eos_token_id: int | None
-    tokenizer: str | None  # the directory the core's tokenizer came from (None: the model has none)
+    config_eos_token_id: int | None  # the model config's: EOS where the tokenizer names none
     max_num_seqs: int
     num_gpu_blocks: int
 

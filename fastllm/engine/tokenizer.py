@@ -24,3 +24,10 @@ def load_tokenizer(path: str):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_id(tokenizer, config_eos_token_id: int | None) -> int | None:
+    """The token that ends a sequence: the tokenizer's, else the model config's."""
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id
+    return config_eos_token_id

@@ -8,17 +8,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 
-from fastllm import SamplingParams
+from fastllm import BeamSearchParams, SamplingParams
 from fastllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from fastllm.engine.llm_engine import LLMEngine
 from fastllm.sampling_params import RequestOutputKind
-from tests.conftest import PROMPTS, cached_llm, python_sigint_handler
+from tests.conftest import PROMPTS, STORIES, cached_llm, python_sigint_handler
 from tests.engine.engine_testing import count_steps, wait_idle
 from tests.engine.test_bad_input import PoisonedStep
+
+
+STORIES_DIR = Path(STORIES)
+PERIOD = 426  # "."
 
 
 def in_thread(**kwargs) -> AsyncLLMEngine:
@@ -240,8 +247,6 @@ def test_slow_reader_gets_merged_deltas(engine):
 def test_request_ids_the_core_could_not_read_are_refused_by_name():
     """A request id crosses to the core's process as a UTF-8 string: an int there stopped the core (its loop
     could not decode the message), so ids of another type or with a lone surrogate are refused here."""
-    from fastllm import BeamSearchParams
-
     eng = AsyncLLMEngine.from_kwargs(None, device="cpu", dtype="float32", num_gpu_blocks=64)
 
     async def main():
@@ -312,6 +317,38 @@ def test_a_start_stopped_by_ctrl_c_kills_the_core_process_at_once(monkeypatch):
     assert time.monotonic() - sent[0] < 2.5
     [core] = cores
     assert core.proc.returncode == -signal.SIGKILL and core.sentinel is None
+
+
+def test_the_core_refuses_an_eos_token_id_outside_the_vocabulary_by_name(engine):
+    """Each request carries its EOS to the core (the API process's tokenizer's): the core checks it as it
+    checks the prompt's token ids, and serves on."""
+    core, vocab = engine.engine.core, engine.engine.vocab_size
+    for eos in (-1, vocab, 10**30, True, 2.0, "2"):
+        with pytest.raises(ValueError, match=rf"^eos_token_id must be an integer in \[0, {vocab}\), got "):
+            core.add_request("bad-eos", [1, 2, 3], greedy(), eos)
+        with pytest.raises(ValueError, match=r"^eos_token_id must be"):
+            core.add_beam_search("bad-eos", [1, 2, 3], BeamSearchParams(2, max_tokens=2), eos)
+    outs = asyncio.run(collect(engine, PROMPTS[0], greedy(max_tokens=4), "bad-eos"))  # (the id is free)
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+    wait_idle(engine)
+
+
+def test_a_core_process_ends_requests_at_the_api_processs_tokenizers_eos(tmp_path):
+    """The core process loads no tokenizer: a tokenizer whose EOS is "." (the config says </s>) ends
+    requests at the first ".", because the API process sends its EOS with each request."""
+    for f in STORIES_DIR.iterdir():
+        shutil.copy(f, tmp_path)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        settings = json.loads((tmp_path / name).read_text())
+        (tmp_path / name).write_text(json.dumps({**settings, "eos_token": "."}))
+    eng = AsyncLLMEngine.from_kwargs(str(tmp_path), device="cpu", dtype="float32", num_gpu_blocks=64)
+    try:
+        assert eng.client.ready.config_eos_token_id == 2 and eng.eos_token_id == PERIOD
+        outs = asyncio.run(collect(eng, PROMPTS[0], greedy(RequestOutputKind.FINAL_ONLY, 100), "r"))
+        tokens = outs[-1].outputs[0].token_ids
+        assert outs[-1].outputs[0].finish_reason == "stop" and tokens[-1] == PERIOD and PERIOD not in tokens[:-1]
+    finally:
+        eng.shutdown()
 
 
 def test_dead_core_process_fails_every_stream_and_new_request():

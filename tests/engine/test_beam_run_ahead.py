@@ -20,12 +20,12 @@ THE = 261  # a token most sentences hold: an EOS-heavy search
 def beams(llm, prompts, params, eos=PERIOD):
     """[(tokens, cum logprob, score, finish reason)] per prompt, and the run-ahead steps it took."""
     engine = llm.engine
-    saved, engine.core.eos_token_id = engine.core.eos_token_id, eos
+    saved, engine.eos_token_id = engine.eos_token_id, eos
     before = engine.scheduler.num_run_ahead_steps
     try:
         outs = llm.beam_search(prompts, params)
     finally:
-        engine.core.eos_token_id = saved
+        engine.eos_token_id = saved
     engine.check_kv_pool_whole()
     assert all(o.error is None for o in outs)
     got = [[(s.tokens, s.cum_logprob, s.score, s.finish_reason) for s in o.sequences] for o in outs]
@@ -119,7 +119,7 @@ def run_engine(engine):
 @pytest.fixture
 def period_eos(monkeypatch):
     """The searches added to the cached engine end at PERIOD (as beams() runs them)."""
-    monkeypatch.setattr(ahead_llm().engine.core, "eos_token_id", PERIOD)
+    monkeypatch.setattr(ahead_llm().engine, "eos_token_id", PERIOD)
 
 
 def generated(out):

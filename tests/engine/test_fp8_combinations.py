@@ -241,7 +241,7 @@ def test_run_ahead_beam_steps_equal_the_synchronous_path(eos, monkeypatch):
     # (no prefix cache: a prompt an earlier test computed would be a hit on one engine only, rounded otherwise)
     for llm in (fp8_llm(block_size=4, enable_prefix_caching=False, beam_run_ahead=True),
                 fp8_llm(block_size=4, enable_prefix_caching=False, beam_run_ahead=True, async_scheduling=False)):
-        monkeypatch.setattr(llm.engine.core, "eos_token_id", eos)
+        monkeypatch.setattr(llm.engine, "eos_token_id", eos)
         steps = llm.engine.scheduler.num_run_ahead_steps
         results.append([[(s.tokens, s.score) for s in o.sequences] for o in llm.beam_search(SHARED[3], params)])
         llm.engine.check_kv_pool_whole()

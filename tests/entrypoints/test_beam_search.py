@@ -42,12 +42,12 @@ def hf_beams(prompt_ids, width, eos, length_penalty=1.0, early_stopping=False, m
 
 
 def run_beam_search(llm, prompts, params, eos):
-    saved = llm.engine.core.eos_token_id
-    llm.engine.core.eos_token_id = eos
+    saved = llm.engine.eos_token_id
+    llm.engine.eos_token_id = eos
     try:
         outs = llm.beam_search(prompts, params)
     finally:
-        llm.engine.core.eos_token_id = saved
+        llm.engine.eos_token_id = saved
     llm.engine.check_kv_pool_whole()
     return outs
 
@@ -123,13 +123,13 @@ def test_beam_search_beside_plain_requests_and_preemption():
     alone = run_beam_search(cached_llm(), PROMPTS[:2], params, PERIOD)
     llm = cached_llm(num_gpu_blocks=24, block_size=4, max_model_len=64)
     engine = llm.engine
-    engine.core.eos_token_id, saved = PERIOD, engine.core.eos_token_id
+    engine.eos_token_id, saved = PERIOD, engine.eos_token_id
     try:
         for i, prompt in enumerate(PROMPTS[:2]):
             engine.add_beam_search(f"b{i}", prompt, params)
         engine.add_request("plain", PROMPTS[2], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     finally:
-        engine.core.eos_token_id = saved
+        engine.eos_token_id = saved
     done = {}
     while engine.has_unfinished_requests():
         done.update((o.request_id, o) for o in engine.step() if o.finished)

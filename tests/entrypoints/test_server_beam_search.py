@@ -31,7 +31,7 @@ MAX_N, MAX_NUM_SEQS = 8, 6
 def server():
     """"." is the EOS, as in test_beam_search (stories260K's own ends a whole story): beams end by EOS."""
     engine = thread_engine(num_gpu_blocks=256, max_num_seqs=MAX_NUM_SEQS)
-    engine.engine.core.eos_token_id = PERIOD
+    engine.eos_token_id = PERIOD
     with serving(engine, limits=ServerLimits(max_n=MAX_N, max_prompts=3)) as url:
         yield url, engine
     engine.shutdown()
