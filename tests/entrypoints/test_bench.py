@@ -502,7 +502,7 @@ def test_spec_decode_benchmark_seed_sets_the_synthetic_draws(tmp_path):
 
     def accepted(seed: int) -> float:
         out = tmp_path / f"spec{seed}.json"
-        module.main(["--batch-sizes", "2", "--output-len", "48", "--device", "cpu", "--dtype", "float32",
+        module.main(["--batch-sizes", "2", "--output-len", "16", "--device", "cpu", "--dtype", "float32",
                      "--min-requests", "2", "--synthetic-acceptance", "0.5", "--seed", str(seed),
                      "--output-json", str(out)])
         result = json.loads(out.read_text())
