@@ -90,7 +90,8 @@ def _load(path: Path, model: torch.nn.Module, example: tuple) -> Callable | None
             compiled = torch.compiler.load_compiled_function(f)
         # Clones: the example's unbacked-dim marks are for tracing, and a guard rejects a marked input.
         if not compiled.guard_check(model, *(x.clone() for x in example)):
-            logger.warning("compiled forward in %s does not fit this model (guards failed): compiling again", path)
+            logger.warning("compiled forward in %s does not fit this model (a guard failed: %s): compiling "
+                           "again", path, _failed_guard(compiled, model, example))
             return None
         forward = _bind(compiled, model)
         forward(*example)  # kernels that fail to load show here, not in the first step
@@ -99,6 +100,16 @@ def _load(path: Path, model: torch.nn.Module, example: tuple) -> Callable | None
                        path, type(e).__name__, e)
         return None
     return forward
+
+
+def _failed_guard(compiled, model: torch.nn.Module, example: tuple) -> str:
+    """Which guard rejected the model, as Dynamo says it (through its private guard manager: "unknown"
+    where that is not there)."""
+    try:
+        f_locals = compiled.prepare_f_locals(model, *(x.clone() for x in example))
+        return str(compiled._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)
+    except Exception:  # noqa: BLE001  (a diagnostic only)
+        return "unknown"
 
 
 def _save(compiled, path: Path) -> None:

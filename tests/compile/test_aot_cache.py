@@ -62,3 +62,36 @@ def test_a_failing_aot_compile_falls_back_to_torch_compile(monkeypatch, caplog):
     assert how.startswith("compiled (AOT compile failed: RuntimeError")
     assert "AOT compile failed" in caplog.text
     torch.testing.assert_close(out, want)
+
+
+
+class _Projection(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(1, width)
+
+    def __repr__(self) -> str:  # (the key of every width: the guards tell them apart)
+        return "_Projection()"
+
+    def forward(self, input_ids, positions):
+        return self.proj((input_ids + positions).unsqueeze(1).float())
+
+
+def test_a_forward_whose_guards_reject_the_model_is_compiled_again_naming_the_guard(tmp_path, caplog):
+    """The saved forward, loaded for a model with a wider weight under the same key: the log names the guard
+    that failed, and a fresh compile runs."""
+    from fastllm.compile.backend import mark_tokens_unbacked
+
+    if not aot_cache.available():
+        return
+    with torch.inference_mode():  # (as the runner compiles: the guards compare dispatch keys)
+        ids = torch.tensor([1, 2, 3])
+        _, how = aot_cache.load_or_compile(_Projection(4), mark_tokens_unbacked(ids, ids.clone()), tmp_path)
+        assert how.startswith("compiled, saved to")
+        with caplog.at_level(logging.WARNING, logger="fastllm.compile.aot_cache"):
+            forward, how = aot_cache.load_or_compile(_Projection(6), mark_tokens_unbacked(ids, ids.clone()),
+                                                     tmp_path)
+        assert forward(ids, ids).shape == (3, 6)
+    assert how.startswith("compiled, saved to")
+    assert "does not fit this model (a guard failed: [" in caplog.text
+    assert "expected 4, actual 6" in caplog.text
