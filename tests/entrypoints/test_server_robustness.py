@@ -439,7 +439,8 @@ def test_requests_cut_at_random_moments_under_preemption_leave_the_core_idle_and
 def test_shutdown_lets_requests_finish_until_its_timeout_then_ends_the_rest_with_503s(caplog):
     """SIGTERM or Ctrl-C (uvicorn's should_exit): a request that finishes within the shutdown timeout is
     served whole; those still open then end with a 503 (a stream: its error event, then [DONE]) and free
-    their blocks. uvicorn's own timeout used to cut them: streams without [DONE], CancelledError logged."""
+    their blocks, and /metrics counts them as aborts (not errors). uvicorn's own timeout used to cut them:
+    streams without [DONE], CancelledError logged."""
     from fastllm.entrypoints.openai.server import DrainingServer, build_app
 
     caplog.set_level(logging.WARNING)
@@ -480,6 +481,9 @@ def test_shutdown_lets_requests_finish_until_its_timeout_then_ends_the_rest_with
             assert two[-1] == "[DONE]" and two[-2]["error"]["code"] == 503, two[-2:]
             assert sum("error" in e for e in two[:-1]) == 1 and not any("usage" in e for e in two[:-1])
             assert timeout <= took < timeout + 3, took
+            counted = server.app_server.metrics.registry.get_sample_value  # (the server ended them: aborts)
+            assert counted("fastllm_requests_total", {"finish_reason": "abort"}) == 4
+            assert counted("fastllm_requests_total", {"finish_reason": "error"}) is None
         wait_idle(engine)
     finally:
         engine.shutdown()

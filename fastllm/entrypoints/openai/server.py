@@ -361,7 +361,7 @@ class _Server:
         except (RequestFailedError, EngineDeadError) as e:
             for reader in readers:  # the other prompts' output would go unread: abort them
                 reader.cancel()
-            self.metrics.requests.labels(finish_reason="error").inc(shape.n * len(streams))
+            self.metrics.requests.labels(finish_reason=_unfinished_reason(e)).inc(shape.n * len(streams))
             raise _failure(e) from None
         for out in outs:
             self._record(out, arrival)
@@ -394,7 +394,7 @@ class _Server:
     async def _stream_one(self, stream: RequestStream, shape: "ResponseShape", arrival: float,
                           include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE events of a one-prompt request: the hot path, one event per step that changed it."""
-        first_token, last, completion_tokens, failed = None, None, 0, False
+        first_token, last, completion_tokens, unfinished = None, None, 0, "abort"
         try:
             if shape.chat:
                 yield shape.role_chunk()
@@ -410,12 +410,12 @@ class _Server:
                 yield shape.usage_chunk(len(last.prompt_token_ids), completion_tokens)
             yield b"data: [DONE]\n\n"
         except (RequestFailedError, EngineDeadError) as e:
-            failed = True
+            unfinished = _unfinished_reason(e)
             yield sse(_failure(e).body())
             yield b"data: [DONE]\n\n"
         finally:  # done, failed, or the client went away (then this closes the stream: an abort)
             await stream.aclose()
-            self._record_stream(last, shape.n, arrival, first_token, completion_tokens, failed)
+            self._record_stream(last, shape.n, arrival, first_token, completion_tokens, unfinished)
 
     async def _stream_many(self, streams: list[RequestStream], shape: "ResponseShape", arrival: float,
                            include_usage: bool) -> AsyncIterator[bytes]:
@@ -423,7 +423,7 @@ class _Server:
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream: RequestStream):
-            first_token, last, tokens, failed = None, None, 0, False
+            first_token, last, tokens, unfinished = None, None, 0, "abort"
             try:
                 async for out in stream:
                     first_token = first_token or time.perf_counter()
@@ -431,11 +431,11 @@ class _Server:
                     last = out
                     await merged.put((index, out))
             except (RequestFailedError, EngineDeadError) as e:
-                failed = True
+                unfinished = _unfinished_reason(e)
                 await merged.put((index, e))
             finally:
                 await stream.aclose()
-                self._record_stream(last, shape.n, arrival, first_token, tokens, failed)
+                self._record_stream(last, shape.n, arrival, first_token, tokens, unfinished)
                 await merged.put((index, (len(last.prompt_token_ids) if last else 0, tokens)))
 
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
@@ -475,10 +475,12 @@ class _Server:
         m.e2e_latency.observe(time.perf_counter() - arrival)
 
     def _record_stream(self, last: RequestOutput | None, n: int, arrival: float, first_token: float | None,
-                       completion_tokens: int, failed: bool) -> None:
+                       completion_tokens: int, unfinished: str) -> None:
+        """unfinished: the finish reason counted if the stream did not end ("error": the engine failed it;
+        "abort": the client left, or the server ended it)."""
         m = self.metrics
-        if last is None or not last.finished:  # the engine failed it, or the client left first (an abort)
-            m.requests.labels(finish_reason="error" if failed else "abort").inc(n)
+        if last is None or not last.finished:
+            m.requests.labels(finish_reason=unfinished).inc(n)
             return
         for o in last.outputs:
             m.requests.labels(finish_reason=o.finish_reason or "abort").inc()
@@ -524,6 +526,12 @@ class _EventStream(Response):
         finally:
             watcher.cancel()
             await self.chunks.aclose()
+
+
+def _unfinished_reason(e: Exception) -> str:
+    """The finish reason /metrics counts for a request the engine did not finish: "abort" where the server
+    ended it (shutting down), as where its client left; else "error"."""
+    return "abort" if isinstance(e, RequestCancelledError) else "error"
 
 
 def _failure(e: Exception) -> APIError:
