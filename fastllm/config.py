@@ -493,6 +493,22 @@ class EngineConfig:
                 f"must be >= max_model_len ({self.model.max_model_len}) without chunked prefill",
             )
 
+    def tokens_a_request_holds(self) -> int:
+        """The most KV slots one request can hold: its whole context, or with a window on every layer the
+        window and one step's tokens (and the draft's lookahead) in whole blocks, since the blocks behind the
+        window go back to the pool as it runs (kv_cache_manager.py)."""
+        window, block = self.model.kv_sliding_window, self.cache.block_size
+        if window is None:
+            return self.model.max_model_len
+        step = self.scheduler.max_num_batched_tokens + self.speculative.lookahead
+        return min(self.model.max_model_len, (-(-(window - 2 + step) // block) + 1) * block)
+
+    def most_blocks_in_use(self) -> int:
+        """The most KV blocks requests can hold at once: max_num_seqs of them, each its
+        tokens_a_request_holds(), and the null block."""
+        per_request = -(-self.tokens_a_request_holds() // self.cache.block_size)
+        return self.scheduler.max_num_seqs * per_request + 1
+
     def for_device(self, device) -> "EngineConfig":
         """This config on the device it runs on (a torch.device): the arguments that do nothing there are
         errors, and the defaults that depend on it are filled in (max_num_seqs)."""

@@ -30,17 +30,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "PromptType", "load_tokenizer"]
 
 
-def tokens_a_request_holds(config: EngineConfig) -> int:
-    """The most KV slots one request can hold: its whole context, or with a window on every layer the
-    window and one step's tokens (and the draft's lookahead) in whole blocks, since the blocks behind the
-    window go back to the pool as it runs (kv_cache_manager.py)."""
-    window, block = config.model.kv_sliding_window, config.cache.block_size
-    if window is None:
-        return config.model.max_model_len
-    step = config.scheduler.max_num_batched_tokens + config.speculative.lookahead
-    return min(config.model.max_model_len, (-(-(window - 2 + step) // block) + 1) * block)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, hash_fn: HashFn = hash_block_tokens, *,
                  with_tokenizer: bool = True):
@@ -62,7 +51,7 @@ class LLMEngine:
         self.config = config = self.worker.config  # with the device's defaults (max_num_seqs)
         try:
             num_blocks, num_cpu_blocks = self.executor.determine_num_blocks()  # the least of any rank
-            capacity, needed = (num_blocks - 1) * config.cache.block_size, tokens_a_request_holds(config)
+            capacity, needed = (num_blocks - 1) * config.cache.block_size, config.tokens_a_request_holds()
             if capacity < needed:
                 raise ValueError(f"the KV cache holds {capacity} tokens, fewer than the {needed} one request may "
                                  "hold: lower max_model_len or give the cache more memory")

@@ -93,9 +93,10 @@ class Worker:
 
     @_on_engine_stream
     def determine_num_blocks(self) -> tuple[int, int]:
-        """Device blocks: what fits under gpu_memory_utilization after the profiling run's peak
-        (GPU), or cpu_kv_cache_gib (CPU); an explicit num_gpu_blocks wins. CPU swap blocks from
-        swap_space_gib. A pool that does not fit is a ValueError naming the argument that sized it."""
+        """Device blocks: what fits under gpu_memory_utilization after the profiling run's peak, up to what
+        max_num_seqs requests can hold at once (GPU), or cpu_kv_cache_gib (CPU); an explicit num_gpu_blocks
+        wins. CPU swap blocks from swap_space_gib. A pool that does not fit is a ValueError naming the
+        argument that sized it."""
         cache = self.config.cache
         per_block = self.runner.kv_bytes_per_block()
         start = time.perf_counter()
@@ -112,6 +113,12 @@ class Worker:
             num_blocks = int(available // per_block)
             logger.info("profiling run: peak %.2f GiB, other %.2f GiB of %.2f GiB; KV cache %d blocks (%.2f GiB)",
                         peak / GiB, non_torch / GiB, total / GiB, num_blocks, num_blocks * per_block / GiB)
+            most = self.config.most_blocks_in_use()
+            if num_blocks > most:  # (a small model on a large GPU: millions of blocks, each a Python object)
+                logger.info("KV cache: %d blocks, the most that max_num_seqs (%d) requests hold at once, "
+                            "not all %d that fit (num_gpu_blocks allocates more)", most,
+                            self.config.scheduler.max_num_seqs, num_blocks)
+                num_blocks = most
         else:
             num_blocks = int(cache.cpu_kv_cache_gib * GiB // per_block)
         if num_blocks < 2:

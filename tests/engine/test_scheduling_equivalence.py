@@ -101,3 +101,26 @@ def test_n3_siblings_fork_only_from_computed_blocks():
         if p.n > 1:
             [alone] = llm.generate([{"prompt_token_ids": prompt}], p.clone(n=1), use_tqdm=False)
             assert [c.token_ids for c in out.outputs] == [alone.outputs[0].token_ids] * 3
+
+
+@pytest.mark.parametrize("spec", [None, {"model": "llama2xs-279K", "num_speculative_tokens": 3}],
+                         ids=["plain", "draft"])
+def test_most_blocks_in_use_holds_max_num_seqs_requests_of_the_whole_context(spec):
+    """A profiled GPU pool stops at EngineConfig.most_blocks_in_use(): max_num_seqs requests, each to the end
+    of the context, run in it without a preemption (a draft's lookahead stops there too); a block fewer
+    preempts."""
+    from fastllm.config import EngineConfig
+
+    shape = dict(max_num_seqs=4, max_model_len=64, block_size=4, speculative_config=spec,
+                 enable_prefix_caching=False)
+    most = EngineConfig.from_kwargs(STORIES, **shape).most_blocks_in_use()
+    # Prompts of one length, sharing no block, run to the context's end together: each holds its last block.
+    prompts = [{"prompt_token_ids": [1] + [100 + 10 * i + j for j in range(7)]} for i in range(4)]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=64 - 8)
+    for num_blocks, preempts in ((most, False), (most - 1, True)):
+        llm = cached_llm(num_gpu_blocks=num_blocks, **shape)
+        before = llm.engine.scheduler.num_preemptions
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 64 for o in outs)
+        assert (llm.engine.scheduler.num_preemptions > before) == preempts, (num_blocks, most)
+        llm.engine.check_kv_pool_whole()
