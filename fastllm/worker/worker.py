@@ -23,6 +23,10 @@ from fastllm.worker.streams import on_engine_stream
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+# A profiled pool holds at most this many blocks, or what max_num_seqs requests hold at once if that is
+# more: each block is a Python object of the block pool, and only a tiny model fits millions (stories260K:
+# 13 million on an H200). A real model's block is >= ~200 KiB, so this many are >= ~48 GiB of KV.
+PROFILED_POOL_BLOCKS = 1 << 18
 
 
 def available_host_bytes() -> int:
@@ -93,10 +97,10 @@ class Worker:
 
     @_on_engine_stream
     def determine_num_blocks(self) -> tuple[int, int]:
-        """Device blocks: what fits under gpu_memory_utilization after the profiling run's peak, up to what
-        max_num_seqs requests can hold at once (GPU), or cpu_kv_cache_gib (CPU); an explicit num_gpu_blocks
-        wins. CPU swap blocks from swap_space_gib. A pool that does not fit is a ValueError naming the
-        argument that sized it."""
+        """Device blocks: what fits under gpu_memory_utilization after the profiling run's peak, up to
+        PROFILED_POOL_BLOCKS or what max_num_seqs requests can hold at once (GPU), or cpu_kv_cache_gib
+        (CPU); an explicit num_gpu_blocks wins. CPU swap blocks from swap_space_gib. A pool that does not
+        fit is a ValueError naming the argument that sized it."""
         cache = self.config.cache
         per_block = self.runner.kv_bytes_per_block()
         start = time.perf_counter()
@@ -113,11 +117,11 @@ class Worker:
             num_blocks = int(available // per_block)
             logger.info("profiling run: peak %.2f GiB, other %.2f GiB of %.2f GiB; KV cache %d blocks (%.2f GiB)",
                         peak / GiB, non_torch / GiB, total / GiB, num_blocks, num_blocks * per_block / GiB)
-            most = self.config.most_blocks_in_use()
-            if num_blocks > most:  # (a small model on a large GPU: millions of blocks, each a Python object)
-                logger.info("KV cache: %d blocks, the most that max_num_seqs (%d) requests hold at once, "
-                            "not all %d that fit (num_gpu_blocks allocates more)", most,
-                            self.config.scheduler.max_num_seqs, num_blocks)
+            most = max(self.config.most_blocks_in_use(), PROFILED_POOL_BLOCKS)
+            if num_blocks > most:  # (a tiny model on a large GPU: millions of blocks, each a Python object)
+                logger.info("KV cache: %d blocks, not all %d that fit: the more of %d and what "
+                            "max_num_seqs (%d) requests hold at once (num_gpu_blocks allocates more)", most,
+                            num_blocks, PROFILED_POOL_BLOCKS, self.config.scheduler.max_num_seqs)
                 num_blocks = most
         else:
             num_blocks = int(cache.cpu_kv_cache_gib * GiB // per_block)

@@ -106,9 +106,9 @@ def test_n3_siblings_fork_only_from_computed_blocks():
 @pytest.mark.parametrize("spec", [None, {"model": "llama2xs-279K", "num_speculative_tokens": 3}],
                          ids=["plain", "draft"])
 def test_most_blocks_in_use_holds_max_num_seqs_requests_of_the_whole_context(spec):
-    """A profiled GPU pool stops at EngineConfig.most_blocks_in_use(): max_num_seqs requests, each to the end
-    of the context, run in it without a preemption (a draft's lookahead stops there too); a block fewer
-    preempts."""
+    """A profiled GPU pool never stops below EngineConfig.most_blocks_in_use(): max_num_seqs requests, each to
+    the end of the context, run in that many blocks without a preemption (a draft's lookahead stops there
+    too); a block fewer preempts."""
     from fastllm.config import EngineConfig
 
     shape = dict(max_num_seqs=4, max_model_len=64, block_size=4, speculative_config=spec,
