@@ -145,6 +145,11 @@ class ModelConfig:
         )
 
     @property
+    def tokenizer_path(self) -> str:
+        """The directory the tokenizer comes from: `tokenizer`, else the model's."""
+        return self.tokenizer or self.model
+
+    @property
     def max_position_embeddings(self) -> int:
         return int(self.hf_config.get("max_position_embeddings", 2048))
 

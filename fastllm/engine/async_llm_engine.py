@@ -111,7 +111,7 @@ class AsyncLLMEngine:
     def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
         """The engine core in a process of its own (returns once it is ready). This process loads its
         tokenizer while the core starts."""
-        loading = _in_background(load_tokenizer, config.model.tokenizer or config.model.model)
+        loading = _in_background(load_tokenizer, config.model.tokenizer_path)
         client = EngineCoreClient.start_process(config)
         try:
             tokenizer = loading.result()

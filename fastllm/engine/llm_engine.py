@@ -39,8 +39,7 @@ class LLMEngine:
         start = time.perf_counter()
         if config.parallel.world_size > 1 and launched_by_torchrun() and int(os.environ["RANK"]) > 0:
             torchrun_worker(config)  # a rank above 0 serves rank 0's engine, then exits
-        tokenizer_path = config.model.tokenizer or config.model.model
-        self.tokenizer = load_tokenizer(tokenizer_path) if with_tokenizer else None
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path) if with_tokenizer else None
         # One Worker on one device (the engine drives it directly); the ranks' processes with tensor or
         # pipeline parallelism (executor.py).
         self.executor = Worker(config) if config.parallel.world_size == 1 else MultiprocExecutor.start(config)

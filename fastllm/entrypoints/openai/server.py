@@ -645,7 +645,7 @@ def run_server(engine_kwargs: dict, model: str | None, host: str, port: int, ser
     check_shutdown_timeout(shutdown_timeout)
     config = EngineConfig.from_kwargs(model, **engine_kwargs)  # a bad argument fails before the engine starts
     config.check_device_args(device_type(config))  # (the engine process checks them again, with tracebacks)
-    if chat_template and not has_tokenizer(config.model.tokenizer or config.model.model):
+    if chat_template and not has_tokenizer(config.model.tokenizer_path):
         raise ValueError("chat_template formats chat messages for the model's tokenizer, and this model has "
                          "none (its chat endpoint answers 400 either way)")
     # uvicorn shuts down on SIGINT / SIGTERM, then raises the signal again: done, and exit 0. Either signal
