@@ -27,7 +27,7 @@ from fastllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "PromptType", "load_tokenizer"]
+__all__ = ["LLMEngine", "PromptType"]
 
 
 class LLMEngine:
@@ -102,7 +102,7 @@ class LLMEngine:
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self.input_processor.tokenize(prompt)
         params.tokenize_bad_words(self.tokenizer)
-        self.input_processor.check_request(token_ids, params, self.eos_token_id)  # (n <= max_num_seqs...)
+        self.input_processor.check_request(token_ids, params, self.eos_token_id)  # (n among the rest)
         self._check_request_ids(request_id, sample_ids(request_id, params.n))
         self.core.add_request(request_id, token_ids, params, self.eos_token_id)
         self.output_processor.add_group(request_id, text, token_ids, params)
