@@ -7,7 +7,8 @@ included, which can be saved and loaded in another process.
 
 The artifact holds no weights: the model is the function's first argument, its parameters are graph
 inputs. Its file name is a hash of everything the trace depends on: the model config (and this rank's
-shard of it) and dtype, the device, the torch/triton/Python versions and fastllm's own source. A load
+shard of it) and dtype, the device, the intra-op thread count, the torch/triton/Python versions and
+fastllm's own source. A load
 whose guards reject the model, or that fails at all, is logged and replaced by a fresh compile.
 """
 
@@ -69,6 +70,9 @@ def artifact_key(model: torch.nn.Module, device: torch.device) -> str:
         "gpu": (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
         if device.type == "cuda" else None,
         "torch": torch.__version__, "triton": triton_version, "python": sys.version, "machine": platform.machine(),
+        # Dynamo guards on the intra-op thread count (its global state): a forward traced under another
+        # count (a test process's 1, a TP worker's share of the cores) is rejected, so each has its file.
+        "num_threads": torch.get_num_threads(),
         "fastllm": _source_digest(),
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]

@@ -95,3 +95,29 @@ def test_a_forward_whose_guards_reject_the_model_is_compiled_again_naming_the_gu
     assert how.startswith("compiled, saved to")
     assert "does not fit this model (a guard failed: [" in caplog.text
     assert "expected 4, actual 6" in caplog.text
+
+
+def test_a_forward_saved_under_another_thread_count_is_not_overwritten_by_a_rejected_load(tmp_path, caplog):
+    """Dynamo guards on torch's thread count: a forward saved by a process with one thread (the tests') is
+    another file than one saved with two, so neither process rejects and overwrites the other's."""
+    from fastllm.compile.backend import mark_tokens_unbacked
+
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode(), caplog.at_level(logging.WARNING, logger="fastllm.compile.aot_cache"):
+            ids = torch.tensor([1, 2, 3])
+            saved = {}
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                _, how = aot_cache.load_or_compile(_Projection(4), mark_tokens_unbacked(ids, ids.clone()),
+                                                   tmp_path)
+                assert how.startswith("compiled, saved to"), how
+                saved[n] = how.removeprefix("compiled, saved to ")
+            torch.set_num_threads(1)
+            _, how = aot_cache.load_or_compile(_Projection(4), mark_tokens_unbacked(ids, ids.clone()),
+                                               tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert saved[1] != saved[2]
+    assert how == f"loaded {saved[1]}"
+    assert "does not fit" not in caplog.text
