@@ -591,8 +591,13 @@ def test_fastllm_serve_exits_0_on_ctrl_c_with_its_engine_process_gone():
 
 
 def test_fastllm_serve_on_sigterm_ends_an_open_stream_with_a_503_and_exits_0():
-    """The stream was cut after uvicorn's 5 s, without [DONE], and the server logged CancelledErrors."""
+    """The stream was cut after uvicorn's 5 s, without [DONE], and the server logged CancelledErrors; so
+    did a request whose body had not come (its task cancelled by uvicorn, a traceback and a 500)."""
     with serve_process("--shutdown-timeout", "0.5") as (server, url, core):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        headers_only = socket.create_connection((host, int(port)), timeout=60)
+        headers_only.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: fastllm\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n")
         body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
@@ -601,6 +606,8 @@ def test_fastllm_serve_on_sigterm_ends_an_open_stream_with_a_503_and_exits_0():
             events = [line for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]", events[-2:]
         assert json.loads(events[-2][6:])["error"]["code"] == 503, events[-2:]
+        with headers_only:
+            assert headers_only.recv(4096).startswith(b"HTTP/1.1 503 "), "the body-less request's reply"
         assert server.wait(timeout=60) == 0
         rest = server.stderr.read()
         assert "Traceback" not in rest and "ERROR" not in rest, rest

@@ -221,11 +221,15 @@ class _Server:
         self.metrics = ServingMetrics(engine)
         self.created = int(time.time())
         self.ended = False  # the server is shutting down and has ended its open requests
+        self.reading: set[asyncio.Task] = set()  # requests whose bodies are still arriving
 
     def end_requests(self) -> None:
-        """Shutting down: end every open request (503) and refuse any still being taken."""
+        """Shutting down: end every open request (503), those still reading their bodies too, and refuse any
+        still being taken."""
         self.ended = True
         self.engine.end_all(SHUTTING_DOWN)
+        for task in self.reading:
+            task.cancel(SHUTTING_DOWN)
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fastllm",
@@ -237,13 +241,25 @@ class _Server:
                            f"`{self.model_name}`.", "NotFoundError", "model")
 
     async def read_body(self, request: Request) -> bytes:
+        """The body; a 503 if the server ends its requests before the body has come (a client that sent
+        the headers alone would otherwise hold the shutdown until uvicorn cancels its task)."""
         limit, size, chunks = self.limits.max_request_bytes, 0, []
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(413, f"the request body is larger than {limit} bytes (--max-request-bytes)",
-                               "RequestTooLargeError")
-            chunks.append(chunk)
+        task = asyncio.current_task()
+        self.reading.add(task)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"the request body is larger than {limit} bytes "
+                                   "(--max-request-bytes)", "RequestTooLargeError")
+                chunks.append(chunk)
+        except asyncio.CancelledError as e:
+            if e.args != (SHUTTING_DOWN,):
+                raise
+            task.uncancel()
+            raise APIError(503, SHUTTING_DOWN, "ServiceUnavailableError") from None
+        finally:
+            self.reading.discard(task)
         return b"".join(chunks)
 
     # the two endpoints
