@@ -8,8 +8,8 @@ included, which can be saved and loaded in another process.
 The artifact holds no weights: the model is the function's first argument, its parameters are graph
 inputs. Its file name is a hash of everything the trace depends on: the model config (and this rank's
 shard of it) and dtype, the device, the intra-op thread count, the torch/triton/Python versions and
-fastllm's own source. A load
-whose guards reject the model, or that fails at all, is logged and replaced by a fresh compile.
+fastllm's own source. A load whose guards reject the model, or that fails at all, is logged and replaced
+by a fresh compile.
 """
 
 from __future__ import annotations
