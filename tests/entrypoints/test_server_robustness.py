@@ -580,9 +580,20 @@ def test_fastllm_serve_stopped_while_its_engine_starts_exits_0_with_its_engine_p
 
 
 def test_fastllm_serve_exits_0_on_ctrl_c_with_its_engine_process_gone():
-    """uvicorn shuts down on SIGINT, then raises it again: that was a KeyboardInterrupt traceback."""
+    """uvicorn shuts down on SIGINT, then raises it again: that was a KeyboardInterrupt traceback. A second
+    Ctrl-C forces the quit: the open stream was cut without [DONE], and its task and the app's lifespan were
+    cancelled with the loop, a traceback each."""
     with serve_process() as (server, url, core):
-        server.send_signal(signal.SIGINT)
+        body = {"model": MODEL, "prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # (generating: seconds on the CPU)
+            server.send_signal(signal.SIGINT)
+            time.sleep(0.5)  # (the first one handled: the second forces the quit)
+            server.send_signal(signal.SIGINT)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", events[-2:]
+        assert json.loads(events[-2][6:])["error"]["code"] == 503, events[-2:]
         assert server.wait(timeout=60) == 0
         rest = server.stderr.read()
         assert "Traceback" not in rest and "Application shutdown complete" in rest, rest

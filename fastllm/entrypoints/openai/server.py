@@ -74,6 +74,7 @@ _Add = Callable[[str, Any], Awaitable[RequestStream]]
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 ENDED_RESPONSES_S = 5.0  # after the requests are ended, how long their responses may take to be sent
+FORCED_RESPONSES_S = 1.0  # the same after a second Ctrl-C (a forced quit)
 SHUTTING_DOWN = "the server is shutting down"
 _LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
@@ -560,7 +561,9 @@ def _failure(e: Exception) -> APIError:
 class DrainingServer(uvicorn.Server):
     """uvicorn's Server, whose shutdown (SIGTERM, Ctrl-C) gives open requests shutdown_timeout seconds to
     finish and then ends those left through the engine: a stream gets a 503 error event and [DONE], a whole
-    response a 503. (uvicorn alone would cancel their tasks mid-write after its own timeout.)"""
+    response a 503. (uvicorn alone would cancel their tasks mid-write after its own timeout.) A second
+    Ctrl-C (uvicorn's forced quit) ends them at once the same way, and stops the app as usual: uvicorn would
+    leave the requests' tasks and the app's lifespan to be cancelled with the loop, each a traceback."""
 
     def __init__(self, app: FastAPI, shutdown_timeout: float, **config):
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=shutdown_timeout + ENDED_RESPONSES_S,
@@ -574,6 +577,13 @@ class DrainingServer(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             ender.cancel()
+        if self.force_exit:
+            if not self.app_server.ended:
+                self.app_server.end_requests()
+            deadline = time.monotonic() + FORCED_RESPONSES_S
+            while self.server_state.tasks and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            await self.lifespan.shutdown()
 
 
 def log_fast_path() -> None:
