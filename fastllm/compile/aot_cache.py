@@ -88,17 +88,22 @@ def _bind(compiled, model: torch.nn.Module) -> Callable:
 
 def _load(path: Path, model: torch.nn.Module, example: tuple) -> Callable | None:
     """The loaded forward, already run once on example; None (logged) if it cannot be used."""
+    from torch._inductor import config as inductor_config
+
     try:
-        # Loaded under inference mode, as it was traced: the guards compare dispatch keys.
-        with open(path, "rb") as f, torch.inference_mode():
-            compiled = torch.compiler.load_compiled_function(f)
-        # Clones: the example's unbacked-dim marks are for tracing, and a guard rejects a marked input.
-        if not compiled.guard_check(model, *(x.clone() for x in example)):
-            logger.warning("compiled forward in %s does not fit this model (a guard failed: %s): compiling "
-                           "again", path, _failed_guard(compiled, model, example))
-            return None
-        forward = _bind(compiled, model)
-        forward(*example)  # kernels that fail to load show here, not in the first step
+        # Its kernels load from Triton's cache in this process: left to Inductor, the first one starts its
+        # pool of compile workers (a process per core), which compiles nothing here and delays the exit.
+        with inductor_config.patch(compile_threads=1):
+            # Loaded under inference mode, as it was traced: the guards compare dispatch keys.
+            with open(path, "rb") as f, torch.inference_mode():
+                compiled = torch.compiler.load_compiled_function(f)
+            # Clones: the example's unbacked-dim marks are for tracing, and a guard rejects a marked input.
+            if not compiled.guard_check(model, *(x.clone() for x in example)):
+                logger.warning("compiled forward in %s does not fit this model (a guard failed: %s): "
+                               "compiling again", path, _failed_guard(compiled, model, example))
+                return None
+            forward = _bind(compiled, model)
+            forward(*example)  # kernels that fail to load show here, not in the first step
     except Exception as e:  # noqa: BLE001  (a stale or broken file must never stop the engine)
         logger.warning("could not load the compiled forward in %s (%s: %s): compiling again",
                        path, type(e).__name__, e)

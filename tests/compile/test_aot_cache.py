@@ -121,3 +121,31 @@ def test_a_forward_saved_under_another_thread_count_is_not_overwritten_by_a_reje
     assert saved[1] != saved[2]
     assert how == f"loaded {saved[1]}"
     assert "does not fit" not in caplog.text
+
+
+def test_a_saved_forward_loads_without_inductors_compile_workers(tmp_path, monkeypatch):
+    """Loading compiles nothing, so it runs with one compile thread: Inductor's first kernel load would
+    otherwise start its pool of compile workers (a process per core on a GPU machine, whose shutdown
+    delayed every warm `fastllm generate`'s exit by ~1 s). The setting is restored after the load."""
+    from torch._inductor import async_compile
+    from torch._inductor import config as inductor_config
+
+    from fastllm.compile.backend import mark_tokens_unbacked
+
+    if not aot_cache.available():
+        return
+    monkeypatch.setattr(inductor_config, "compile_threads", 4)
+    with torch.inference_mode():
+        ids = torch.tensor([1, 2, 3])
+        aot_cache.load_or_compile(_Projection(4), mark_tokens_unbacked(ids, ids.clone()), tmp_path)
+        load = torch.compiler.load_compiled_function
+        threads_seen = []
+
+        def recording_load(f):
+            threads_seen.append(async_compile.get_compile_threads())
+            return load(f)
+        monkeypatch.setattr(torch.compiler, "load_compiled_function", recording_load)
+        _, how = aot_cache.load_or_compile(_Projection(4), mark_tokens_unbacked(ids, ids.clone()), tmp_path)
+    assert how.startswith("loaded"), how
+    assert threads_seen == [1]
+    assert inductor_config.compile_threads == 4
