@@ -134,8 +134,8 @@ def test_a_saved_forward_loads_without_inductors_compile_workers(tmp_path, monke
 
     if not aot_cache.available():
         return
-    monkeypatch.setattr(inductor_config, "compile_threads", 4)
-    with torch.inference_mode():
+    # (patch, not monkeypatch: undoing a monkeypatch removes the option from Inductor's config)
+    with inductor_config.patch(compile_threads=4), torch.inference_mode():
         ids = torch.tensor([1, 2, 3])
         aot_cache.load_or_compile(_Projection(4), mark_tokens_unbacked(ids, ids.clone()), tmp_path)
         load = torch.compiler.load_compiled_function
@@ -146,6 +146,6 @@ def test_a_saved_forward_loads_without_inductors_compile_workers(tmp_path, monke
             return load(f)
         monkeypatch.setattr(torch.compiler, "load_compiled_function", recording_load)
         _, how = aot_cache.load_or_compile(_Projection(4), mark_tokens_unbacked(ids, ids.clone()), tmp_path)
+        assert inductor_config.compile_threads == 4
     assert how.startswith("loaded"), how
     assert threads_seen == [1]
-    assert inductor_config.compile_threads == 4
