@@ -655,3 +655,41 @@ def test_fastllm_serve_exits_1_when_its_engine_dies():
     with serve_process() as (server, url, core):
         os.kill(core, signal.SIGKILL)
         assert server.wait(timeout=60) == 1
+
+
+@pytest.mark.parametrize("quit_during", ["requests", "lifespan"])
+def test_a_forced_quit_shuts_the_app_down_once(monkeypatch, quit_during):
+    """The second Ctrl-C sets uvicorn's force_exit. Before uvicorn runs the app's lifespan shutdown, uvicorn
+    then skips it and DrainingServer runs it; during it, uvicorn finishes it and DrainingServer must not run
+    it again (it logged "Waiting for application shutdown." twice). uvicorn's part is simulated here."""
+    import types
+
+    import uvicorn
+
+    from fastllm.entrypoints.openai.server import DrainingServer
+
+    ended = []
+    app = types.SimpleNamespace(state=types.SimpleNamespace(server=types.SimpleNamespace(
+        ended=False, end_requests=lambda: ended.append(True))))
+    server = DrainingServer(app, 0.0)
+
+    class Lifespan:
+        def __init__(self):
+            self.shutdown_event, self.shutdowns = asyncio.Event(), 0
+
+        async def shutdown(self):
+            self.shutdowns += 1
+            self.shutdown_event.set()
+
+    async def uvicorn_shutdown(self, sockets=None):
+        if quit_during == "requests":
+            self.force_exit = True
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+        self.force_exit = True
+
+    monkeypatch.setattr(uvicorn.Server, "shutdown", uvicorn_shutdown)
+    server.lifespan = Lifespan()
+    asyncio.run(server.shutdown())
+    assert server.lifespan.shutdowns == 1
+    assert ended == [True]

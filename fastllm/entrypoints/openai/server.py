@@ -583,7 +583,8 @@ class DrainingServer(uvicorn.Server):
             deadline = time.monotonic() + FORCED_RESPONSES_S
             while self.server_state.tasks and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            await self.lifespan.shutdown()
+            if not self.lifespan.shutdown_event.is_set():  # (set: the quit came during uvicorn's own)
+                await self.lifespan.shutdown()
 
 
 def log_fast_path() -> None:
