@@ -78,28 +78,37 @@ _MIN_SPLIT_TOKENS = 256  # below this a split is mostly fixed cost (q load, part
 _MAX_SPLITS = 64
 _WAVES = 3  # B x Hkv x splits ~ 3 programs per SM: the fastest split counts at B1 and B8 land there
 
-# (block_n, num_warps, num_stages) that tune.py times; choose_config picks 64 for head_dim <= 128, 32 above,
-# 16 with 2 warps for large batches, and 128 only for long-context bounds (_LONG_CONTEXT). (128, 4, 3) was
-# faster at small batches too but flipped a greedy token at a 0.12-nat margin in the tiny bf16 Llama-3.1
-# engine test (bound 256); below _LONG_CONTEXT it stays out until its rounding is compared with the 64-key
-# tile's.
-TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2), (32, 1, 2)]
+# (block_n, num_warps, num_stages) that tune.py times; choose_config picks among them: a 16-bit cache's by
+# _SIXTEEN_BIT_TILES, [1] (128 keys) for long-context bounds (_LONG_CONTEXT), [2] above head_dim 128, [0] for
+# fp32 queries and below an FP8 cache's or a cascade suffix's own rules, [3] for a cascade's suffix beside its
+# prefix, [4] for an FP8 cache's one-warp programs. [1] was faster at small batches too but flipped a greedy
+# token at a 0.12-nat margin in the tiny bf16 Llama-3.1 engine test (bound 256), so below _LONG_CONTEXT it
+# stays out until its rounding is compared with the 64-key tile's.
+TILE_CONFIGS = [(64, 4, 2), (128, 4, 3), (32, 4, 2), (16, 2, 2), (32, 1, 2), (64, 2, 3), (32, 1, 3)]
+# A 16-bit cache's tile by B x Hkv programs a SM: (below this many, tile). Fewer warps a program let an SM
+# hold more programs to hide the loads' latency, but which tile wins moves with how the programs fill the
+# SMs' slots, not steadily with the batch: measured at every decode graph's batch up to 128 and ten more
+# up to 512 (H200, Llama-3-8B's heads, the engine's launch over ragged contexts; README, "Kernel choices").
+_SIXTEEN_BIT_TILES = ((1, TILE_CONFIGS[5]), (5, TILE_CONFIGS[0]), (8.5, TILE_CONFIGS[6]),
+                      (10, TILE_CONFIGS[3]), (float("inf"), TILE_CONFIGS[6]))
 # An FP8 cache under 16-bit queries with B x Hkv >= _FP8_MANY_PROGRAMS_PER_SM a SM takes one-warp programs of
-# 32-key tiles (TILE_CONFIGS[4]), not the 16-bit table's tiles: a program converts twice the keys a byte of
+# 32-key tiles (TILE_CONFIGS[4]), not the 16-bit tiles: a program converts twice the keys a byte of
 # a 16-bit cache, and one warp's softmax, layout changes and block barriers wait on no other warp. From 1.5
 # programs a SM under a bound of _FP8_LONG_BOUND it takes them too, split in two (four under 2 programs a
 # SM) so that ~8 one-warp programs a SM hide the loads' latency: 2-27% faster than the 64-key tile from
-# 384 keys, up to 18% slower on requests of 128 keys, so a short bound keeps the 16-bit table
+# 384 keys, up to 18% slower on requests of 128 keys, so a short bound keeps the 64-key 4-warp tile
 # (docs/fp8.md, on decode attention over an FP8 cache).
 _FP8_MANY_PROGRAMS_PER_SM = 5
 _FP8_LONG_BOUND = 2048
 _FP8_MIN_SPLIT_LEN = 128
-# B x Hkv from this many per SM: the small tile (TILE_CONFIGS[3]); e.g. B128 at 8 KV heads on 132 SMs
-_MANY_PROGRAMS_PER_SM = 7
-# The same for a decode cascade's suffix, whose programs share each SM with a prefix program (README,
-# "Kernel choices": the small tile won at ~3.9 programs a SM, lost at ~1.9)
+# A decode cascade's suffix, whose programs share each SM with a prefix program, takes 16-key 2-warp tiles
+# (TILE_CONFIGS[3]) from this many per SM (README, "Kernel choices": they won at ~3.9 programs a SM, lost
+# at ~1.9)
 _MANY_PROGRAMS_PER_SM_BESIDE_PREFIX = 3
 _MIN_BUSY_SPLIT_TOKENS = 512  # min_split_len once B x Hkv >= the SM count
+# A 16-bit cache's B x Hkv from this many per SM: no split (the requests' own programs fill the SMs; an FP8
+# cache's requests of ~1000 keys still gained from two there)
+_NO_SPLIT_PROGRAMS_PER_SM = 2.5
 # From this bound on, a request that splits takes 128-key tiles in ~2 programs a SM (TILE_CONFIGS[1]): its
 # splits hold >= 8 such tiles, which then beat more splits of 64-key tiles and match cuDNN's SDPA on the same
 # K/V laid out contiguously (README, "Kernel choices"). Shorter bounds keep the 64-key tile (see
@@ -509,30 +518,34 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
                   fp8_cache: bool = False) -> DecodeConfig:
     """Split count, tile and minimum split length for one launch; host-side ints only (CUDA-graph safe).
 
-    Many programs (>= 7 a SM) take 16-key tiles with 2 warps: more of them fit on an SM to hide the loads'
-    latency; they beat 64- and 32-key tiles from B128 (at 8 KV heads) and lose at B64. max_seq_len is only
-    a bound (a graph is captured at max_model_len), so the split count is sized for it, and min_split_len
-    keeps short requests from being cut into one-tile splits once B x Hkv alone covers the SMs, where one
-    or two splits time the same (README, "Kernel choices", has the measurements). beside_prefix: a decode
-    cascade's suffix launch, which runs beside the prefix kernel's programs (fewer free slots an SM).
-    fp8_cache: an e4m3 cache (element_size is the queries'), which takes one-warp programs from fewer
+    A 16-bit cache's programs (B x Hkv) take their tile from _SIXTEEN_BIT_TILES (README, "Kernel choices",
+    has the measurements behind every rule here). max_seq_len is only a bound (a graph is captured at
+    max_model_len), so the split count is sized for it, and min_split_len keeps short requests from being cut
+    into one-tile splits once B x Hkv alone covers the SMs, where one or two splits time the same; a 16-bit
+    cache does not split from _NO_SPLIT_PROGRAMS_PER_SM. beside_prefix: a decode cascade's suffix launch,
+    which runs beside the prefix kernel's programs (fewer free slots an SM): 16-key tiles from 3 programs a
+    SM. fp8_cache: an e4m3 cache (element_size is the queries'), which takes one-warp programs from fewer
     programs a SM (_FP8_MANY_PROGRAMS_PER_SM, _FP8_LONG_BOUND).
     """
     programs = batch * num_kv_heads
     splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
-    many = _MANY_PROGRAMS_PER_SM_BESIDE_PREFIX if beside_prefix else _MANY_PROGRAMS_PER_SM
     fp8_one_warp = fp8_cache and not beside_prefix and element_size <= 2
+    sixteen_bit = element_size <= 2 and not fp8_cache and not beside_prefix
+    if sixteen_bit and programs >= _NO_SPLIT_PROGRAMS_PER_SM * num_sms:
+        splits = 1
     if head_dim > 128:
         tile = TILE_CONFIGS[2]
     elif fp8_one_warp and programs >= _FP8_MANY_PROGRAMS_PER_SM * num_sms:
         tile = TILE_CONFIGS[4]
     elif fp8_one_warp and 2 * programs >= 3 * num_sms and max_seq_len >= _FP8_LONG_BOUND:
         return DecodeConfig(4 if programs < 2 * num_sms else 2, *TILE_CONFIGS[4], _FP8_MIN_SPLIT_LEN)
-    elif programs >= many * num_sms and element_size <= 2:
+    elif beside_prefix and programs >= _MANY_PROGRAMS_PER_SM_BESIDE_PREFIX * num_sms and element_size <= 2:
         tile = TILE_CONFIGS[3]
     elif max_seq_len >= _LONG_CONTEXT and programs < num_sms and element_size <= 2:
         tile = TILE_CONFIGS[1]
         splits = min(splits, triton.cdiv(2 * num_sms, programs))
+    elif sixteen_bit:
+        tile = next(tile for below, tile in _SIXTEEN_BIT_TILES if programs < below * num_sms)
     else:
         tile = TILE_CONFIGS[0]
     min_split_len = _MIN_BUSY_SPLIT_TOKENS if programs >= num_sms else 0

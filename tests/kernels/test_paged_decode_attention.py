@@ -152,14 +152,15 @@ def test_decode_loose_bound_max_splits(device, gen):
 
 
 def test_cascade_suffix_takes_the_small_tile_from_fewer_programs():
-    # beside the prefix kernel's programs the 16-key tile pays from ~3 programs a SM, alone from 7
+    # beside the prefix kernel's programs the 16-key 2-warp tile pays from ~3 programs a SM
     from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
 
     small = TILE_CONFIGS[3]
     assert choose_config(8192, 64, 8, 128, num_sms=132, beside_prefix=True)[1:4] == small  # 3.9 a SM
-    assert choose_config(8192, 64, 8, 128, num_sms=132)[1:4] != small
-    assert choose_config(8192, 32, 8, 128, num_sms=132, beside_prefix=True)[1:4] != small  # 1.9 a SM
-    assert choose_config(8192, 128, 8, 128, num_sms=132)[1:4] == small
+    beside_few = choose_config(8192, 32, 8, 128, num_sms=132, beside_prefix=True)  # 1.9 a SM
+    assert beside_few[1:4] == TILE_CONFIGS[0]
+    for batch in (64, 128, 256):  # alone, never
+        assert choose_config(8192, batch, 8, 128, num_sms=132)[1:4] != small
 
 
 def test_decode_merge_in_second_kernel(device, gen):
@@ -230,17 +231,21 @@ def test_decode_table_tiles():
     from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
 
     small = choose_config(4096, 1, 8, 128, num_sms=132)
-    assert small[1:4] == TILE_CONFIGS[0] and small.min_split_len == 0  # few programs: split down to one tile
+    assert small[1:4] == TILE_CONFIGS[5] and small.min_split_len == 0  # few programs: split down to one tile
     busy = choose_config(4096, 32, 8, 128, num_sms=132)
     assert busy.num_splits == 2 and busy.min_split_len >= 512  # long requests split, short ones do not
-    assert choose_config(4096, 256, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[3]  # many programs: small tile
-    assert choose_config(4096, 128, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[3]  # 1024 programs: 7.8 a SM
-    assert choose_config(4096, 64, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[0]  # 512: the 64-key tile
+    assert choose_config(4096, 41, 8, 128, num_sms=132).num_splits == 2
+    assert choose_config(4096, 42, 8, 128, num_sms=132).num_splits == 1  # 336 programs: 2.5 a SM
+    # 16-bit caches by programs (B x 8 KV heads) a SM: < 1, < 5, < 8.5, < 10, more
+    for batches, tile in (((1, 16), 5), ((17, 82), 0), ((83, 140), 6), ((141, 164), 3), ((165, 1024), 6)):
+        for batch in batches:
+            assert choose_config(4096, batch, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[tile], batch
     assert choose_config(4096, 8, 8, 128, num_sms=132, element_size=4)[1:4] == TILE_CONFIGS[0]  # fp32
+    assert choose_config(4096, 256, 8, 128, num_sms=132, element_size=4)[1:4] == TILE_CONFIGS[0]
     assert choose_config(4096, 8, 8, 256, num_sms=132)[1:4] == TILE_CONFIGS[2]  # head_dim 256
     long = choose_config(32768, 1, 8, 128, num_sms=132)  # long context, few programs: 128-key tiles, ~2 a SM
     assert long[:4] == (33, *TILE_CONFIGS[1]), long
-    assert choose_config(8192, 1, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[0]  # below the long-context bound
+    assert choose_config(8192, 1, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[5]  # below the long-context bound
     assert choose_config(32768, 32, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[0]  # B x Hkv covers the SMs
     assert choose_config(32768, 1, 8, 128, num_sms=132, element_size=4)[1:4] == TILE_CONFIGS[0]  # fp32
 
@@ -249,7 +254,8 @@ def test_decode_table_fp8_cache():
     """An FP8 cache under 16-bit queries: one-warp 32-key programs from 5 programs a SM (B x Hkv, the
     16-bit table's split count), and from 1.5 under a bound of 2048 or more, there in 2 splits (4 under 2
     programs a SM) of >= 128 keys; everything else as the 16-bit cache's table (fewer programs, shorter
-    bounds, fp32 queries, head_dim 256, a cascade's suffix)."""
+    bounds, fp32 queries, head_dim 256, a cascade's suffix), but for its 2-warp 64-key tile (TILE_CONFIGS[5],
+    measured over 16-bit caches only), whose place an FP8 cache's 4-warp one (TILE_CONFIGS[0]) keeps."""
     from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
 
     def table(bound, batch, head_dim=128, **kw):
@@ -269,6 +275,8 @@ def test_decode_table_fp8_cache():
                              (4096, 64, {"beside_prefix": True}), (4096, 256, {"element_size": 4}),
                              (4096, 256, {"head_dim": 256}), (4096, 256, {"beside_prefix": True})):
         plain, fp8 = table(bound, batch, **kw)
+        if plain[1:4] == TILE_CONFIGS[5]:
+            plain = plain._replace(**dict(zip(("block_n", "num_warps", "num_stages"), TILE_CONFIGS[0])))
         assert fp8 == plain, (bound, batch, kw)
 
 
