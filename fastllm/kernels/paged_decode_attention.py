@@ -530,7 +530,7 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     programs = batch * num_kv_heads
     splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
     fp8_one_warp = fp8_cache and not beside_prefix and element_size <= 2
-    sixteen_bit = element_size <= 2 and not fp8_cache and not beside_prefix
+    sixteen_bit = element_size <= 2 and not fp8_cache and not beside_prefix and head_dim <= 128  # measured
     if sixteen_bit and programs >= _NO_SPLIT_PROGRAMS_PER_SM * num_sms:
         splits = 1
     if head_dim > 128:

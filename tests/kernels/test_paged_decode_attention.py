@@ -243,6 +243,7 @@ def test_decode_table_tiles():
     assert choose_config(4096, 8, 8, 128, num_sms=132, element_size=4)[1:4] == TILE_CONFIGS[0]  # fp32
     assert choose_config(4096, 256, 8, 128, num_sms=132, element_size=4)[1:4] == TILE_CONFIGS[0]
     assert choose_config(4096, 8, 8, 256, num_sms=132)[1:4] == TILE_CONFIGS[2]  # head_dim 256
+    assert choose_config(4096, 48, 8, 256, num_sms=132).num_splits == 2  # its splits as before (unmeasured)
     long = choose_config(32768, 1, 8, 128, num_sms=132)  # long context, few programs: 128-key tiles, ~2 a SM
     assert long[:4] == (33, *TILE_CONFIGS[1]), long
     assert choose_config(8192, 1, 8, 128, num_sms=132)[1:4] == TILE_CONFIGS[5]  # below the long-context bound
