@@ -17,30 +17,25 @@ from __future__ import annotations
 import argparse
 
 import torch
-from kbench import DEVICE, HEAD_DIM, HKV, HQ, input_sets, num_sms, paged_kv, steady_ms
+from kbench import HEAD_DIM, HKV, input_sets, num_sms, steady_ms
+from tune_fp8_decode import make_inputs, new_tokens
 
-from fastllm.kernels.paged_decode_attention import NewTokens, choose_config, paged_decode_attention_splits
+from fastllm.kernels.paged_decode_attention import choose_config, paged_decode_attention_splits
 
-PAGE = 16
 TILES = [(64, 4, 2), (64, 2, 3), (64, 2, 2), (32, 2, 3), (32, 1, 3), (32, 1, 2), (16, 2, 2), (16, 1, 3)]
 GRAPH_BATCHES = [1, 2, 4, *range(8, 129, 8), 144, 160, 176, 192, 224, 256, 320, 384, 448, 512]
 
 
-def make_inputs(batch: int, context: int, cos_sin: torch.Tensor):
-    key_cache, value_cache, block_tables = paged_kv(batch, context, PAGE)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
-    seq_lens[::3] = max(1, context // 2)
-    qkv = torch.randn(batch, HQ + 2 * HKV, HEAD_DIM, device=DEVICE, dtype=key_cache.dtype)
-    query, key, value = qkv.split([HQ, HKV, HKV], dim=1)
-    positions = seq_lens.long() - 1
-    slots = block_tables.gather(1, (positions // PAGE)[:, None]).squeeze(1).long() * PAGE + positions % PAGE
-    new = NewTokens(positions, key, value, cos_sin, True, slots)
+def step_inputs(batch: int, context: int, bound: int):
+    """A decode step's inputs over a bf16 cache: ragged requests and each one's new token (APPEND)."""
+    query, key_cache, value_cache, block_tables, seq_lens = make_inputs(batch, context, True, fp8=False)
+    new = new_tokens(query, block_tables, seq_lens, bound)
     return query, key_cache, value_cache, block_tables, seq_lens, new
 
 
-def time_case(batch: int, context: int, bound: int, cos_sin: torch.Tensor, sms: int):
+def time_case(batch: int, context: int, bound: int, sms: int):
     """(the table's launch, its us a call, {tile: speed relative to it}) at the table's split count."""
-    sets = input_sets(lambda: make_inputs(batch, context, cos_sin),
+    sets = input_sets(lambda: step_inputs(batch, context, bound),
                       lambda s: 2 * s[1].numel() * s[1].element_size())
     chosen = choose_config(bound, batch, HKV, HEAD_DIM, sms, 2)
 
@@ -64,14 +59,13 @@ def main() -> None:
     parser.add_argument("--max-kv-tokens", type=int, default=512 * 1100, help="skip larger batch x context")
     args = parser.parse_args()
     sms = num_sms()
-    cos_sin = torch.randn(2 * args.bound, HEAD_DIM, device=DEVICE, dtype=torch.float32)
     print(f"{torch.cuda.get_device_name()}, {sms} SMs, bound {args.bound}; per case: the table's launch "
           "(splits, keys a tile, warps, stages) and us a call, then each tile's speed relative to it")
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batch_sizes.split(",")):
             if batch * context > args.max_kv_tokens:
                 continue
-            chosen, table_us, speed = time_case(batch, context, args.bound, cos_sin, sms)
+            chosen, table_us, speed = time_case(batch, context, args.bound, sms)
             best = max(speed.values())
             cells = " ".join(f"{'/'.join(map(str, t))} {v:.2f}{'*' if v == best else ''}"
                              for t, v in speed.items())

@@ -31,10 +31,13 @@ PAGE = 16
 K_SCALE, V_SCALE = 0.37, 1.9  # any values time the same
 
 
-def make_inputs(batch: int, context: int, ragged: bool):
+def make_inputs(batch: int, context: int, ragged: bool, fp8: bool = True):
+    """(query, key_cache, value_cache, block_tables, seq_lens): ragged puts a third of the requests at half
+    the context; fp8=False leaves the cache in bf16 (tune_decode_tiles.py)."""
     key_cache, value_cache, block_tables = paged_kv(batch, max(context, 64), PAGE)
-    key_cache = reference.kv_to_cache(key_cache, reference.FP8, K_SCALE)
-    value_cache = reference.kv_to_cache(value_cache, reference.FP8, V_SCALE)
+    if fp8:
+        key_cache = reference.kv_to_cache(key_cache, reference.FP8, K_SCALE)
+        value_cache = reference.kv_to_cache(value_cache, reference.FP8, V_SCALE)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
     if ragged:
         seq_lens[::3] = max(1, context // 2)
