@@ -6,8 +6,9 @@
 Per projection (qkv, o, gate_up, down) and row count: torch._scaled_mm as fp8_linear calls it, and every
 config of fastllm/kernels/fp8_gemm.py, each timed as a CUDA-graph replay over enough e4m3 weight copies
 (>= 400 MB) that no weight stays in L2, divided by the number of copies; the best config's largest error
-against _scaled_mm's output (both bf16). The last lines are the _TUNED entries where the best beat _scaled_mm
-by 3% or more. Results also go to $OUT/fp8_gemm.jsonl (or /tmp), one JSON line each.
+against _scaled_mm's output (both bf16, summed as fp8_linear sums bf16 outputs: fast_accum; fp16 outputs
+run the same configs promoted). The last lines are the _TUNED entries where the best beat _scaled_mm by 3%
+or more. Results also go to $OUT/fp8_gemm.jsonl (or /tmp), one JSON line each.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tune_skinny_linear import graph_us, model_shapes
 
 from fastllm.kernels import fp8_gemm
-from fastllm.kernels.fp8_linear import _scaled_mm
+from fastllm.kernels.fp8_linear import _scaled_mm, fast_accum
 from fastllm.kernels.fp8_quantize import quantize_fp8_per_token
 
 WIN = 0.97  # a config replaces _scaled_mm at 97% of its time or less
@@ -53,14 +54,17 @@ def sweep_shape(name: str, n: int, k: int, rows_list: list[int], out) -> list[st
                for _ in range(copies)]
     scale = torch.rand(n, device="cuda") * 1e-3 + 1e-4
     wins = []
+    fast = fast_accum(torch.bfloat16)
     for rows in rows_list:
         x_q, x_scale = quantize_fp8_per_token(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16))
 
         def scaled_mm(x_q=x_q, x_scale=x_scale):
-            return [_scaled_mm(x_q, x_scale, w, scale, None, torch.bfloat16) for w in weights]
+            return [_scaled_mm(x_q, x_scale, w, scale, None, torch.bfloat16, fast_accum=fast)
+                    for w in weights]
 
         def gemm(cfg, x_q=x_q, x_scale=x_scale):
-            return [fp8_gemm.launch(x_q, x_scale, w, scale, None, torch.bfloat16, cfg) for w in weights]
+            return [fp8_gemm.launch(x_q, x_scale, w, scale, None, torch.bfloat16, cfg, fast_accum=fast)
+                    for w in weights]
 
         ref = scaled_mm()[0].float()
         base = graph_us(scaled_mm, copies)

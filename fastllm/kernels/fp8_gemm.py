@@ -7,8 +7,9 @@ tiles with 256-deep K steps and 4 stages, on the narrow projections (o, down; qk
 down_proj's 4,096 columns at 256 rows make 128 such tiles for 132 SMs, where cuBLASLt runs 64 of 128 x 128
 (H200, `nvjet_..._128x128_128x6`).
 
-Math: reference.fp8_linear_quantized. e4m3 products summed by tl.dot (promoted to fp32 every BLOCK_K), then
-x's per-token and W's per-channel scales, the bias, one rounding to the output dtype.
+Math: reference.fp8_linear_quantized. e4m3 products summed by tl.dot (in the MMA's accumulator over all of K
+with fast_accum, else promoted to fp32 every BLOCK_K: fp8_linear.fast_accum), then x's per-token and W's
+per-channel scales, the bias, one rounding to the output dtype.
 Memory traffic: W once from HBM (N * K bytes), x_q from L2 by every column tile, M * N outputs written.
 Needs: sm_90 and triton >= 3.4 (TMA descriptors), 16-byte aligned rows (K and N * 2 bytes multiples of 16)
 and base pointers.
@@ -41,18 +42,19 @@ class GemmConfig(NamedTuple):
 
 
 # (row bucket, N, K) -> config, from tune_fp8_gemm.py on an H200 at Llama-3.1-8B's projections (the bucket's
-# largest row count; us against _scaled_mm's): the shapes where the best config beat torch._scaled_mm by 3% or
-# more. The others stay cuBLASLt's: gate_up from 128 rows (45.7 / 39.7 us at 128), qkv from 256, all at 512.
+# largest row count; us against _scaled_mm's, both with bf16 outputs' fast accumulation): the shapes where the
+# best config beat torch._scaled_mm by 3% or more. The others stay cuBLASLt's: gate_up from 128 rows (39.7 /
+# 36.6 us at 128), qkv from 256, all at 512. (Swept first with sums promoted every K tile: the same configs.)
 _TUNED: dict[tuple[int, int, int], GemmConfig] = {
-    (64, 6144, 4096): GemmConfig(64, 64, 256, 4, 4),  # qkv: 11.1 / 14.7
-    (64, 4096, 4096): GemmConfig(64, 64, 256, 4, 4),  # o: 9.8 / 13.7
-    (64, 28672, 4096): GemmConfig(64, 128, 256, 4, 4),  # gate_up: 34.6 / 46.5
-    (64, 4096, 14336): GemmConfig(64, 64, 256, 4, 4),  # down: 25.9 / 37.5
-    (128, 6144, 4096): GemmConfig(64, 128, 256, 4, 4),  # qkv: 12.8 / 14.6
-    (128, 4096, 4096): GemmConfig(64, 64, 256, 4, 4),  # o: 10.1 / 13.9
-    (128, 4096, 14336): GemmConfig(64, 64, 256, 4, 4),  # down: 26.9 / 37.6
-    (256, 4096, 4096): GemmConfig(64, 128, 256, 4, 4),  # o: 12.0 / 14.0
-    (256, 4096, 14336): GemmConfig(64, 128, 256, 4, 4),  # down: 32.3 / 38.0
+    (64, 6144, 4096): GemmConfig(64, 64, 256, 4, 4),  # qkv: 10.9 / 14.4
+    (64, 4096, 4096): GemmConfig(64, 64, 256, 4, 4),  # o: 9.5 / 14.1
+    (64, 28672, 4096): GemmConfig(64, 128, 256, 4, 4),  # gate_up: 35.6 / 38.8 (64 x 256 x 128: 35.0)
+    (64, 4096, 14336): GemmConfig(64, 64, 256, 4, 4),  # down: 24.6 / 37.2
+    (128, 6144, 4096): GemmConfig(64, 128, 256, 4, 4),  # qkv: 11.7 / 14.7
+    (128, 4096, 4096): GemmConfig(64, 64, 256, 4, 4),  # o: 9.8 / 14.1
+    (128, 4096, 14336): GemmConfig(64, 64, 256, 4, 4),  # down: 25.5 / 37.6
+    (256, 4096, 4096): GemmConfig(64, 128, 256, 4, 4),  # o: 10.5 / 14.4
+    (256, 4096, 14336): GemmConfig(64, 128, 256, 4, 4),  # down: 28.0 / 38.0
 }
 ROW_BUCKETS = (64, 128, 256, 512)
 
@@ -85,7 +87,7 @@ def fits(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_
 @triton.jit
 def _fp8_gemm_kernel(x_desc, w_desc, out_desc, x_scale_ptr, w_scale_ptr, bias_ptr, num_rows, n_out, k_in,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+                     BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr, PROMOTE: tl.constexpr):
     row_tiles = tl.cdiv(num_rows, BLOCK_M)
     k_tiles = tl.cdiv(k_in, BLOCK_K)
     num_tiles = row_tiles * tl.cdiv(n_out, BLOCK_N)
@@ -97,9 +99,10 @@ def _fp8_gemm_kernel(x_desc, w_desc, out_desc, x_scale_ptr, w_scale_ptr, bias_pt
         for ki in range(k_tiles):
             x = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])
             w = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])
-            # (sm_90's e4m3 MMA keeps ~14 bits of its accumulator; Triton's default there never promotes it,
-            # which put down_proj's 14,336-long sums 2.9e-3 off in fp16: promoted to fp32 every BLOCK_K)
-            acc = tl.dot(x, w.T, acc, max_num_imprecise_acc=BLOCK_K)
+            if PROMOTE:  # (sm_90's e4m3 MMA keeps ~14 bits of its accumulator: to fp32 every BLOCK_K)
+                acc = tl.dot(x, w.T, acc, max_num_imprecise_acc=BLOCK_K)
+            else:  # fast accumulation (_scaled_mm's use_fast_accum): never promoted
+                acc = tl.dot(x, w.T, acc)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         x_scale = tl.load(x_scale_ptr + rows, mask=rows < num_rows, other=0.0)
@@ -111,7 +114,8 @@ def _fp8_gemm_kernel(x_desc, w_desc, out_desc, x_scale_ptr, w_scale_ptr, bias_pt
 
 
 def launch(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-           bias: torch.Tensor | None, out_dtype: torch.dtype, config: GemmConfig) -> torch.Tensor:
+           bias: torch.Tensor | None, out_dtype: torch.dtype, config: GemmConfig, *,
+           fast_accum: bool) -> torch.Tensor:
     """x_q [M, K] e4m3 with float32 scales [M, 1] @ (weight [N, K] e4m3 x weight_scale [N])^T (+ bias)
     -> [M, N] in out_dtype. The caller checks fits()."""
     num_rows, k_in = x_q.shape
@@ -124,5 +128,6 @@ def launch(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weigh
         TensorDescriptor.from_tensor(x_q, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]), x_scale, weight_scale, bias if bias is not None else out,
         num_rows, n_out, k_in, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        NUM_PROGRAMS=num_programs, num_warps=config.num_warps, num_stages=config.num_stages)
+        NUM_PROGRAMS=num_programs, PROMOTE=not fast_accum, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out

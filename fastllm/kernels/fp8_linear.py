@@ -7,6 +7,12 @@ GEMM (fp8_gemm.py) at the shapes it was tuned faster, else in cuBLASLt through t
 scales: scale_a [M, 1] per token and scale_b [1, N] per output channel, both float32, the weight column-major
 (W [N, K] row-major, transposed), accumulation in fp32 and one rounding to the output dtype.
 
+Accumulation above SKINNY_MAX_ROWS rows (fast_accum): Hopper's FP8 MMA keeps ~14 bits of its fp32
+accumulator. For bf16 outputs the sums stay in it over the whole of K (torch._scaled_mm's use_fast_accum,
+fp8_gemm unpromoted), as vLLM's CUTLASS FP8 kernels run (their FP8FastAccum schedules): the error it adds is
+of the order of bf16's own rounding of the output, and promoting stalls the MMA pipeline every K tile
+(docs/fp8.md has both measured). fp16 outputs, rounded four times finer, are promoted to fp32 every K tile.
+
 Math: reference.fp8_linear. The quantized activations are bitwise the reference's (the same IEEE
 reciprocal, product and round-to-nearest-even cast); the products differ by the order of the fp32 sums only.
 Memory traffic: N * K bytes of W once; x read twice (the second read from L2) and M * K bytes written
@@ -43,6 +49,12 @@ def _log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
         logger.info("fp8_linear: %s", message)
+
+
+def fast_accum(out_dtype: torch.dtype) -> bool:
+    """Whether a product above SKINNY_MAX_ROWS rows leaves its sums in the FP8 MMA's accumulator (bf16
+    outputs) rather than promoting them to fp32 every K tile (fp16)."""
+    return out_dtype == torch.bfloat16
 
 
 def _scaled_mm_fits(weight: torch.Tensor) -> bool:
@@ -86,12 +98,15 @@ def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch
             and fp8_gemm.fits(x2, scale2, weight, weight_scale, out_dtype):
         _log_once("the Triton FP8 GEMM (fp8_gemm.py) for its tuned shapes above "
                   f"{SKINNY_MAX_ROWS} rows, torch._scaled_mm for the others")
-        out = fp8_gemm.launch(x2, scale2, weight, weight_scale, bias, out_dtype, config)
+        _log_accumulation(out_dtype)
+        out = fp8_gemm.launch(x2, scale2, weight, weight_scale, bias, out_dtype, config,
+                              fast_accum=fast_accum(out_dtype))
     elif _scaled_mm_fits(weight):
         if config is not None:
             _log_once("torch._scaled_mm where fp8_gemm.py was tuned faster but cannot run (it needs sm_90, "
                       "triton >= 3.4 and 16-byte aligned rows)")
-        out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype)
+        _log_accumulation(out_dtype)
+        out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype, fast_accum=fast_accum(out_dtype))
     else:
         _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows where K or N is not a "
                   "multiple of 16 (torch._scaled_mm needs that)")
@@ -99,10 +114,17 @@ def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch
     return out.view(*x_q.shape[:-1], n_out)
 
 
+def _log_accumulation(out_dtype: torch.dtype) -> None:
+    _log_once(f"{out_dtype} outputs above {SKINNY_MAX_ROWS} rows: "
+              + ("fast accumulation (the FP8 MMA's accumulator over all of K, as vLLM's CUTLASS kernels)"
+                 if fast_accum(out_dtype) else "sums promoted to fp32 every K tile"))
+
+
 def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+               bias: torch.Tensor | None, out_dtype: torch.dtype, *, fast_accum: bool) -> torch.Tensor:
     _log_once(f"torch._scaled_mm above {SKINNY_MAX_ROWS} rows")
-    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), out_dtype=out_dtype)
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                           out_dtype=out_dtype, use_fast_accum=fast_accum)
     if bias is not None:
         out += bias
     return out

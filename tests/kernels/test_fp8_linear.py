@@ -95,7 +95,7 @@ def test_float32_outputs_above_32_rows_take_the_reference_not_scaled_mm(device, 
     float32 outputs take the dequantizing reference there; 16-bit outputs keep _scaled_mm."""
     calls = []
     scaled_mm = K._scaled_mm
-    monkeypatch.setattr(K, "_scaled_mm", lambda *args: calls.append(args) or scaled_mm(*args))
+    monkeypatch.setattr(K, "_scaled_mm", lambda *args, **kw: calls.append(args) or scaled_mm(*args, **kw))
     x = torch.randn(K.SKINNY_MAX_ROWS + 8, 64, device=device, dtype=dtype)
     weight, scale = random_weight(48, 64, device)
     out = K.fp8_linear(x, weight, scale, None)
