@@ -28,7 +28,7 @@ CASES = {f"{name}_M{rows}": (name, rows) for name in SHAPES for rows in (1, 8, 3
 
 def measure(case: str):
     from fastllm.kernels import fp8_skinny_linear, triton_impl
-    from fastllm.kernels.fp8_linear import quantize_fp8_per_token
+    from fastllm.kernels.fp8_linear import fast_accum, quantize_fp8_per_token
     from fastllm.kernels.skinny_linear import linear as bf16_linear
     from fastllm.layers.fp8 import quantize_weight
 
@@ -48,7 +48,8 @@ def measure(case: str):
 
     def scaled_mm(x, weight, scale):
         q, x_scale = quantize_fp8_per_token(x)
-        return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype)
+        return torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=x.dtype,
+                                use_fast_accum=fast_accum(x.dtype))  # (as fp8_linear sums above 32 rows)
 
     impls = {"scaled_mm": scaled_mm}
     if rows <= fp8_skinny_linear.MAX_ROWS:

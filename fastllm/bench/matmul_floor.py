@@ -2,8 +2,8 @@
 
 Per layer qkv, o, gate_up and down, then lm_head: F.linear at batch B on the engine's own weights
 (same dtype, same layout, no extra memory; FP8 weights: torch._scaled_mm on e4m3 inputs, their
-quantization left out), captured as one CUDA graph and replayed, so neither
-launch overhead nor attention, norms or sampling count. The engine's step time minus this is what
+quantization left out, summed as fp8_linear sums that dtype's outputs), captured as one CUDA graph and
+replayed, so neither launch overhead nor attention, norms or sampling count. The engine's step time minus this is what
 everything but the weight GEMMs costs. On the CPU (no graphs) the chain runs eagerly.
 """
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastllm.bench.ceilings import cuda_time_ms
+from fastllm.kernels.fp8_linear import fast_accum
 from fastllm.kernels.reference import FP8
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def make_chain(weights: list[torch.Tensor], batch_size: int, dtype: torch.dtype)
             x = inputs[(w.shape[1], w.dtype)]
             if w.dtype == FP8:
                 torch._scaled_mm(x, w.t(), scale_a=ones[:batch_size, None], scale_b=ones[None, :w.shape[0]],
-                                 out_dtype=dtype)
+                                 out_dtype=dtype, use_fast_accum=fast_accum(dtype))
             else:
                 F.linear(x, w)
 

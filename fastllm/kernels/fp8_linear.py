@@ -5,7 +5,7 @@ Larger batches: the activations are quantized per token (fp8_quantize.py: the ro
 x * (1 / scale) rounded to e4m3; or the static input_scale for every row), and the product runs in our Triton
 GEMM (fp8_gemm.py) at the shapes it was tuned faster, else in cuBLASLt through torch._scaled_mm with row-wise
 scales: scale_a [M, 1] per token and scale_b [1, N] per output channel, both float32, the weight column-major
-(W [N, K] row-major, transposed), accumulation in fp32 and one rounding to the output dtype.
+(W [N, K] row-major, transposed), fp32 accumulation (below) and one rounding to the output dtype.
 
 Accumulation above SKINNY_MAX_ROWS rows (fast_accum): Hopper's FP8 MMA keeps ~14 bits of its fp32
 accumulator. For bf16 outputs the sums stay in it over the whole of K (torch._scaled_mm's use_fast_accum,
