@@ -51,6 +51,12 @@ def _log_once(message: str) -> None:
         logger.info("fp8_linear: %s", message)
 
 
+_ACCUMULATION_LOG = {  # by fast_accum
+    True: f"bf16 outputs above {SKINNY_MAX_ROWS} rows sum in the FP8 MMA's accumulator over all of K (fast "
+          "accumulation, as vLLM's CUTLASS kernels)",
+    False: f"fp16 outputs above {SKINNY_MAX_ROWS} rows: sums promoted to fp32 every K tile"}
+
+
 def fast_accum(out_dtype: torch.dtype) -> bool:
     """Whether a product above SKINNY_MAX_ROWS rows leaves its sums in the FP8 MMA's accumulator (bf16
     outputs) rather than promoting them to fp32 every K tile (fp16)."""
@@ -98,26 +104,21 @@ def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch
             and fp8_gemm.fits(x2, scale2, weight, weight_scale, out_dtype):
         _log_once("the Triton FP8 GEMM (fp8_gemm.py) for its tuned shapes above "
                   f"{SKINNY_MAX_ROWS} rows, torch._scaled_mm for the others")
-        _log_accumulation(out_dtype)
-        out = fp8_gemm.launch(x2, scale2, weight, weight_scale, bias, out_dtype, config,
-                              fast_accum=fast_accum(out_dtype))
+        fast = fast_accum(out_dtype)
+        _log_once(_ACCUMULATION_LOG[fast])
+        out = fp8_gemm.launch(x2, scale2, weight, weight_scale, bias, out_dtype, config, fast_accum=fast)
     elif _scaled_mm_fits(weight):
         if config is not None:
             _log_once("torch._scaled_mm where fp8_gemm.py was tuned faster but cannot run (it needs sm_90, "
                       "triton >= 3.4 and 16-byte aligned rows)")
-        _log_accumulation(out_dtype)
-        out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype, fast_accum=fast_accum(out_dtype))
+        fast = fast_accum(out_dtype)
+        _log_once(_ACCUMULATION_LOG[fast])
+        out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype, fast_accum=fast)
     else:
         _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows where K or N is not a "
                   "multiple of 16 (torch._scaled_mm needs that)")
         out = reference.fp8_linear_quantized(x2, scale2, weight, weight_scale, bias, out_dtype)
     return out.view(*x_q.shape[:-1], n_out)
-
-
-def _log_accumulation(out_dtype: torch.dtype) -> None:
-    _log_once(f"{out_dtype} outputs above {SKINNY_MAX_ROWS} rows: "
-              + ("fast accumulation (the FP8 MMA's accumulator over all of K, as vLLM's CUTLASS kernels)"
-                 if fast_accum(out_dtype) else "sums promoted to fp32 every K tile"))
 
 
 def _scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
