@@ -74,10 +74,13 @@ def test_fits_refuses_what_tma_cannot_take(device, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fp8_linear_takes_the_gemm_at_tuned_shapes(device, dtype, monkeypatch):
+def test_fp8_linear_takes_the_gemm_at_tuned_shapes(device, dtype, monkeypatch, caplog):
     """A tuned shape above 32 rows runs fp8_gemm for 16-bit outputs (not _scaled_mm), the reference for
-    float32; an untuned one keeps _scaled_mm. Both accumulate unpromoted for bf16 outputs only."""
+    float32; an untuned one keeps _scaled_mm. Both accumulate unpromoted for bf16 outputs only, and the log
+    says once which accumulation ran."""
     monkeypatch.setitem(G._TUNED, (64, 48, 64), SMALL[0])
+    monkeypatch.setattr(K, "_logged", set())
+    caplog.set_level("INFO", logger="fastllm.kernels")
     gemm_calls, mm_calls = [], []
     launch, scaled_mm = G.launch, K._scaled_mm
     monkeypatch.setattr(G, "launch", lambda *a, **kw: gemm_calls.append(kw) or launch(*a, **kw))
@@ -94,6 +97,8 @@ def test_fp8_linear_takes_the_gemm_at_tuned_shapes(device, dtype, monkeypatch):
         K.fp8_linear_quantized(x_q, x_scale, other, other_scale, None, dtype)
         assert (len(gemm_calls), len(mm_calls)) == (1, 1)
         assert gemm_calls == mm_calls == [{"fast_accum": dtype == torch.bfloat16}]
+        said = [r.getMessage() for r in caplog.records if "outputs above" in r.getMessage()]
+        assert said == ["fp8_linear: " + K._ACCUMULATION_LOG[dtype == torch.bfloat16]], said
 
 
 # GPU: real rounding, Llama-3.1-8B's projections, every tuned config.
