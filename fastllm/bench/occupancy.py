@@ -88,11 +88,13 @@ def decode_attention(fp8_cache: bool, block_n: int, num_warps: int, num_stages: 
     from fastllm.kernels import paged_decode_attention as pda
 
     group, head_dim = 4, 128
+    flags = pda.fp8_dot_flags(pda.FP8 if fp8_cache else torch.bfloat16, torch.bfloat16, True, num_warps)
     constexprs = dict(
-        GROUP=group, HEAD_DIM=head_dim, PAGE=16, BLOCK_G=16, BLOCK_D=head_dim, BLOCK_N=block_n,
+        GROUP=group, HEAD_DIM=head_dim, PAGE=16, BLOCK_G=pda.query_tile_rows(group, flags["SWAP_DOTS"]),
+        BLOCK_D=head_dim, BLOCK_N=block_n,
         DIRECT_OUT=num_splits == 1, MERGE_IN_KERNEL=num_splits > 1, BLOCK_GM=group,
         BLOCK_S=pda.merge_block_s(group, head_dim, num_warps), PRECISION="tf32",  # (both powers of two)
-        **pda.fp8_dot_flags(pda.FP8 if fp8_cache else torch.bfloat16, torch.bfloat16, on_gpu=True),
+        **flags,
         APPEND=append, IS_NEOX=True, HALF=head_dim // 2, QK_NORM=qk_norm, USE_PDL=True, OFFSET_64=False,
         HAS_KV_START=False, SLIDING=False, RETURN_LSE=False, CASCADE=False)
     cache = "*fp8e4nv" if fp8_cache else "*bf16"

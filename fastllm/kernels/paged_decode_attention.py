@@ -194,6 +194,7 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     DOT_F16: tl.constexpr,  # an FP8 cache under 16-bit queries: fp16 dots (see the loop)
     V_IN_REGISTERS: tl.constexpr,  # DOT_F16 on a GPU: V converted before its transpose (see the loop)
+    SWAP_DOTS: tl.constexpr,  # the dots as K @ q^T and V^T @ p^T (see the loop; BLOCK_G >= 8 then)
     APPEND: tl.constexpr,  # rotate q and the new k here, write the new k/v, attend to them from registers
     IS_NEOX: tl.constexpr, HALF: tl.constexpr,  # APPEND's rotary layout
     QK_NORM: tl.constexpr,  # APPEND: RMS-norm q's heads and the new k before rotating them
@@ -303,6 +304,11 @@ def _decode_split_kernel(
     q_dot = q
     if DOT_F16:
         q_dot = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    if SWAP_DOTS:
+        # The query heads as the dots' N side (8 wide on a tensor core) rather than their M side (16 rows):
+        # a one-warp program's accumulator and q take half the registers.
+        q_dot = tl.trans(q_dot)  # [BLOCK_D, BLOCK_G]
+        acc = tl.trans(acc)  # [BLOCK_D, BLOCK_G]
     for n0 in range(start, keys_end, BLOCK_N):
         n = n0 + col  # [BLOCK_N] token positions; a tile may span several pages
         n_ok = n < keys_end
@@ -328,14 +334,25 @@ def _decode_split_kernel(
             # moves the conversion after the transpose and gathers e4m3 bytes from shared memory one at a
             # time. An opaque identity (not pure: not moved) keeps the conversion here, in registers.
             v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
-        s = tl.dot(q_dot, k, input_precision=PRECISION)  # [BLOCK_G, BLOCK_N], unscaled
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
-        p = tl.exp2(s * scale_log2 - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        if SWAP_DOTS:
+            s = tl.dot(tl.trans(k), q_dot, input_precision=PRECISION)  # [BLOCK_N, BLOCK_G], unscaled
+            s = tl.where(n_ok[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0) * scale_log2)
+            p = tl.exp2(s * scale_log2 - m_new[None, :])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = tl.dot(tl.trans(v), p.to(v.dtype), acc * alpha[None, :], input_precision=PRECISION)
+        else:
+            s = tl.dot(q_dot, k, input_precision=PRECISION)  # [BLOCK_G, BLOCK_N], unscaled
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+            p = tl.exp2(s * scale_log2 - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
+    if SWAP_DOTS:
+        acc = tl.trans(acc)  # [BLOCK_G, BLOCK_D]
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale  # seq_len 0: o = 0 (v_scale 1.0: exact)
     row_mask = g_ok[:, None] & d_ok[None, :]
@@ -562,12 +579,19 @@ def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: i
     return kv + qo + partials
 
 
-def fp8_dot_flags(cache_dtype: torch.dtype, query_dtype: torch.dtype, on_gpu: bool) -> dict[str, bool]:
-    """The kernel's DOT_F16 and V_IN_REGISTERS for a cache and query dtype: fp16 dots over an FP8 cache under
-    16-bit queries; V's inline PTX works on pairs of fp16 (float32's V is a register an element) and only on
-    a GPU (not in the interpreter)."""
+def fp8_dot_flags(cache_dtype: torch.dtype, query_dtype: torch.dtype, on_gpu: bool,
+                  num_warps: int) -> dict[str, bool]:
+    """The kernel's DOT_F16, V_IN_REGISTERS and SWAP_DOTS for a cache and query dtype: fp16 dots over an FP8
+    cache under 16-bit queries; V's inline PTX works on pairs of fp16 (float32's V is a register an element)
+    and only on a GPU (not in the interpreter); one-warp programs over it swap their dots (168 registers a
+    thread against 221-235 unswapped, 12 programs a SM rather than 8)."""
     dot_f16 = cache_dtype == FP8 and query_dtype != torch.float32
-    return {"DOT_F16": dot_f16, "V_IN_REGISTERS": dot_f16 and on_gpu}
+    return {"DOT_F16": dot_f16, "V_IN_REGISTERS": dot_f16 and on_gpu, "SWAP_DOTS": dot_f16 and num_warps == 1}
+
+
+def query_tile_rows(group: int, swap_dots: bool) -> int:
+    """BLOCK_G: a KV head's query heads padded to the dot's side they take (16 rows; 8 columns swapped)."""
+    return max(8 if swap_dots else _MIN_GROUP_ROWS, triton.next_power_of_2(group))
 
 
 def paged_decode_attention_splits(
@@ -642,6 +666,8 @@ def paged_decode_attention_splits(
         new_args, new_strides = (seq_lens,) * 7 + (0.0,), (0,) * 5  # unused
     block_gm = triton.next_power_of_2(group)
     block_s = merge_block_s(block_gm, block_d, num_warps)
+    dot_flags = fp8_dot_flags(key_cache.dtype, query.dtype, query.is_cuda, num_warps)
+    block_g = query_tile_rows(group, dot_flags["SWAP_DOTS"])
     kv_start_arg = kv_start if kv_start is not None else seq_lens  # unused without it
     cascade_args = (cascade.prefix_o, cascade.prefix_lse, cascade.prefix_o.shape[2]) if cascade is not None \
         else (out, lse, 0)
@@ -654,11 +680,11 @@ def paged_decode_attention_splits(
         *new_strides,
         num_splits, min_split_len,
         GROUP=group, HEAD_DIM=head_dim, PAGE=page,
-        BLOCK_G=max(_MIN_GROUP_ROWS, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         DIRECT_OUT=num_splits == 1, MERGE_IN_KERNEL=merge_in_kernel, BLOCK_GM=block_gm, BLOCK_S=block_s,
         # fp32 caches are the correctness mode (tiny models vs HF): exact fp32 dots, not tf32.
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        **fp8_dot_flags(key_cache.dtype, query.dtype, query.is_cuda),
+        **dot_flags,
         APPEND=append is not None, IS_NEOX=append is None or append.is_neox, HALF=head_dim // 2,
         QK_NORM=qk_norm,
         OFFSET_64=offset_64, HAS_KV_START=kv_start is not None, SLIDING=window is not None, RETURN_LSE=return_lse,

@@ -113,6 +113,9 @@ def test_rotary_kv_cache_write_fp8(device, gen, t, hkv, d, page, qk_norm):
         assert torch.equal(out[valid], cache.view(-1, hkv, d)[slots[valid]].float())
 
 
+ONE_WARP = {"block_n": 32, "num_warps": 1, "min_split_len": 32}  # the one-warp programs, shorter splits
+
+
 def _kw(scales=SCALES):
     return dict(k_scale=scales[0], v_scale=scales[1])
 
@@ -127,7 +130,7 @@ READ_CASES = [
 
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES)
 @pytest.mark.parametrize("num_splits,window", [(1, None), (3, None), (2, 9)])
-@pytest.mark.parametrize("tile", [{}, {"block_n": 32, "num_warps": 1, "min_split_len": 32}])
+@pytest.mark.parametrize("tile", [{}, ONE_WARP])
 def test_paged_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, num_splits, window, tile):
     """tile: the table's one-warp 32-key programs (an FP8 cache from 1.5 programs a SM), whose minimum split
     length sends short requests to fewer splits."""
@@ -141,20 +144,49 @@ def test_paged_decode_attention_fp8(device, gen, seq_lens, hq, hkv, d, page, num
     assert_close(out, ref, *TOL[torch.float32], f"decode {seq_lens} splits {num_splits} window {window}")
 
 
-@pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES[:2])
+@pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_paged_decode_attention_fp8_16bit_queries(device, gen, seq_lens, hq, hkv, d, page, dtype):
+@pytest.mark.parametrize("tile", [{}, ONE_WARP])
+def test_paged_decode_attention_fp8_16bit_queries(device, gen, seq_lens, hq, hkv, d, page, dtype, tile):
     """16-bit queries: the e4m3 tiles and q convert to fp16 for the dots (bf16 q too, so the interpreter's
-    wrong bf16 tl.dot is not met), within the 16-bit output's rounding of the reference."""
+    wrong bf16 tl.dot is not met), within the 16-bit output's rounding of the reference. ONE_WARP: the
+    table's one-warp programs, whose dots are swapped (K @ q^T, V^T @ p^T; GQA 4 and 8, MHA)."""
     from fastllm.kernels.paged_decode_attention import paged_decode_attention_splits
 
     kv = _fp8_kv(seq_lens, hkv, d, page, gen, device)
     query = torch.randn(len(seq_lens), hq, d, device=device).to(dtype)
     args = (query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens, max(seq_lens), d ** -0.5)
     for num_splits in (1, 3):
-        out = paged_decode_attention_splits(*args, num_splits, **_kw())
+        out = paged_decode_attention_splits(*args, num_splits, **tile, **_kw())
         assert out.dtype == dtype
         assert_close(out, R.paged_decode_attention(*args, **_kw()), *TOL[torch.bfloat16], f"{dtype} decode")
+
+
+@pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES[:2])
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rotary_decode_attention_fp8_one_warp(device, gen, seq_lens, hq, hkv, d, page, num_splits, qk_norm):
+    """The engine's launch of the one-warp programs (dots swapped) under fp16 queries: the new token
+    attended from registers starts the swapped accumulator; within the 16-bit output's rounding."""
+    from fastllm.kernels.paged_decode_attention import NewTokens, paged_decode_attention_splits
+
+    kv = _fp8_kv(seq_lens, hkv, d, page, gen, device)
+    b, f16 = len(seq_lens), torch.float16
+    query, key, value = (torch.randn(b, h, d, device=device).to(f16) for h in (hq, hkv, hkv))
+    positions = kv.seq_lens.long() - 1
+    slots = kv.chunk_slots([1] * b)
+    cos_sin = _cos_sin_cache(max(seq_lens) + 1, d, device)
+    norm = dict(zip(("q_norm_weight", "k_norm_weight"), qk_norm_weights(d, f16, device, gen)),
+                norm_eps=NORM_EPS) if qk_norm else {}
+    caches = (kv.key_cache.clone(), kv.value_cache.clone())
+    out = paged_decode_attention_splits(query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens,
+                                        max(seq_lens), d ** -0.5, num_splits, **ONE_WARP,
+                                        append=NewTokens(positions, key, value, cos_sin, True, slots, **norm),
+                                        **_kw())
+    ref = R.rotary_decode_attention(positions, query, key, value, cos_sin, True, *caches, slots,
+                                    kv.block_tables, kv.seq_lens, max(seq_lens), d ** -0.5, **norm, **_kw())
+    assert out.dtype == f16
+    assert_close(out, ref, *TOL[torch.bfloat16], "one-warp rotary decode")
 
 
 @pytest.mark.parametrize("seq_lens,hq,hkv,d,page", READ_CASES[:2])
