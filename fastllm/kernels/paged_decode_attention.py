@@ -94,13 +94,16 @@ _SIXTEEN_BIT_TILES = ((1, TILE_CONFIGS[5]), (5, TILE_CONFIGS[0]), (8.5, TILE_CON
 # An FP8 cache under 16-bit queries with B x Hkv >= _FP8_MANY_PROGRAMS_PER_SM a SM takes one-warp programs of
 # 32-key tiles (TILE_CONFIGS[4]), not the 16-bit tiles: a program converts twice the keys a byte of
 # a 16-bit cache, and one warp's softmax, layout changes and block barriers wait on no other warp. From 1.5
-# programs a SM under a bound of _FP8_LONG_BOUND it takes them too, split in two (four under 2 programs a
-# SM) so that ~8 one-warp programs a SM hide the loads' latency: 2-27% faster than the 64-key tile from
-# 384 keys, up to 18% slower on requests of 128 keys, so a short bound keeps the 64-key 4-warp tile
-# (docs/fp8.md, on decode attention over an FP8 cache).
+# programs a SM under a bound of _FP8_LONG_BOUND it takes them too; below, a short bound keeps the 64-key
+# 4-warp tile (one-warp programs were up to 18% slower on requests of 128 keys). Their split count fills
+# one wave of them (_fp8_one_warp_config; docs/fp8.md, on decode attention over an FP8 cache).
 _FP8_MANY_PROGRAMS_PER_SM = 5
 _FP8_LONG_BOUND = 2048
 _FP8_MIN_SPLIT_LEN = 128
+# Resident one-warp programs a SM over an FP8 cache, their dots swapped (sm_90, Triton 3.6): the in-kernel
+# merge's variant takes 168 registers a thread (18 KB of shared memory), the unsplit one 177.
+_FP8_SPLIT_PROGRAMS_PER_SM = 12
+_FP8_UNSPLIT_PROGRAMS_PER_SM = 11
 # A decode cascade's suffix, whose programs share each SM with a prefix program, takes 16-key 2-warp tiles
 # (TILE_CONFIGS[3]) from this many per SM (README, "Kernel choices": they won at ~3.9 programs a SM, lost
 # at ~1.9)
@@ -530,6 +533,22 @@ def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: 
     return max(1, min(want, cap))
 
 
+def _fp8_one_warp_config(max_seq_len: int, programs: int, num_sms: int) -> DecodeConfig:
+    """One-warp programs over an FP8 cache: as many splits as fit one wave of split programs (each >=
+    _FP8_MIN_SPLIT_LEN keys: a short request takes fewer); where not even two fit, one split, launched as
+    two of the bound's length (every request in one, as the in-kernel merge's variant) where that variant's
+    extra program a SM saves a wave. (Splits over several waves won only at requests near a bound of 4096,
+    and lost 10-20% at 384-1024 keys: docs/fp8.md.)"""
+    splits = min(_MAX_SPLITS, _FP8_SPLIT_PROGRAMS_PER_SM * num_sms // programs,
+                 max_seq_len // _FP8_MIN_SPLIT_LEN)
+    if splits >= 2:
+        return DecodeConfig(splits, *TILE_CONFIGS[4], _FP8_MIN_SPLIT_LEN)
+    split_waves = triton.cdiv(programs, _FP8_SPLIT_PROGRAMS_PER_SM * num_sms)
+    if split_waves < triton.cdiv(programs, _FP8_UNSPLIT_PROGRAMS_PER_SM * num_sms):
+        return DecodeConfig(2, *TILE_CONFIGS[4], max_seq_len)
+    return DecodeConfig(1, *TILE_CONFIGS[4], 0)
+
+
 def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int,
                   element_size: int = 2, beside_prefix: bool = False,
                   fp8_cache: bool = False) -> DecodeConfig:
@@ -542,7 +561,7 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     cache does not split from _NO_SPLIT_PROGRAMS_PER_SM. beside_prefix: a decode cascade's suffix launch,
     which runs beside the prefix kernel's programs (fewer free slots an SM): 16-key tiles from 3 programs a
     SM. fp8_cache: an e4m3 cache (element_size is the queries'), which takes one-warp programs from fewer
-    programs a SM (_FP8_MANY_PROGRAMS_PER_SM, _FP8_LONG_BOUND).
+    programs a SM (_FP8_MANY_PROGRAMS_PER_SM, _FP8_LONG_BOUND) in splits of their own (_fp8_one_warp_config).
     """
     programs = batch * num_kv_heads
     splits = choose_num_splits(max_seq_len, batch, num_kv_heads, num_sms)
@@ -552,10 +571,9 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
         splits = 1
     if head_dim > 128:
         tile = TILE_CONFIGS[2]
-    elif fp8_one_warp and programs >= _FP8_MANY_PROGRAMS_PER_SM * num_sms:
-        tile = TILE_CONFIGS[4]
-    elif fp8_one_warp and 2 * programs >= 3 * num_sms and max_seq_len >= _FP8_LONG_BOUND:
-        return DecodeConfig(4 if programs < 2 * num_sms else 2, *TILE_CONFIGS[4], _FP8_MIN_SPLIT_LEN)
+    elif fp8_one_warp and (programs >= _FP8_MANY_PROGRAMS_PER_SM * num_sms
+                           or (2 * programs >= 3 * num_sms and max_seq_len >= _FP8_LONG_BOUND)):
+        return _fp8_one_warp_config(max_seq_len, programs, num_sms)
     elif beside_prefix and programs >= _MANY_PROGRAMS_PER_SM_BESIDE_PREFIX * num_sms and element_size <= 2:
         tile = TILE_CONFIGS[3]
     elif max_seq_len >= _LONG_CONTEXT and programs < num_sms and element_size <= 2:

@@ -336,12 +336,27 @@ def test_fp8_readers_gpu(gen, seq_lens, hq, hkv, d, page):
 
 
 @gpu
-@pytest.mark.parametrize("batch,bound", [(128, 1024), (256, 4096), (96, 384), (32, 4096), (64, 2048)])
+@pytest.mark.parametrize("append", [False, True])
+def test_one_warp_programs_a_sm_gpu(append):
+    """The programs a SM the FP8 table's split counts rest on (_FP8_SPLIT_PROGRAMS_PER_SM, the unsplit
+    _FP8_UNSPLIT_PROGRAMS_PER_SM) are what this machine's Triton compiles the one-warp programs to."""
+    from fastllm.bench.occupancy import decode_attention
+    from fastllm.kernels import paged_decode_attention as P
+
+    split, unsplit = (decode_attention(True, *P.TILE_CONFIGS[4], splits, append) for splits in (2, 1))
+    assert split.programs_per_sm() == P._FP8_SPLIT_PROGRAMS_PER_SM, split
+    assert unsplit.programs_per_sm() == P._FP8_UNSPLIT_PROGRAMS_PER_SM, unsplit
+
+
+@gpu
+@pytest.mark.parametrize("batch,bound", [(128, 1024), (256, 4096), (96, 384), (32, 4096), (64, 2048),
+                                         (192, 4096)])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_fp8_decode_gpu_one_warp_tiles(gen, batch, bound, qk_norm):
-    """Batches the table gives one-warp 32-key programs over an FP8 cache (from 5 programs a SM, and split
-    from 1.5 under a long bound): decode, and the engine's rotary decode (Qwen3's q/k norms too), against
-    the references; requests of 1 key to the bound, so some use one split and some several."""
+    """Batches the table gives one-warp 32-key programs over an FP8 cache (from 5 programs a SM, and from
+    1.5 under a long bound; 192 x 4096: one split a request, launched as two): decode, and the engine's
+    rotary decode (Qwen3's q/k norms too), against the references; requests of 1 key to the bound, so some
+    use one split and some several."""
     from fastllm.kernels import sm_count
     from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
 

@@ -252,25 +252,32 @@ def test_decode_table_tiles():
 
 
 def test_decode_table_fp8_cache():
-    """An FP8 cache under 16-bit queries: one-warp 32-key programs from 5 programs a SM (B x Hkv, the
-    16-bit table's split count), and from 1.5 under a bound of 2048 or more, there in 2 splits (4 under 2
-    programs a SM) of >= 128 keys; everything else as the 16-bit cache's table (fewer programs, shorter
-    bounds, fp32 queries, head_dim 256, a cascade's suffix), but for its 2-warp 64-key tile (TILE_CONFIGS[5],
-    measured over 16-bit caches only), whose place an FP8 cache's 4-warp one (TILE_CONFIGS[0]) keeps."""
+    """An FP8 cache under 16-bit queries: one-warp 32-key programs from 5 programs a SM (B x Hkv), and from
+    1.5 under a bound of 2048 or more, in as many splits of >= 128 keys as fit one wave of split programs
+    (12 a SM: 1,584 on 132 SMs); where two do not fit, one split, launched as two of the bound's length
+    (every request in one) where the merge's variant (12 a SM against the unsplit one's 11) saves a wave.
+    Everything else as the 16-bit cache's table (fewer programs, shorter bounds, fp32 queries, head_dim
+    256, a cascade's suffix), but for its 2-warp 64-key tile (TILE_CONFIGS[5], measured over 16-bit caches
+    only), whose place an FP8 cache's 4-warp one (TILE_CONFIGS[0]) keeps."""
     from fastllm.kernels.paged_decode_attention import TILE_CONFIGS, choose_config
 
     def table(bound, batch, head_dim=128, **kw):
         return [choose_config(bound, batch, 8, head_dim, num_sms=132, fp8_cache=fp8, **kw)
                 for fp8 in (False, True)]
 
-    for bound, batch in ((1024, 128), (512, 256), (4096, 116), (384, 83), (32768, 83)):
-        plain, fp8 = table(bound, batch)
-        assert plain[1:4] != TILE_CONFIGS[4] and fp8[1:4] == TILE_CONFIGS[4], (bound, batch)
-        assert (fp8.num_splits, fp8.min_split_len) == (plain.num_splits, plain.min_split_len)
-    for bound, batch, splits in ((2048, 25, 4), (4096, 32, 4), (4096, 33, 2), (4096, 64, 2), (32768, 82, 2)):
+    one_wave = ((4096, 25, 7), (4096, 32, 6), (2048, 48, 4), (4096, 64, 3), (32768, 64, 3), (4096, 80, 2),
+                (4096, 99, 2), (384, 83, 2), (256, 96, 2), (32768, 32, 6))
+    for bound, batch, splits in one_wave:
+        assert batch * 8 * splits <= 1584 < batch * 8 * (splits + 1) or splits * 128 == bound
         plain, fp8 = table(bound, batch)
         assert plain[1:4] != TILE_CONFIGS[4], (bound, batch)
         assert fp8 == (splits, *TILE_CONFIGS[4], 128), (bound, batch)
+    unsplit = ((4096, 100), (4096, 128), (1024, 128), (512, 256), (4096, 181), (4096, 199), (4096, 256),
+               (384, 512))
+    for bound, batch in unsplit:  # 800 .. 4,096 programs: not one more wave as 11 a SM than as 12
+        assert table(bound, batch)[1] == (1, *TILE_CONFIGS[4], 0), (bound, batch)
+    for bound, batch in ((4096, 182), (1024, 198), (4096, 384)):  # 1,456 / 1,584 / 3,072 programs
+        assert table(bound, batch)[1] == (2, *TILE_CONFIGS[4], bound), (bound, batch)
     for bound, batch, kw in ((2047, 64, {}), (4096, 24, {}), (384, 32, {}), (384, 82, {}), (8192, 1, {}),
                              (4096, 64, {"element_size": 4}), (4096, 64, {"head_dim": 256}),
                              (4096, 64, {"beside_prefix": True}), (4096, 256, {"element_size": 4}),
