@@ -63,6 +63,13 @@ def fast_accum(out_dtype: torch.dtype) -> bool:
     return out_dtype == torch.bfloat16
 
 
+def _logged_fast_accum(out_dtype: torch.dtype) -> bool:
+    """fast_accum(out_dtype), the accumulation it picks logged once."""
+    fast = fast_accum(out_dtype)
+    _log_once(_ACCUMULATION_LOG[fast])
+    return fast
+
+
 def _scaled_mm_fits(weight: torch.Tensor) -> bool:
     n_out, k_in = weight.shape
     return k_in % 16 == 0 and n_out % 16 == 0
@@ -104,16 +111,14 @@ def fp8_linear_quantized(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch
             and fp8_gemm.fits(x2, scale2, weight, weight_scale, out_dtype):
         _log_once("the Triton FP8 GEMM (fp8_gemm.py) for its tuned shapes above "
                   f"{SKINNY_MAX_ROWS} rows, torch._scaled_mm for the others")
-        fast = fast_accum(out_dtype)
-        _log_once(_ACCUMULATION_LOG[fast])
-        out = fp8_gemm.launch(x2, scale2, weight, weight_scale, bias, out_dtype, config, fast_accum=fast)
+        out = fp8_gemm.launch(x2, scale2, weight, weight_scale, bias, out_dtype, config,
+                              fast_accum=_logged_fast_accum(out_dtype))
     elif _scaled_mm_fits(weight):
         if config is not None:
             _log_once("torch._scaled_mm where fp8_gemm.py was tuned faster but cannot run (it needs sm_90, "
                       "triton >= 3.4 and 16-byte aligned rows)")
-        fast = fast_accum(out_dtype)
-        _log_once(_ACCUMULATION_LOG[fast])
-        out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype, fast_accum=fast)
+        out = _scaled_mm(x2, scale2, weight, weight_scale, bias, out_dtype,
+                         fast_accum=_logged_fast_accum(out_dtype))
     else:
         _log_once(f"the dequantizing reference above {SKINNY_MAX_ROWS} rows where K or N is not a "
                   "multiple of 16 (torch._scaled_mm needs that)")
