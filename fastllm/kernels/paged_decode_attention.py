@@ -538,7 +538,7 @@ def _fp8_one_warp_config(max_seq_len: int, programs: int, num_sms: int) -> Decod
     _FP8_MIN_SPLIT_LEN keys: a short request takes fewer); where not even two fit, one split, launched as
     two of the bound's length (every request in one, as the in-kernel merge's variant) where that variant's
     extra program a SM saves a wave. (Splits over several waves won only at requests near a bound of 4096,
-    and lost 10-20% at 384-1024 keys: docs/fp8.md.)"""
+    and lost 12-20% at 1024 keys: docs/fp8.md.)"""
     splits = min(_MAX_SPLITS, _FP8_SPLIT_PROGRAMS_PER_SM * num_sms // programs,
                  max_seq_len // _FP8_MIN_SPLIT_LEN)
     if splits >= 2:
