@@ -312,6 +312,8 @@ def _decode_split_kernel(
         # a one-warp program's accumulator and q take half the registers.
         q_dot = tl.trans(q_dot)  # [BLOCK_D, BLOCK_G]
         acc = tl.trans(acc)  # [BLOCK_D, BLOCK_G]
+    # The scores' key axis ([BLOCK_N, BLOCK_G] swapped, else [BLOCK_G, BLOCK_N]); acc's heads on the other.
+    KEY_AXIS: tl.constexpr = 0 if SWAP_DOTS else 1
     for n0 in range(start, keys_end, BLOCK_N):
         n = n0 + col  # [BLOCK_N] token positions; a tile may span several pages
         n_ok = n < keys_end
@@ -338,22 +340,16 @@ def _decode_split_kernel(
             # time. An opaque identity (not pure: not moved) keeps the conversion here, in registers.
             v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype, is_pure=False, pack=2)
         if SWAP_DOTS:
-            s = tl.dot(tl.trans(k), q_dot, input_precision=PRECISION)  # [BLOCK_N, BLOCK_G], unscaled
-            s = tl.where(n_ok[:, None], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0) * scale_log2)
-            p = tl.exp2(s * scale_log2 - m_new[None, :])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = tl.dot(tl.trans(v), p.to(v.dtype), acc * alpha[None, :], input_precision=PRECISION)
+            s = tl.dot(tl.trans(k), q_dot, input_precision=PRECISION)
         else:
-            s = tl.dot(q_dot, k, input_precision=PRECISION)  # [BLOCK_G, BLOCK_N], unscaled
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
-            p = tl.exp2(s * scale_log2 - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+            s = tl.dot(q_dot, k, input_precision=PRECISION)
+        p, m_i, alpha, l_i = _online_softmax_step(s, n_ok, m_i, l_i, scale_log2, KEY_AXIS)
+        p = p.to(v.dtype)
+        acc = acc * tl.expand_dims(alpha, KEY_AXIS)
+        if SWAP_DOTS:
+            acc = tl.dot(tl.trans(v), p, acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(p, v, acc, input_precision=PRECISION)
     if SWAP_DOTS:
         acc = tl.trans(acc)  # [BLOCK_G, BLOCK_D]
     has_keys = l_i > 0.0
@@ -392,6 +388,18 @@ def _decode_split_kernel(
                     _merge_prefix_states(b, kv_head, out_ptr, stride_ob, stride_oh, lse_ptr, kv_start_ptr,
                                          prefix_o_ptr, prefix_lse_ptr, num_prefix_splits, GROUP, HEAD_DIM,
                                          BLOCK_G, BLOCK_D, USE_PDL)
+
+
+@triton.jit
+def _online_softmax_step(s, key_ok, m_i, l_i, scale_log2, KEY_AXIS: tl.constexpr):
+    """One tile of the online softmax: s holds unscaled scores with the keys along KEY_AXIS; m_i and l_i are
+    the heads' running max (log2 units) and sum. Returns the tile's weights p, the new max, the factor that
+    rescales what was summed before (alpha) and the new sum."""
+    s = tl.where(tl.expand_dims(key_ok, 1 - KEY_AXIS), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=KEY_AXIS) * scale_log2)
+    p = tl.exp2(s * scale_log2 - tl.expand_dims(m_new, KEY_AXIS))
+    alpha = tl.exp2(m_i - m_new)
+    return p, m_new, alpha, l_i * alpha + tl.sum(p, axis=KEY_AXIS)
 
 
 @triton.jit
