@@ -523,6 +523,12 @@ def _decode_reduce_kernel(
                   BLOCK_S, BLOCK_D, RETURN_LSE)
 
 
+def _cdiv(a: int, b: int) -> int:
+    # (triton.cdiv is a constexpr function in newer Tritons, slow to call from the host, where the table
+    # runs for every layer of an eager step)
+    return -(-a // b)
+
+
 def legacy_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int) -> DecodeConfig:
     """The launch before tuning (kept for tune.py's comparison): 2 waves, >= 256 tokens a split, <= 64."""
     want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
@@ -536,7 +542,7 @@ def choose_num_splits(max_seq_len: int, batch: int, num_kv_heads: int, num_sms: 
     Only host-side ints: the same arguments give the same launch (CUDA-graph safe).
     """
     base = max(1, batch * num_kv_heads)
-    want = triton.cdiv(_WAVES * num_sms, base)
+    want = _cdiv(_WAVES * num_sms, base)
     cap = max(1, min(_MAX_SPLITS, max_seq_len // _MIN_SPLIT_TOKENS))
     return max(1, min(want, cap))
 
@@ -551,8 +557,8 @@ def _fp8_one_warp_config(max_seq_len: int, programs: int, num_sms: int) -> Decod
                  max_seq_len // _FP8_MIN_SPLIT_LEN)
     if splits >= 2:
         return DecodeConfig(splits, *TILE_CONFIGS[4], _FP8_MIN_SPLIT_LEN)
-    split_waves = triton.cdiv(programs, _FP8_SPLIT_PROGRAMS_PER_SM * num_sms)
-    if split_waves < triton.cdiv(programs, _FP8_UNSPLIT_PROGRAMS_PER_SM * num_sms):
+    split_waves = _cdiv(programs, _FP8_SPLIT_PROGRAMS_PER_SM * num_sms)
+    if split_waves < _cdiv(programs, _FP8_UNSPLIT_PROGRAMS_PER_SM * num_sms):
         return DecodeConfig(2, *TILE_CONFIGS[4], max_seq_len)
     return DecodeConfig(1, *TILE_CONFIGS[4], 0)
 
@@ -586,7 +592,7 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
         tile = TILE_CONFIGS[3]
     elif max_seq_len >= _LONG_CONTEXT and programs < num_sms and element_size <= 2:
         tile = TILE_CONFIGS[1]
-        splits = min(splits, triton.cdiv(2 * num_sms, programs))
+        splits = min(splits, _cdiv(2 * num_sms, programs))
     elif sixteen_bit:
         tile = next(tile for below, tile in _SIXTEEN_BIT_TILES if programs < below * num_sms)
     else:
@@ -663,7 +669,7 @@ def paged_decode_attention_splits(
         return (out, lse) if return_lse else out
     block_n = block_n or (32 if head_dim > 128 else 64)
     assert block_n >= 16 and block_n & (block_n - 1) == 0, block_n
-    min_split_len = max(1, triton.cdiv(min_split_len, block_n)) * block_n
+    min_split_len = max(1, _cdiv(min_split_len, block_n)) * block_n
     block_d = max(16, triton.next_power_of_2(head_dim))
     merge_in_kernel = merge_in_kernel and num_splits > 1
     if num_splits > 1:
