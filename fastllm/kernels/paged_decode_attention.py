@@ -601,6 +601,38 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     return DecodeConfig(splits, *tile, min_split_len)
 
 
+def launch_config(batch: int, max_seq_len: int, key_cache: torch.Tensor, element_size: int,
+                  beside_prefix: bool = False) -> DecodeConfig:
+    """choose_config for a launch over key_cache (element_size: the queries')."""
+    _, _, num_kv_heads, head_dim = key_cache.shape
+    return choose_config(max_seq_len, batch, num_kv_heads, head_dim, sm_count.num_sms(key_cache.device),
+                         element_size, beside_prefix=beside_prefix, fp8_cache=key_cache.dtype == FP8)
+
+
+def windowed_bound(max_seq_len: int, window: int) -> int:
+    """A window bounds the keys a request attends, and so the splits and tiles its launch walks, whatever the
+    context (plus up to a tile below the window's first key: splits start on tiles)."""
+    return min(max_seq_len, window + TILE_CONFIGS[1][0])
+
+
+def compiled_variant(cfg: DecodeConfig) -> tuple:
+    """What of a launch config sets the variant Triton compiles (beside the constexprs of the cache, the model
+    and the call): the tile and warps, whether it splits, and the split count's integer specialization (an int
+    equal to 1, or a multiple of 16; min_split_len is always a multiple of the tile)."""
+    return cfg.num_splits == 1, cfg.num_splits % 16 == 0, cfg.block_n, cfg.num_warps, cfg.num_stages
+
+
+def table_bounds(max_model_len: int) -> list[int]:
+    """Bounds (max_seq_len) at which choose_config gives every config it gives for bounds up to max_model_len:
+    it reads a bound only by the multiples of _FP8_MIN_SPLIT_LEN it reaches (each of its thresholds is one),
+    and nothing changes past _LONG_CONTEXT."""
+    step = _FP8_MIN_SPLIT_LEN
+    assert _MIN_SPLIT_TOKENS % step == _FP8_LONG_BOUND % step == _LONG_CONTEXT % step == 0
+    assert _MAX_SPLITS * _MIN_SPLIT_TOKENS <= _LONG_CONTEXT
+    top = min(max_model_len, _LONG_CONTEXT + step)
+    return sorted({1, max_model_len, *range(step, top + 1, step)})
+
+
 def bytes_moved(query: torch.Tensor, key_cache: torch.Tensor, total_kv_tokens: int,
                 num_splits: int = 1) -> int:
     """DRAM bytes of one call; total_kv_tokens = sum(seq_lens)."""
@@ -757,13 +789,10 @@ def launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq
                   append: NewTokens | None = None, window: int | None = None,
                   kv_start: torch.Tensor | None = None, return_lse: bool = False, k_scale: float = 1.0,
                   v_scale: float = 1.0, cascade: CascadeSuffix | None = None):
-    """paged_decode_attention_splits with the host table's launch config (choose_config). A window bounds
-    the keys a request attends, and so the splits and tiles its launch walks, whatever the context."""
-    if window is not None:  # (plus up to a tile below the window's first key: splits start on tiles)
-        max_seq_len = min(max_seq_len, window + TILE_CONFIGS[1][0])
-    cfg = choose_config(max_seq_len, query.shape[0], key_cache.shape[2], query.shape[2],
-                        sm_count.num_sms(query.device), query.element_size(),
-                        beside_prefix=cascade is not None, fp8_cache=key_cache.dtype == FP8)
+    """paged_decode_attention_splits with the host table's launch config (launch_config)."""
+    if window is not None:
+        max_seq_len = windowed_bound(max_seq_len, window)
+    cfg = launch_config(query.shape[0], max_seq_len, key_cache, query.element_size(), cascade is not None)
     return paged_decode_attention_splits(
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,

@@ -30,7 +30,7 @@ from fastllm.worker.input_batch import CachedRequestState, build_step_inputs
 from fastllm.worker.kv_scales import calculate_kv_scales
 from fastllm.worker.prompt_logprobs import compute_prompt_logprobs, wants_prompt_logprobs
 from fastllm.worker.staging import StepInputStager
-from fastllm.worker.step_warmup import warm_up_compiled_steps, warm_up_sizes
+from fastllm.worker.step_warmup import warm_up_compiled_steps, warm_up_decode_rows, warm_up_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,8 @@ class ModelRunner:
         self.warmup_seconds = warm_up_compiled_steps(
             self.forward, self.attention_layers, warm_up_sizes(graph_max, sched.max_num_batched_tokens),
             model.max_model_len, sched.max_num_seqs, max_blocks, self.device)
+        self.warmup_seconds += warm_up_decode_rows(self.attention_layers, sched.max_num_seqs,
+                                                   model.max_model_len, max_blocks, self.dtype, self.device)
         if self.spec is not None:
             self.spec.build_step(self.forward, draft_forward, sizes, capture=True)
 

@@ -18,6 +18,9 @@ import time
 
 import torch
 
+from fastllm.kernels import dispatch as ops
+from fastllm.kernels.paged_decode_attention import (compiled_variant, launch_config, table_bounds,
+                                                     windowed_bound)
 from fastllm.worker.attn_metadata import AttentionMetadata, forward_context
 from fastllm.worker.input_batch import aligned_width
 
@@ -77,4 +80,50 @@ def warm_up_compiled_steps(forward, attention_layers, sizes: list[int], max_mode
     seconds = time.perf_counter() - start
     if sizes:
         logger.info("warmed up compiled steps of %s tokens in %.1f s", ", ".join(map(str, sizes)), seconds)
+    return seconds
+
+
+def decode_row_bounds(max_model_len: int, window: int | None) -> list[tuple[int, int | None]]:
+    """(bound, window) launches of a layer's decode rows that meet every config the decode kernel's table
+    gives a step whose longest request has up to max_model_len keys: a layer attends with its window only
+    where the bound passes it (Attention.run), and the window then caps the bound (windowed_bound)."""
+    if window is None or max_model_len <= window:
+        return [(bound, None) for bound in table_bounds(max_model_len)]
+    return [(bound, None) for bound in table_bounds(window)] + \
+        [(max(window + 1, bound), window) for bound in table_bounds(windowed_bound(max_model_len, window))]
+
+
+@torch.inference_mode()
+def warm_up_decode_rows(attention_layers, max_rows: int, max_model_len: int, max_blocks: int,
+                        dtype: torch.dtype, device: torch.device) -> float:
+    """Launch the decode kernel over each kind of layer's cache once for every variant its table picks for
+    up to max_rows decode rows under any bound (see the module's docstring), a key a row, nothing written;
+    returns the seconds it took."""
+    start, launches, seen = time.perf_counter(), 0, set()
+    for layer in attention_layers:
+        key_cache, value_cache = layer.kv_cache
+        kind = (layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.sliding_window, key_cache.dtype)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        variants = set()
+        for bound, window in decode_row_bounds(max_model_len, layer.sliding_window):
+            for rows in range(1, max_rows + 1):
+                cfg = launch_config(rows, windowed_bound(bound, window) if window else bound, key_cache,
+                                    dtype.itemsize)
+                variant = (window is None, compiled_variant(cfg))
+                if variant in variants:
+                    continue
+                variants.add(variant)
+                query = torch.zeros(rows, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
+                tables = torch.zeros(rows, aligned_width(max_blocks), dtype=torch.int32, device=device)
+                seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
+                ops.paged_decode_attention(query, key_cache, value_cache, tables, seq_lens, bound,
+                                           layer.scale, window, **layer.kv_scales)
+                launches += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    logger.info("warmed up the decode kernel's variants for decode rows beside prompts: %d launches in "
+                "%.1f s", launches, seconds)
     return seconds

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastllm import LLM, SamplingParams
-from tests.conftest import PROMPTS, cached_llm, release_cached_engines
+from tests.conftest import PROMPTS, STORIES, cached_llm, release_cached_engines
 
 pytestmark = pytest.mark.gpu
 
@@ -202,3 +202,27 @@ def test_no_triton_compile_mid_serving():
     finally:
         knobs.runtime.jit_post_compile_hook = previous
     assert not compiled, [getattr(fn, "name", fn) for fn in compiled]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_decode_rows_beside_prompts_compile_no_decode_kernel(kv_cache_dtype):
+    """Steps past the mixed-step graphs (none here) run their leading decodes through the decode kernel with
+    the step's longest request as the bound, and its table picks a variant by the rows and that bound; the
+    warm-up launched each at startup (step_warmup.warm_up_decode_rows), so no step compiles one. Before it,
+    the first such step compiled one mid-run (~1 s)."""
+    from triton import knobs
+
+    compiled = []
+    previous = knobs.runtime.jit_post_compile_hook
+    llm = LLM(STORIES, device="cuda", dtype="bfloat16", kv_cache_dtype=kv_cache_dtype, max_num_seqs=64,
+              max_num_batched_tokens=64, mixed_cuda_graph_max_tokens=0, **SMALL_POOL)
+    knobs.runtime.jit_post_compile_hook = lambda *args, **kwargs: compiled.append(kwargs["fn"].name)
+    try:
+        for n in [2, 7, 24, 63]:  # chunked prompts beside decodes, up to 63 decode rows
+            prompts = [prompt + " and" * (3 * k) for k, prompt in enumerate(many_prompts(n))]
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+    print(f"\nkernels compiled after startup: {compiled}")
+    assert "_decode_split_kernel" not in compiled
+    llm.engine.check_kv_pool_whole()

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from fastllm import LLM
+from fastllm.kernels.paged_decode_attention import (compiled_variant, launch_config, table_bounds,
+                                                     windowed_bound)
 from fastllm.kernels.prefill_attention import TMA_MIN_TOKENS
 from fastllm.kernels.prefill_attention_hopper import LONG_QUERY
+from fastllm.kernels.reference import FP8
 from fastllm.worker.input_batch import TABLE_WIDTH_ALIGN, aligned_tables
-from fastllm.worker.step_warmup import SHORT_PROMPT, synthetic_prefill, warm_up_compiled_steps, warm_up_sizes
+from fastllm.worker.step_warmup import (SHORT_PROMPT, decode_row_bounds, synthetic_prefill,
+                                       warm_up_compiled_steps, warm_up_decode_rows, warm_up_sizes)
 from tests.conftest import STORIES
 
 
@@ -85,3 +90,44 @@ def test_compiled_steps_send_aligned_tables(monkeypatch):
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert padded == plain
     llm.engine.check_kv_pool_whole()
+
+
+def _variants(key_cache, launches, max_rows):
+    """The kernel variants (a window or not, compiled_variant) that launches of 1..max_rows rows give."""
+    def config(rows, bound, window):
+        return launch_config(rows, windowed_bound(bound, window) if window else bound, key_cache, 2)
+    return {(window is None, compiled_variant(config(rows, bound, window)))
+            for bound, window in launches for rows in range(1, max_rows + 1)}
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("window", [None, 300, 2100])
+def test_decode_row_bounds_meet_every_variant_of_the_table(cache_dtype, window):
+    """Every bound up to max_model_len, with the layer's rule for its window (Attention.run: the window
+    applies only past it), gives no kernel variant that decode_row_bounds' few launches miss; on the
+    interpreter's 4 SMs 16 rows of 4 KV heads reach each of the table's regimes (16 programs a SM)."""
+    key_cache = torch.empty(1, 16, 4, 128, dtype=cache_dtype)
+    max_model_len = 2400
+    every = [(bound, window if window is not None and bound > window else None)
+             for bound in range(1, max_model_len + 1)]
+    few = decode_row_bounds(max_model_len, window)
+    assert len(few) < 45
+    assert _variants(key_cache, few, 16) == _variants(key_cache, every, 16)
+
+
+def test_table_bounds_stop_where_the_table_does():
+    bounds = table_bounds(131072)
+    assert bounds[:3] == [1, 128, 256] and bounds[-1] == 131072 and len(bounds) < 135
+    key_cache = torch.empty(1, 16, 4, 128, dtype=FP8)
+    far = [(bound, None) for bound in range(bounds[-2], 131073, 997)]
+    assert _variants(key_cache, far, 16) <= _variants(key_cache, [(b, None) for b in bounds], 16)
+
+
+def test_decode_row_warm_up_writes_no_kv():
+    llm = LLM(STORIES, device="cpu", enforce_eager=True, cpu_kv_cache_gib=0.01)
+    runner = llm.engine.worker.runner
+    before = runner.cache.gpu.clone()
+    max_blocks = -(-llm.engine.config.model.max_model_len // runner.block_size)
+    warm_up_decode_rows(runner.attention_layers, 8, llm.engine.config.model.max_model_len, max_blocks,
+                        torch.float32, torch.device("cpu"))
+    assert torch.equal(runner.cache.gpu, before)
