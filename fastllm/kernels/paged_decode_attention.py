@@ -531,7 +531,7 @@ def _cdiv(a: int, b: int) -> int:
 
 def legacy_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int, num_sms: int) -> DecodeConfig:
     """The launch before tuning (kept for tune.py's comparison): 2 waves, >= 256 tokens a split, <= 64."""
-    want = triton.cdiv(2 * num_sms, max(1, batch * num_kv_heads))
+    want = _cdiv(2 * num_sms, max(1, batch * num_kv_heads))
     splits = max(1, min(want, max(1, min(64, max_seq_len // 256))))
     return DecodeConfig(splits, 32 if head_dim > 128 else 64, 4, 2)
 
@@ -601,7 +601,7 @@ def choose_config(max_seq_len: int, batch: int, num_kv_heads: int, head_dim: int
     return DecodeConfig(splits, *tile, min_split_len)
 
 
-def launch_config(batch: int, max_seq_len: int, key_cache: torch.Tensor, element_size: int,
+def launch_config(max_seq_len: int, batch: int, key_cache: torch.Tensor, element_size: int,
                   beside_prefix: bool = False) -> DecodeConfig:
     """choose_config for a launch over key_cache (element_size: the queries')."""
     _, _, num_kv_heads, head_dim = key_cache.shape
@@ -609,10 +609,10 @@ def launch_config(batch: int, max_seq_len: int, key_cache: torch.Tensor, element
                          element_size, beside_prefix=beside_prefix, fp8_cache=key_cache.dtype == FP8)
 
 
-def windowed_bound(max_seq_len: int, window: int) -> int:
+def windowed_bound(max_seq_len: int, window: int | None) -> int:
     """A window bounds the keys a request attends, and so the splits and tiles its launch walks, whatever the
     context (plus up to a tile below the window's first key: splits start on tiles)."""
-    return min(max_seq_len, window + TILE_CONFIGS[1][0])
+    return max_seq_len if window is None else min(max_seq_len, window + TILE_CONFIGS[1][0])
 
 
 def compiled_variant(cfg: DecodeConfig) -> tuple:
@@ -790,9 +790,8 @@ def launch_chosen(query, key_cache, value_cache, block_tables, seq_lens, max_seq
                   kv_start: torch.Tensor | None = None, return_lse: bool = False, k_scale: float = 1.0,
                   v_scale: float = 1.0, cascade: CascadeSuffix | None = None):
     """paged_decode_attention_splits with the host table's launch config (launch_config)."""
-    if window is not None:
-        max_seq_len = windowed_bound(max_seq_len, window)
-    cfg = launch_config(query.shape[0], max_seq_len, key_cache, query.element_size(), cascade is not None)
+    max_seq_len = windowed_bound(max_seq_len, window)
+    cfg = launch_config(max_seq_len, query.shape[0], key_cache, query.element_size(), cascade is not None)
     return paged_decode_attention_splits(
         query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale, cfg.num_splits,
         block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, min_split_len=cfg.min_split_len,

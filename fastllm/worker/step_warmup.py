@@ -109,8 +109,7 @@ def warm_up_decode_rows(attention_layers, max_rows: int, max_model_len: int, max
         variants = set()
         for bound, window in decode_row_bounds(max_model_len, layer.sliding_window):
             for rows in range(1, max_rows + 1):
-                cfg = launch_config(rows, windowed_bound(bound, window) if window else bound, key_cache,
-                                    dtype.itemsize)
+                cfg = launch_config(windowed_bound(bound, window), rows, key_cache, dtype.itemsize)
                 variant = (window is None, compiled_variant(cfg))
                 if variant in variants:
                     continue

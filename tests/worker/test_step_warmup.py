@@ -94,10 +94,12 @@ def test_compiled_steps_send_aligned_tables(monkeypatch):
 
 def _variants(key_cache, launches, max_rows):
     """The kernel variants (a window or not, compiled_variant) that launches of 1..max_rows rows give."""
-    def config(rows, bound, window):
-        return launch_config(rows, windowed_bound(bound, window) if window else bound, key_cache, 2)
-    return {(window is None, compiled_variant(config(rows, bound, window)))
-            for bound, window in launches for rows in range(1, max_rows + 1)}
+    variants = set()
+    for bound, window in launches:
+        for rows in range(1, max_rows + 1):
+            cfg = launch_config(windowed_bound(bound, window), rows, key_cache, 2)
+            variants.add((window is None, compiled_variant(cfg)))
+    return variants
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, FP8], ids=["bf16", "fp8"])
